@@ -1,0 +1,119 @@
+"""Contrastive losses. The public entry point is :func:`clip_loss`.
+
+With x_ij = s * <I_i, T_j> over the global batch, each rank's loss is the mean over its
+local rows i of 1/2 [(LSE_j x_ij - x_ii) + (LSE_j x_ji - x_ii)]; on one process that is
+exactly open_clip's ``ClipLoss`` value.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from infclip.loss.function import lse_pair
+from infclip.loss.reference import vanilla_loss
+from infclip.loss.tiled import TorchTileOps
+
+IMPLS = ("auto", "vanilla", "local", "torch", "triton")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_inputs(img: Tensor, txt: Tensor, scale: Tensor) -> None:
+    for name, t in (("image_features", img), ("text_features", txt)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (batch, dim), got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} unsupported: use float32, bfloat16 or float16")
+    if img.shape != txt.shape:
+        raise ValueError(
+            f"image_features {tuple(img.shape)} and text_features {tuple(txt.shape)} must have "
+            "the same shape: row i of each is a positive pair"
+        )
+    if img.shape[0] == 0:
+        raise ValueError("empty batch: image_features has 0 rows (b must be >= 1)")
+    if img.dtype != txt.dtype:
+        raise ValueError(f"dtype mismatch: image_features {img.dtype}, text_features {txt.dtype}")
+    if img.device != txt.device:
+        raise ValueError(f"device mismatch: image_features on {img.device}, text_features on {txt.device}")
+    if not isinstance(scale, Tensor) or scale.dim() != 0:
+        raise ValueError(
+            "logit_scale must be a 0-dim tensor (e.g. model.logit_scale.exp()), got "
+            f"{type(scale).__name__}{'' if not isinstance(scale, Tensor) else tuple(scale.shape)}"
+        )
+    if not scale.is_floating_point():
+        raise ValueError(f"logit_scale must be a floating tensor, got {scale.dtype}")
+    if scale.device != img.device:
+        raise ValueError(f"logit_scale is on {scale.device} but the features are on {img.device}")
+    if not bool(scale.detach() > 0):  # one host sync per call; the check is worth it
+        raise ValueError(f"logit_scale must be positive (it multiplies the logits), got {float(scale)}")
+
+
+def tile_ops(impl: str, device: torch.device, *, fp32_precision: str = "ieee"):
+    """The tile-operation backend for ``impl`` ("torch" or "triton"; "auto" picks by device)."""
+    if impl == "auto":
+        impl = "triton" if device.type == "cuda" else "torch"
+    if impl == "torch":
+        return TorchTileOps()
+    if impl == "triton":
+        if device.type != "cuda":
+            raise ValueError(f"impl='triton' needs CUDA tensors, got {device}; use impl='torch' or 'auto'")
+        from infclip.kernels.clip import TritonTileOps
+
+        return TritonTileOps(fp32_precision=fp32_precision)
+    raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
+
+
+def clip_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    logit_scale: Tensor,
+    *,
+    impl: str = "auto",
+    group=None,
+    fp32_precision: str = "ieee",
+) -> Tensor:
+    """Symmetric CLIP (InfoNCE) loss without materializing the b x b similarity matrix.
+
+    Args:
+        image_features, text_features: (b, c), same dtype/device; row i is a positive pair.
+            Not assumed normalized.
+        logit_scale: positive 0-d tensor s (e.g. ``model.logit_scale.exp()``); may require grad.
+        impl: "auto" | "vanilla" | "local" | "torch" | "triton" (see module docs).
+        group: a ``torch.distributed`` process group for the ring across ranks, or None.
+        fp32_precision: "ieee" (default, full fp32) or "tf32" for fp32 inputs on CUDA.
+    Returns:
+        float32 scalar: mean over local rows (global mean on one process).
+    """
+    _check_inputs(image_features, text_features, logit_scale)
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
+    if fp32_precision not in ("ieee", "tf32"):
+        raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got {fp32_precision!r}")
+    if group is not None and _world(group) > 1:
+        from infclip.loss import ring
+
+        return ring.distributed_clip_loss(
+            image_features, text_features, logit_scale, impl=impl, group=group,
+            fp32_precision=fp32_precision,
+        )
+    if impl in ("vanilla", "local"):
+        return vanilla_loss(image_features, text_features, logit_scale)
+    ops = tile_ops(impl, image_features.device, fp32_precision=fp32_precision)
+    return _tiled_loss(image_features, text_features, logit_scale, ops, None)
+
+
+def _world(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> Tensor:
+    """Local-rows loss from the two LSE vectors and the (local) diagonal."""
+    row_lse, col_lse = lse_pair(img, txt, scale, ops, group)
+    acc = torch.float64 if img.dtype == torch.float64 else torch.float32
+    diag = scale.to(acc) * (img.to(acc) * txt.to(acc)).sum(-1)
+    loss = 0.5 * (row_lse.to(acc).mean() + col_lse.to(acc).mean()) - diag.mean()
+    return loss if acc == torch.float64 else loss.float()

@@ -1,0 +1,95 @@
+"""The tiled Inf-CL log-sum-exp in plain PyTorch: the readable reference and the CPU path.
+
+Notation (shared with ``infclip.kernels.clip`` and ``infclip.loss.ring``):
+    I: (m, c) image features, T: (n, c) text features, s: 0-d logit scale.
+    x_ij = s * <I_i, T_j>.
+    row_lse_i = LSE_j x_ij      (m,)  fp32
+    col_lse_j = LSE_i x_ij      (n,)  fp32
+
+Backward, given upstream gradients g_row (m,) and g_col (n,) of the two LSE vectors:
+    dX_ij = g_row_i * exp(x_ij - row_lse_i) + g_col_j * exp(x_ij - col_lse_j)
+    dI = s * dX @ T,   dT = s * dX^T @ I,   ds = sum_ij dX_ij * <I_i, T_j>
+
+Both passes visit the b x b matrix one (tile, n) row block at a time, so extra memory is
+O(tile * n) for the block plus O(m + n) vectors; the full matrix never exists.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+DEFAULT_TILE = 1024
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    """fp32 accumulation, or fp64 for float64 inputs (used by the ground-truth tests)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class TorchTileOps:
+    """Tile operations in plain PyTorch (any device), fp32 accumulation (fp64 for fp64 inputs).
+
+    ``forward`` returns LSEs over *this block pair only*; callers that combine blocks
+    (the ring) merge partial LSEs with ``torch.logaddexp``. ``backward`` takes the final
+    (global) LSEs and accumulates into ``dimg``/``dtxt`` when they are given.
+    """
+
+    name = "torch"
+
+    def __init__(self, tile: int = DEFAULT_TILE):
+        if tile < 1:
+            raise ValueError(f"tile must be >= 1, got {tile}")
+        self.tile = tile
+
+    def forward(self, img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns (row_lse (m,), col_lse (n,)), fp32, over the block pair (img, txt)."""
+        m, n = img.shape[0], txt.shape[0]
+        acc = _acc_dtype(img)
+        txt32 = txt.to(acc)
+        s = scale.to(acc)
+        row_lse = torch.empty(m, dtype=acc, device=img.device)
+        col_lse = torch.full((n,), float("-inf"), dtype=acc, device=img.device)
+        for lo in range(0, m, self.tile):
+            hi = min(lo + self.tile, m)
+            # -- compute tile --: (t, n) logits of one row block, fp32.
+            x = s * (img[lo:hi].to(acc) @ txt32.T)
+            row_lse[lo:hi] = torch.logsumexp(x, dim=1)
+            col_lse = torch.logaddexp(col_lse, torch.logsumexp(x, dim=0))
+        return row_lse, col_lse
+
+    def backward(
+        self,
+        img: Tensor,
+        txt: Tensor,
+        scale: Tensor,
+        row_lse: Tensor,
+        col_lse: Tensor,
+        g_row: Tensor,
+        g_col: Tensor,
+        dimg: Tensor | None = None,
+        dtxt: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns (dimg (m, c), dtxt (n, c), dscale 0-d), fp32; accumulates into given buffers."""
+        m, n, c = img.shape[0], txt.shape[0], img.shape[1]
+        acc = _acc_dtype(img)
+        txt32 = txt.to(acc)
+        s = scale.to(acc)
+        g_row, g_col = g_row.to(acc), g_col.to(acc)
+        if dimg is None:
+            dimg = torch.zeros(m, c, dtype=acc, device=img.device)
+        if dtxt is None:
+            dtxt = torch.zeros(n, c, dtype=acc, device=img.device)
+        dscale = torch.zeros((), dtype=acc, device=img.device)
+        for lo in range(0, m, self.tile):
+            hi = min(lo + self.tile, m)
+            img32 = img[lo:hi].to(acc)
+            dot = img32 @ txt32.T  # (t, n) <I_i, T_j>
+            x = s * dot
+            # -- compute tile --: dX from both softmax directions.
+            dx = g_row[lo:hi, None] * torch.exp(x - row_lse[lo:hi, None])
+            dx += g_col[None, :] * torch.exp(x - col_lse[None, :])
+            dscale += (dx * dot).sum()
+            dimg[lo:hi] += s * (dx @ txt32)
+            dtxt += s * (dx.T @ img32)
+        return dimg, dtxt, dscale

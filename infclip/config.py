@@ -1,0 +1,207 @@
+"""Typed training configuration, registered in Hydra's ConfigStore.
+
+Every component has one dataclass; YAML files in ``configs/`` are presets over these
+schemas and the command line overrides any field. Unknown keys are rejected by
+OmegaConf's struct mode; impossible combinations by :func:`validate`, before any model
+or GPU work, with a message naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from infclip.data.config import DataConfig, SourceConfig
+from infclip.eval.config import EvalConfig, EvalTaskConfig
+
+
+@dataclass
+class ModelConfig:
+    name: str = "infclip-tiny"  # any open_clip model name (or one of infclip/model_configs/*.json)
+    config_file: Optional[str] = None  # custom open_clip JSON model config; registered under its stem
+    pretrained: Optional[str] = None  # open_clip pretrained tag or a local checkpoint file
+    image_pretrained: Optional[str] = None  # LiT: checkpoint/tag for the image tower only
+    lock_image: bool = False  # LiT: freeze the image tower (eval mode, no optimizer state)
+    lock_image_unlocked_groups: int = 0  # LiT: last N layer groups of the image tower stay trainable
+    lock_text: bool = False  # freeze the text tower
+    lock_text_unlocked_layers: int = 0  # last N text layers stay trainable
+    grad_checkpointing: bool = False  # activation checkpointing inside the towers
+    init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
+    init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)
+    max_logit_scale: float = 4.605170185988092  # clamp: ln 100, as in CLIP
+
+
+@dataclass
+class LossConfig:
+    kind: str = "clip"  # "clip" | "siglip" | "nt_xent"
+    impl: str = "auto"  # "auto" | "vanilla" | "local" | "torch" | "triton"
+    fp32_precision: str = "ieee"  # fp32 dot precision inside the tiled loss: "ieee" | "tf32"
+    temperature: float = 0.1  # nt_xent only
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # "adamw" | "adafactor" (timm's big_vision-style AdafactorBigVision)
+    lr: float = 1e-3  # peak learning rate (the paper's)
+    weight_decay: float = 1e-4  # the paper's; gains, biases and logit scale get none
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables
+
+
+@dataclass
+class ScheduleConfig:
+    kind: str = "cosine"  # "cosine" | "constant"
+    warmup_steps: int = 0  # linear warm-up from 0 to lr
+    warmup_fraction: float = 0.0  # alternative to warmup_steps, as a fraction of train.steps
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+
+
+@dataclass
+class PrecisionConfig:
+    amp: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16 uses a GradScaler)
+    tf32: bool = False  # allow TF32 matmuls in the towers (CUDA)
+
+
+@dataclass
+class BatchConfig:
+    global_size: int = 256  # samples per optimizer step across all ranks
+    micro_size: Optional[int] = None  # samples per encoder pass per rank; None: global_size / world
+
+
+@dataclass
+class MemoryConfig:
+    grad_cache: str = "auto"  # "auto" (on when micro < per-rank batch) | "on" | "off"
+    cache_dtype: str = "fp32"  # cached embeddings: "fp32" | "bf16"
+    offload: bool = False  # keep the step's inputs in pinned CPU memory, stream micro-batches
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0  # 0: only at the end
+    keep_last: int = 3  # keep-last-k pruning (never removes the checkpoint resumed from)
+
+
+@dataclass
+class LoggingConfig:
+    every_n_steps: int = 10  # progress line / metrics-file cadence
+    progress: bool = True  # live progress bar on the terminal
+    wandb_mode: str = "offline"  # "online" | "offline" | "disabled" (never prompts)
+    wandb_project: str = "infclip"
+    wandb_entity: Optional[str] = None
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    steps: int = 100  # optimizer steps to train
+    seed: int = 0
+    name: str = "run"  # run name; the run directory is <runs_root>/<name>
+    runs_root: str = "runs"
+    run_dir: Optional[str] = None  # explicit run directory (overrides runs_root/name)
+    resume: str = "auto"  # "auto" (latest valid checkpoint in run_dir) | "none" | a checkpoint path
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    max_nonfinite: int = 5  # consecutive non-finite steps before aborting
+    experiment: Optional[str] = None  # name of the preset this run came from (informational)
+
+
+def register_configs() -> None:
+    """Register the schemas so YAML presets and overrides are type-checked."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(group="model", name="schema", node=ModelConfig)
+    cs.store(group="data", name="schema", node=DataConfig)
+    cs.store(group="loss", name="schema", node=LossConfig)
+    cs.store(group="optim", name="schema", node=OptimConfig)
+    cs.store(group="eval", name="schema", node=EvalConfig)
+
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "loss.kind": ("clip", "siglip", "nt_xent"),
+    "loss.impl": ("auto", "vanilla", "local", "torch", "triton"),
+    "loss.fp32_precision": ("ieee", "tf32"),
+    "optim.name": ("adamw", "adafactor"),
+    "schedule.kind": ("cosine", "constant"),
+    "precision.amp": ("fp32", "bf16", "fp16"),
+    "memory.grad_cache": ("auto", "on", "off"),
+    "memory.cache_dtype": ("fp32", "bf16"),
+    "logging.wandb_mode": ("online", "offline", "disabled"),
+    "data.kind": ("synthetic", "wds"),
+    "device": ("auto", "cpu", "cuda"),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and the fix."""
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: Any, world_size: int) -> None:
+    """Reject impossible settings before any model or GPU work."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid; choose one of {list(choices)}")
+    _validate_batch(cfg.batch, world_size)
+    for key in ("steps", "optim.lr"):
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
+    if cfg.optim.weight_decay < 0 or cfg.optim.grad_clip < 0:
+        raise ConfigError("optim.weight_decay and optim.grad_clip must be >= 0")
+    if cfg.schedule.warmup_steps < 0 or not 0 <= cfg.schedule.warmup_fraction < 1:
+        raise ConfigError("schedule.warmup_steps must be >= 0 and schedule.warmup_fraction in [0, 1)")
+    if cfg.checkpoint.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    if cfg.data.kind == "wds" and not (cfg.data.shards or cfg.data.sources):
+        raise ConfigError("data.kind=wds needs data.shards=/path/{00000..00099}.tar (or data.sources)")
+    if cfg.loss.kind == "clip" and cfg.loss.impl == "triton" and cfg.device == "cpu":
+        raise ConfigError("loss.impl=triton needs CUDA; use loss.impl=auto or loss.impl=torch on CPU")
+
+
+def _validate_batch(batch: BatchConfig, world_size: int) -> None:
+    g, w = batch.global_size, world_size
+    if g <= 0:
+        raise ConfigError(f"batch.global_size must be > 0, got {g}")
+    if g % w:
+        raise ConfigError(
+            f"batch.global_size={g} is not divisible by the world size {w}; "
+            f"use a multiple of {w} (e.g. batch.global_size={(g // w + 1) * w})"
+        )
+    local = g // w
+    micro = batch.micro_size
+    if micro is not None and (micro <= 0 or local % micro):
+        raise ConfigError(
+            f"batch.micro_size={micro} must divide the per-rank batch global_size/world = {g}/{w} = "
+            f"{local}; choose a divisor of {local} (or leave batch.micro_size unset for {local})"
+        )
+
+
+def micro_size(cfg: Any, world_size: int) -> int:
+    """Samples per encoder pass per rank."""
+    local = cfg.batch.global_size // world_size
+    return local if cfg.batch.micro_size is None else cfg.batch.micro_size
+
+
+__all__ = [
+    "TrainConfig", "ModelConfig", "DataConfig", "SourceConfig", "LossConfig", "OptimConfig",
+    "ScheduleConfig", "PrecisionConfig", "BatchConfig", "MemoryConfig", "CheckpointConfig",
+    "LoggingConfig", "EvalConfig", "EvalTaskConfig", "ConfigError", "register_configs",
+    "validate", "micro_size",
+]

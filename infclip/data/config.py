@@ -1,0 +1,41 @@
+"""Data configuration (owned by ``infclip.data``; composed into the trainer's config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class SourceConfig:
+    """One shard source; several are mixed by ``weight``."""
+
+    shards: str = ""  # brace-expanded spec, e.g. /data/laion/{00000..41407}.tar or pipe:aws s3 cp ... -
+    weight: float = 1.0  # relative sampling weight when several sources are mixed
+    num_samples: Optional[int] = None  # None: count from *_stats.json or sizes.json
+
+
+@dataclass
+class DataConfig:
+    """Training data: webdataset shards in the img2dataset layout ({key}.jpg/.txt/.json)."""
+
+    kind: str = "synthetic"  # "synthetic" (generated on first use) or "wds" (shards below)
+    shards: str = ""  # shortcut for a single source; ignored when `sources` is non-empty
+    sources: list[SourceConfig] = field(default_factory=list)
+    num_samples: Optional[int] = None  # samples per epoch; None: count from stats/sizes files
+    resampled: bool = False  # True: shards drawn with replacement (per rank/worker/epoch seeds)
+    workers: int = 2  # DataLoader workers per rank
+    shuffle_buffer: int = 1000  # sample shuffle buffer per worker (0 disables)
+    loader_batch: int = 256  # samples per loader batch; the trainer assembles steps from these
+    image_size: Optional[int] = None  # None: the model's own image size
+    caption_key: str = "txt"  # sample field holding the caption
+    json_caption_key: Optional[str] = None  # pick the caption from this key of {key}.json instead
+    aug_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop scale (the paper's)
+    aug_ratio: tuple[float, float] = (0.75, 1.3333333)  # RandomResizedCrop ratio (the paper's)
+    # Synthetic captioned-shapes dataset (kind=synthetic): generated deterministically into
+    # `synthetic_root` (default: ~/.cache/infclip/synthetic-<params>) on first use.
+    synthetic_root: Optional[str] = None
+    synthetic_train: int = 8192  # training samples
+    synthetic_eval: int = 512  # held-out eval images
+    synthetic_image_size: int = 64  # generated image side in pixels
+    synthetic_seed: int = 0

@@ -1,0 +1,90 @@
+"""Model construction through open_clip's factory.
+
+Any open_clip model name works (``ViT-B-32``, ``ViT-B-16``, timm/HF towers via their
+configs), plus the tiny configs shipped in ``infclip/model_configs`` and a user JSON
+file (``model.config_file``). ``model.pretrained`` may be an open_clip tag (downloaded by
+open_clip, never in tests) or a local checkpoint file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import open_clip
+import torch
+
+_CONFIG_DIR = Path(__file__).parent / "model_configs"
+open_clip.add_model_config(_CONFIG_DIR)
+
+
+@dataclass
+class BuiltModel:
+    """What the trainer and the eval hooks need from one model."""
+
+    model: torch.nn.Module  # open_clip CLIP / CustomTextCLIP
+    tokenizer: Callable[[list[str]], torch.Tensor]  # list of captions -> (N, L) int64
+    image_size: int  # input side in pixels
+    mean: tuple[float, ...]  # per-channel normalization mean
+    std: tuple[float, ...]  # per-channel normalization std
+    preprocess_val: Callable[[Any], torch.Tensor]  # PIL -> normalized float (open_clip's val transform)
+
+
+def register_config_file(path: str) -> str:
+    """Register a custom open_clip JSON config; returns the model name (the file stem)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"model.config_file={path!r} does not exist; give a path to an open_clip JSON config")
+    open_clip.add_model_config(p)
+    return p.stem
+
+
+def _check_name(name: str) -> None:
+    if open_clip.get_model_config(name) is None and not name.startswith("hf-hub:"):
+        known = ", ".join(sorted(open_clip.list_models())[:8])
+        raise ValueError(
+            f"model.name={name!r} is not an open_clip model config (e.g. {known}, ..., infclip-tiny); "
+            "pass model.config_file=/path/to/config.json for a custom one"
+        )
+
+
+def _check_pretrained(pretrained: str | None, key: str) -> None:
+    looks_like_path = pretrained and (os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors")))
+    if looks_like_path and not os.path.isfile(os.path.expanduser(pretrained)):
+        raise FileNotFoundError(f"{key}={pretrained!r} is not a file; give an existing checkpoint or an open_clip tag")
+
+
+def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
+    """Builds the open_clip model named by ``cfg`` (a ModelConfig) on ``device``, in fp32."""
+    name = register_config_file(cfg.config_file) if cfg.config_file else cfg.name
+    _check_name(name)
+    _check_pretrained(cfg.pretrained, "model.pretrained")
+    _check_pretrained(cfg.image_pretrained, "model.image_pretrained")
+    kwargs: dict[str, Any] = {}
+    if cfg.init_logit_bias is not None:
+        kwargs["init_logit_bias"] = cfg.init_logit_bias
+    model, _, preprocess_val = open_clip.create_model_and_transforms(
+        name,
+        pretrained=cfg.pretrained,
+        pretrained_image_path=cfg.image_pretrained,
+        device=device,
+        output_dict=True,
+        **kwargs,
+    )
+    if cfg.init_logit_scale is not None:
+        with torch.no_grad():
+            model.logit_scale.fill_(cfg.init_logit_scale)
+    if cfg.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    pp = model.visual.preprocess_cfg
+    size = pp["size"] if isinstance(pp["size"], int) else pp["size"][0]
+    return BuiltModel(model, open_clip.get_tokenizer(name), size, tuple(pp["mean"]), tuple(pp["std"]), preprocess_val)
+
+
+def clamp_logit_scale(model: torch.nn.Module, max_value: float = math.log(100)) -> None:
+    """CLIP's clamp of the learnable temperature, applied after each optimizer step."""
+    with torch.no_grad():
+        model.logit_scale.clamp_(0, max_value)

@@ -1,0 +1,405 @@
+"""The training loop: one step is fetch batch -> engine (cache pass, loss across ranks,
+replay pass) -> optimizer -> log / eval / checkpoint.
+
+Objects are built from the config in ``build``; the loop itself parses no config.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from infclip.config import validate
+from infclip.loss import clip_loss
+from infclip.model import BuiltModel, build_model, clamp_logit_scale
+from infclip.train import checkpoint as ckpt
+from infclip.train.distributed import DistInfo, any_rank, barrier, init_distributed, shutdown
+from infclip.train.logger import MetricsLogger, gpu_memory_gb
+from infclip.train.optim import build_optimizer, build_scheduler
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive non-finite steps; the last good state was checkpointed."""
+
+
+@dataclass
+class Parts:
+    """Everything built from the config for one run."""
+
+    built: BuiltModel
+    model: torch.nn.Module  # DDP-wrapped when distributed
+    data: Any  # infclip.data.pipeline.TrainData
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: Optional[torch.amp.GradScaler]
+    engine: Any  # infclip.train.engine step engine
+    checkpointer: ckpt.Checkpointer
+    logger: MetricsLogger
+    eval_cfg: Any  # EvalConfig with resolved dataset roots
+    run_dir: Path
+
+
+@dataclass
+class State:
+    step: int = 0
+    samples: int = 0
+    nonfinite_run: int = 0  # consecutive non-finite steps
+    nonfinite_total: int = 0
+    stop_requested: bool = False
+    last_eval: dict = field(default_factory=dict)
+
+
+def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
+    """Runs training as configured; returns the final metrics (on every rank)."""
+    info = init_distributed(cfg.device)
+    try:
+        validate(cfg, info.world_size)  # before any model or GPU work
+        run_dir = _setup_run_dir(cfg, info, overrides or [])
+        torch.manual_seed(cfg.seed + info.rank)
+        parts = build(cfg, info, run_dir)
+        return fit(cfg, info, parts)
+    finally:
+        shutdown()
+
+
+def _setup_run_dir(cfg: Any, info: DistInfo, overrides: list[str]) -> Path:
+    run_dir = Path(cfg.run_dir or os.path.join(cfg.runs_root, cfg.name)).expanduser()
+    if info.is_main:  # rank 0 writes; the others only read
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
+    barrier(info)
+    return run_dir
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
+    from infclip.train.engine import build_engine
+    from infclip.train.lit import apply_locks
+
+    if cfg.precision.tf32 and info.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    built = build_model(cfg.model, device=info.device)
+    apply_locks(built.model, cfg.model)
+    model = _wrap_ddp(built.model, info)
+    data, eval_cfg, normalizer = _build_data(cfg, info, built)
+    optimizer = build_optimizer(built.model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps)
+    scaler = torch.amp.GradScaler(info.device.type) if cfg.precision.amp == "fp16" else None
+    group = torch.distributed.group.WORLD if info.distributed else None
+    loss_fn = _loss_fn(cfg, group)
+    engine = build_engine(
+        cfg, model, device=info.device, normalizer=normalizer, loss_fn=loss_fn,
+        scaler=scaler, group=group, world_size=info.world_size,
+    )
+    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint.keep_last, info.rank, lambda: barrier(info))
+    logger = MetricsLogger(
+        run_dir, cfg.logging, info.is_main, cfg.steps, OmegaConf.to_container(cfg, resolve=True)
+    )
+    return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir)
+
+
+def _wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
+    if not info.distributed:
+        return model
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    # broadcast_buffers=False: open_clip towers keep no buffers that must stay in sync,
+    # and the gradient-cache replay runs several forwards per step.
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+
+
+def _loss_fn(cfg: Any, group: Any):
+    if cfg.loss.kind != "clip":
+        from infclip.loss import build_loss  # SigLIP / NT-Xent (their own issue)
+
+        return build_loss(cfg.loss, group=group)
+    return functools.partial(clip_loss, impl=cfg.loss.impl, group=group, fp32_precision=cfg.loss.fp32_precision)
+
+
+def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
+    from infclip.data.pipeline import build_train_data
+    from infclip.data.transforms import Normalizer, train_transform
+
+    size = cfg.data.image_size or built.image_size
+    transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
+    shards, num_samples, eval_cfg = None, None, cfg.eval
+    if cfg.data.kind == "synthetic":
+        shards, num_samples, eval_cfg = _synthetic(cfg, info)
+    data_cfg = copy.deepcopy(cfg.data)
+    data_cfg.loader_batch = _loader_batch(cfg, info)
+    data = build_train_data(
+        data_cfg, transform=transform, tokenizer=built.tokenizer, rank=info.rank,
+        world_size=info.world_size, seed=cfg.seed, shards=shards, num_samples=num_samples,
+    )
+    return data, eval_cfg, Normalizer(built.mean, built.std).to(info.device)
+
+
+def _synthetic(cfg: Any, info: DistInfo):
+    """Generates the embedded dataset once (rank 0 first) and points eval tasks at it."""
+    from infclip.data.synthetic import ensure_synthetic
+
+    if info.is_main:
+        ds = ensure_synthetic(cfg.data)
+    barrier(info)
+    if not info.is_main:
+        ds = ensure_synthetic(cfg.data)  # already there: returns its paths
+    eval_cfg = copy.deepcopy(cfg.eval)
+    for task in eval_cfg.tasks:
+        if task.root.startswith("synthetic:"):
+            task.root = str(Path(ds.root) / "eval" / task.root.split(":", 1)[1])
+    return ds.train_shards, ds.num_train, eval_cfg
+
+
+def _loader_batch(cfg: Any, info: DistInfo) -> int:
+    """Largest loader batch <= data.loader_batch that divides the per-rank step batch."""
+    local = cfg.batch.global_size // info.world_size
+    return next(d for d in range(min(cfg.data.loader_batch, local), 0, -1) if local % d == 0)
+
+
+# ----------------------------------------------------------------------------- loop
+
+
+def fit(cfg: Any, info: DistInfo, parts: Parts) -> dict:
+    state = State()
+    _maybe_resume(cfg, info, parts, state)
+    _install_signal_handlers(state)
+    local_batch = cfg.batch.global_size // info.world_size
+    batcher = StepBatcher(parts.data.batches(), local_batch, pin=cfg.memory.offload and info.device.type == "cuda")
+    parts.logger.set_start(state.step)
+    t_run = time.perf_counter()
+    while state.step < cfg.steps:
+        metrics = train_step(cfg, info, parts, state, batcher)
+        state.step += 1
+        state.samples += cfg.batch.global_size
+        _after_step(cfg, info, parts, state, metrics)
+        if state.stop_requested:
+            break
+    return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
+
+
+def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, batcher: "StepBatcher") -> dict:
+    t0 = time.perf_counter()
+    images, tokens = batcher.next()
+    t_data = time.perf_counter() - t0
+    parts.model.train()
+    out = parts.engine.step(images, tokens)
+    t1 = time.perf_counter()
+    applied, grad_norm = _optimizer_step(cfg, parts, out)
+    t_opt = time.perf_counter() - t1
+    step_time = time.perf_counter() - t0
+    loss = float(out.global_loss)
+    _count_nonfinite(cfg, parts, state, applied, loss)
+    return {
+        "loss": loss, "lr": parts.optimizer.param_groups[0]["lr"],
+        "logit_scale": float(_unwrap(parts.model).logit_scale.exp()), "grad_norm": grad_norm,
+        "samples_per_s": cfg.batch.global_size / step_time,
+        "samples_per_s_per_gpu": cfg.batch.global_size / step_time / info.world_size,
+        "step_time": step_time, "time_data": t_data, "time_optim": t_opt,
+        **{f"time_{k}": v for k, v in out.timings.items()},
+        "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
+    }
+
+
+def _optimizer_step(cfg: Any, parts: Parts, out: Any) -> tuple[bool, float]:
+    """Unscale, clip, step; a non-finite loss or gradient skips the update (zeroed grads)."""
+    opt, scaler = parts.optimizer, parts.scaler
+    if scaler is not None:
+        scaler.unscale_(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # one host sync per step
+    finite = math.isfinite(grad_norm) and math.isfinite(float(out.global_loss))
+    if scaler is not None:
+        scaler.step(opt)  # skips by itself on inf/nan gradients
+        scaler.update()
+    elif finite:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    parts.scheduler.step()
+    clamp_logit_scale(_unwrap(parts.model), cfg.model.max_logit_scale)
+    return finite, grad_norm
+
+
+def _count_nonfinite(cfg: Any, parts: Parts, state: State, applied: bool, loss: float) -> None:
+    if applied:
+        state.nonfinite_run = 0
+        return
+    state.nonfinite_run += 1
+    state.nonfinite_total += 1
+    parts.logger.write(f"step {state.step + 1}: non-finite loss/gradient (loss={loss}); update skipped")
+    if state.nonfinite_run >= cfg.max_nonfinite:
+        _save(parts, state)  # the weights are still the last good ones: no update was applied
+        raise NonFiniteError(
+            f"{state.nonfinite_run} consecutive non-finite steps (max_nonfinite={cfg.max_nonfinite}); "
+            f"last good state saved at step {state.step}. Lower optim.lr, use precision.amp=bf16, or check the data."
+        )
+
+
+def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: dict) -> None:
+    step = state.step
+    every = cfg.logging.every_n_steps
+    parts.logger.progress(step, {"loss": metrics["loss"], "lr": metrics["lr"]})
+    if step == 1 or (every and step % every == 0) or step == cfg.steps:
+        metrics["skipped_samples"] = sum(parts.data.skip_counts().values())
+        metrics["nonfinite_steps"] = state.nonfinite_total
+        parts.logger.log(step, metrics)
+    if _eval_due(parts.eval_cfg, step) and step != cfg.steps:
+        state.last_eval = _evaluate(cfg, info, parts, step, final=False)
+    state.stop_requested = any_rank(state.stop_requested, info)
+    every_ckpt = cfg.checkpoint.every_n_steps
+    if state.stop_requested or (every_ckpt and step % every_ckpt == 0):
+        _save(parts, state)
+
+
+def _eval_due(eval_cfg: Any, step: int) -> bool:
+    return any(t.every_n_steps and step % t.every_n_steps == 0 for t in eval_cfg.tasks)
+
+
+def _evaluate(cfg: Any, info: DistInfo, parts: Parts, step: int, final: bool) -> dict:
+    if not parts.eval_cfg.tasks:
+        return {}
+    from infclip.eval import run_evals
+
+    autocast = _autocast(cfg, info)
+    with autocast:
+        results = run_evals(
+            _unwrap(parts.model), parts.built.tokenizer, parts.built.preprocess_val, parts.eval_cfg,
+            step=step, final=final, device=info.device, rank=info.rank, world_size=info.world_size,
+            group=torch.distributed.group.WORLD if info.distributed else None,
+        )
+    parts.logger.log(step, results)
+    return results
+
+
+def _autocast(cfg: Any, info: DistInfo):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.amp)
+    return torch.autocast(info.device.type, dtype=dtype, enabled=dtype is not None)
+
+
+# ----------------------------------------------------------------------------- end, resume
+
+
+def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -> dict:
+    final = {} if state.stop_requested else _evaluate(cfg, info, parts, state.step, final=True)
+    _save(parts, state)
+    skips = parts.data.skip_counts()
+    summary = {"steps": state.step, "wall_s": wall, "nonfinite_steps": state.nonfinite_total,
+               "skipped_samples": skips, **final}
+    parts.logger.log(state.step, {"summary": summary}, echo=False)
+    _print_summary(parts, summary, state)
+    parts.logger.close()
+    return summary
+
+
+def _print_summary(parts: Parts, summary: dict, state: State) -> None:
+    w = parts.logger.write
+    why = "stopped by signal" if state.stop_requested else "done"
+    w(f"== {why}: {summary['steps']} steps in {summary['wall_s']:.1f} s; run dir {parts.run_dir}")
+    w(f"   skipped samples: {summary['skipped_samples'] or 'none'}; non-finite steps: {summary['nonfinite_steps']}")
+    for k, v in summary.items():
+        if k.startswith("eval/") and not k.endswith("_chance"):
+            chance = summary.get(f"{k}_chance")
+            w(f"   {k:<40} {v:8.4f}" + (f"   (chance {chance:.4f})" if chance is not None else ""))
+
+
+def _save(parts: Parts, state: State) -> None:
+    model = _unwrap(parts.model)
+    train_state = {
+        "step": state.step, "samples": state.samples, "nonfinite_total": state.nonfinite_total,
+        "optimizer": parts.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
+        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+    }
+    rank_state = {"rng": ckpt.rng_state(), "data": parts.data.state_dict()}
+    path = parts.checkpointer.save(state.step, model.state_dict(), train_state, rank_state)
+    parts.logger.write(f"checkpoint: {path}")
+
+
+def _maybe_resume(cfg: Any, info: DistInfo, parts: Parts, state: State) -> None:
+    path = _resume_path(cfg, info, parts)
+    if path is None:
+        return
+    model_state, train_state, rank_state = ckpt.load(path, info.rank, map_location=info.device)
+    _unwrap(parts.model).load_state_dict(model_state)
+    parts.optimizer.load_state_dict(train_state["optimizer"])
+    parts.scheduler.load_state_dict(train_state["scheduler"])
+    if parts.scaler is not None and train_state["scaler"] is not None:
+        parts.scaler.load_state_dict(train_state["scaler"])
+    state.step, state.samples = train_state["step"], train_state["samples"]
+    state.nonfinite_total = train_state["nonfinite_total"]
+    parts.data.load_state_dict(rank_state["data"])
+    ckpt.set_rng_state(rank_state["rng"])
+    parts.checkpointer.protected = path
+    parts.logger.write(f"resumed from {path} at step {state.step}")
+
+
+def _resume_path(cfg: Any, info: DistInfo, parts: Parts) -> Optional[Path]:
+    if cfg.resume == "none":
+        return None
+    if cfg.resume != "auto":
+        path = Path(cfg.resume).expanduser()
+        if not (path / "model.pt").is_file():
+            raise FileNotFoundError(f"resume={cfg.resume!r} is not a checkpoint directory (no model.pt inside)")
+        return path
+    path = parts.checkpointer.latest_loadable(info.world_size)
+    if path is None and ckpt.list_checkpoints(parts.run_dir):
+        raise RuntimeError(
+            f"checkpoints exist in {parts.run_dir}/checkpoints but none has rank files for world size "
+            f"{info.world_size}; resume with the original number of ranks, or pass resume=none / a new run_dir"
+        )
+    return path
+
+
+def _install_signal_handlers(state: State) -> None:
+    """SIGTERM / SIGUSR1 (Slurm's warning): finish the current step, checkpoint, exit 0."""
+
+    def handler(signum, frame):
+        state.stop_requested = True
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, handler)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+class StepBatcher:
+    """Assembles one step's per-rank batch from consecutive loader batches.
+
+    The buffers are allocated once (pinned when offloading) and refilled every step, so
+    host memory holds exactly one step of uint8 images and tokens.
+    """
+
+    def __init__(self, batches: Iterator, local_batch: int, pin: bool):
+        self.batches, self.n, self.pin = batches, local_batch, pin
+        self.images: Optional[torch.Tensor] = None
+        self.tokens: Optional[torch.Tensor] = None
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        filled = 0
+        while filled < self.n:
+            imgs, toks = next(self.batches)
+            if self.images is None:
+                self._allocate(imgs, toks)
+            k = imgs.shape[0]
+            self.images[filled : filled + k].copy_(imgs)
+            self.tokens[filled : filled + k].copy_(toks)
+            filled += k
+        return self.images, self.tokens
+
+    def _allocate(self, imgs: torch.Tensor, toks: torch.Tensor) -> None:
+        self.images = torch.empty((self.n, *imgs.shape[1:]), dtype=imgs.dtype, pin_memory=self.pin)
+        self.tokens = torch.empty((self.n, *toks.shape[1:]), dtype=toks.dtype, pin_memory=self.pin)

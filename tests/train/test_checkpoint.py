@@ -1,0 +1,81 @@
+"""Atomic checkpoints, keep-last-k pruning, and the resume protection."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from infclip.train import checkpoint as ckpt
+
+
+def _saver(tmp_path, keep=2):
+    return ckpt.Checkpointer(tmp_path, keep_last=keep, rank=0, barrier=lambda: None)
+
+
+def _save(c, step):
+    return c.save(step, {"w": torch.full((2,), float(step))}, {"step": step}, {"rng": ckpt.rng_state(), "data": {}})
+
+
+def test_save_load_roundtrip_and_weights_only(tmp_path):
+    c = _saver(tmp_path)
+    path = _save(c, 7)
+    assert path.name == "step_00000007"
+    model, train, rank = ckpt.load(path, rank=0)
+    assert torch.equal(model["w"], torch.full((2,), 7.0)) and train["step"] == 7
+    torch.load(path / "model.pt", weights_only=True)  # loadable by external tools
+
+
+def test_keep_last_k_never_prunes_the_protected_one(tmp_path):
+    c = _saver(tmp_path, keep=2)
+    first = _save(c, 1)
+    c.protected = first
+    for s in (2, 3, 4):
+        _save(c, s)
+    names = [p.name for p in ckpt.list_checkpoints(tmp_path)]
+    assert names == ["step_00000001", "step_00000003", "step_00000004"]
+
+
+def test_rng_state_roundtrip():
+    state = ckpt.rng_state()
+    a = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    ckpt.set_rng_state(state)
+    b = (torch.rand(3), __import__("random").random(), __import__("numpy").random.rand())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_kill_during_write_keeps_previous_checkpoint(tmp_path):
+    """SIGKILL in the middle of writing step 2: step 1 stays the latest loadable one."""
+    c = _saver(tmp_path)
+    _save(c, 1)
+    script = textwrap.dedent(f"""
+        import os, torch
+        from infclip.train import checkpoint as ckpt
+        real = ckpt._save
+        def dying(obj, path):
+            real(obj, path)
+            if path.name == "model.pt":
+                os.kill(os.getpid(), 9)   # die after a partial write of the checkpoint
+        ckpt._save = dying
+        c = ckpt.Checkpointer({str(tmp_path)!r}, keep_last=2, rank=0, barrier=lambda: None)
+        c.save(2, {{"w": torch.zeros(2)}}, {{"step": 2}}, {{"rng": None, "data": {{}}}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], timeout=120)
+    assert proc.returncode == -9
+    assert (tmp_path / "checkpoints" / ".step_00000002.tmp").exists()
+    latest = _saver(tmp_path).latest_loadable(world_size=1)
+    assert latest.name == "step_00000001"
+    model, _, _ = ckpt.load(latest, rank=0)
+    assert torch.equal(model["w"], torch.full((2,), 1.0))
+    _save(_saver(tmp_path), 3)  # the next save cleans the stale temporary directory
+    assert not (tmp_path / "checkpoints" / ".step_00000002.tmp").exists()
+
+
+def test_latest_requires_all_rank_files(tmp_path):
+    c = _saver(tmp_path)
+    _save(c, 1)
+    assert c.latest_loadable(world_size=1) is not None
+    assert c.latest_loadable(world_size=2) is None
+    os.remove(tmp_path / "checkpoints" / "step_00000001" / "train.pt")
+    assert c.latest_loadable(world_size=1) is None

@@ -1,0 +1,80 @@
+"""Config composition through Hydra and validation before any model work."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from infclip.config import ConfigError, register_configs, validate
+
+CONFIGS = str(Path(__file__).resolve().parents[2] / "configs")
+register_configs()
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("experiment", ["quickstart", "vit_b32_laion", "lit_b16_cc12m"])
+def test_presets_compose(experiment):
+    cfg = _compose(f"experiment={experiment}")
+    assert cfg.experiment == experiment
+    if experiment == "lit_b16_cc12m":
+        assert cfg.model.lock_image and cfg.model.name == "ViT-B-16"
+    if experiment == "vit_b32_laion":
+        assert cfg.optim.name == "adafactor" and cfg.optim.beta2 == 0.95
+
+
+def test_quickstart_is_valid_on_one_and_two_ranks():
+    cfg = _compose()
+    validate(cfg, 1)
+    validate(cfg, 2)
+
+
+def test_unknown_key_is_rejected_with_its_name():
+    with pytest.raises(Exception, match="foo"):
+        _compose("batch.foo=1")
+
+
+def test_wrong_type_is_rejected():
+    with pytest.raises(Exception, match="global_size"):
+        _compose("batch.global_size=many")
+
+
+@pytest.mark.parametrize(
+    "overrides, world, match",
+    [
+        (["batch.global_size=100"], 3, r"batch.global_size=100 is not divisible by the world size 3"),
+        (["batch.global_size=256", "batch.micro_size=48"], 2, r"batch.micro_size=48 must divide .* 128"),
+        (["batch.global_size=0"], 1, r"batch.global_size must be > 0"),
+        (["loss.impl=fast"], 1, r"loss.impl='fast' is not valid"),
+        (["precision.amp=fp8"], 1, r"precision.amp='fp8'"),
+        (["optim.name=sgd"], 1, r"optim.name='sgd'"),
+        (["steps=0"], 1, r"steps must be > 0"),
+        (["data.kind=wds"], 1, r"data.kind=wds needs data.shards"),
+        (["checkpoint.keep_last=0"], 1, r"checkpoint.keep_last must be >= 1"),
+        (["loss.impl=triton", "device=cpu"], 1, r"loss.impl=triton needs CUDA"),
+    ],
+)
+def test_validation_names_key_and_fix(overrides, world, match):
+    cfg = _compose(*overrides)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, world)
+
+
+def test_bad_config_fails_before_model_work(tmp_path):
+    """train.py exits with the validation message and creates no run directory."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(root / "train.py"), "batch.global_size=256", "batch.micro_size=100",
+         f"run_dir={run_dir}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "batch.micro_size=100 must divide" in proc.stderr
+    assert not run_dir.exists()

@@ -1,25 +1,50 @@
-"""Evaluation configuration (owned by ``infclip.eval``; composed into train and eval configs)."""
+"""Evaluation configuration (owned by ``infclip.eval``; composed into train and eval configs).
+
+A task is *data only*: ImageNet, its variants, ObjectNet, the synthetic class split, COCO
+and Flickr30k are all presets (``configs/eval_task/*.yaml``) of the two task kinds below.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
+KINDS = ("zeroshot", "retrieval")
+FORMATS = {"zeroshot": ("wds", "imagefolder"), "retrieval": ("flat", "karpathy")}
+
 
 @dataclass
 class EvalTaskConfig:
-    """One evaluation task: zero-shot classification or image-text retrieval."""
+    """One evaluation task: zero-shot classification or image-text retrieval.
+
+    Paths by (kind, format):
+      zeroshot/wds          root = clip_benchmark wds dir: classnames.txt,
+                            zeroshot_classification_templates.txt, {split}/nshards.txt, {split}/{i}.tar
+                            holding {key}.jpg|.png|.webp + {key}.cls (integer label).
+      zeroshot/imagefolder  root = class-folder tree (e.g. ImageNet val); labels = sorted folder order.
+      retrieval/flat        annotations = JSON list [{"image": rel_path, "caption": [str, ...]}]
+                            (default <root>/<split>.json); images relative to root (default: the
+                            JSON's folder).
+      retrieval/karpathy    annotations = Karpathy's dataset_{coco,flickr30k}.json (images[] with
+                            filepath?/filename/split/sentences[].raw); rows with split == `split`
+                            are used; images at <root>/<filepath>/<filename>.
+    """
 
     name: str = ""  # label used in metric keys, e.g. "imagenet" -> eval/imagenet/top1
     kind: str = "zeroshot"  # "zeroshot" | "retrieval"
-    root: str = ""  # dataset root (ImageFolder tree, clip_benchmark wds dir, or image dir)
-    format: str = "wds"  # zeroshot: "wds" | "imagefolder"; retrieval: "karpathy" | "flat"
-    split: str = "test"
+    root: str = ""  # dataset root (see the table above)
+    format: str = "wds"  # zeroshot: "wds" | "imagefolder"; retrieval: "flat" | "karpathy"
+    split: str = "test"  # wds split folder / Karpathy split / flat JSON stem
     annotations: Optional[str] = None  # retrieval: annotation file
-    classnames: Optional[str] = None  # zeroshot: "imagenet" (open_clip metadata) or a file path
-    templates: Optional[str] = None  # zeroshot: "openai_imagenet" or a file path
-    every_n_steps: int = 0  # 0: only at the end of training
-    max_samples: Optional[int] = None  # evaluate on the first N samples only
+    # zeroshot class names: "imagenet" (open_clip's IMAGENET_CLASSNAMES), a file with one name
+    # per line, or None: <root>/classnames.txt (wds) or the folder names (imagefolder).
+    classnames: Optional[str] = None
+    # zeroshot prompt templates: "openai_imagenet" (open_clip's 80 OPENAI_IMAGENET_TEMPLATES),
+    # "simple_imagenet", a file with one template per line ("{c}" or "{}" marks the class name),
+    # or None: <root>/zeroshot_classification_templates.txt if present, else "openai_imagenet".
+    templates: Optional[str] = None
+    every_n_steps: int = 0  # during training: run when step % n == 0 (0: only at the end)
+    max_samples: Optional[int] = None  # evaluate on the first N images only (None: all)
 
 
 @dataclass
@@ -27,7 +52,48 @@ class EvalConfig:
     """Which evaluations run, how they are batched and where."""
 
     tasks: list[EvalTaskConfig] = field(default_factory=list)
-    batch_size: int = 256
-    workers: int = 2
+    batch_size: int = 256  # images (or prompts/captions) per encoder pass per rank
+    workers: int = 2  # DataLoader workers per rank for image decoding (0: in-process)
     chunk_size: int = 4096  # retrieval similarity chunk (rows) -- never a full N x M beyond it
     all_ranks: bool = True  # True: shard the eval over ranks; False: rank 0 only
+
+
+class EvalConfigError(ValueError):
+    """An evaluation setting is invalid; the message names the config key and the fix."""
+
+
+def task_key(task: EvalTaskConfig, index: Optional[int], field_name: str) -> str:
+    """The config key of a task field, for error messages (``eval.tasks[0].root``)."""
+    where = f"eval.tasks[{index}]" if index is not None else f"eval task {task.name!r}"
+    return f"{where}.{field_name}"
+
+
+def validate_eval(cfg: EvalConfig) -> None:
+    """Reject impossible settings before any model or data work."""
+    for key in ("batch_size", "chunk_size"):
+        if getattr(cfg, key) <= 0:
+            raise EvalConfigError(f"eval.{key} must be > 0, got {getattr(cfg, key)}")
+    if cfg.workers < 0:
+        raise EvalConfigError(f"eval.workers must be >= 0, got {cfg.workers}")
+    names = [t.name for t in cfg.tasks]
+    if len(set(names)) != len(names):
+        raise EvalConfigError(f"eval.tasks names must be unique (they key the metrics), got {names}")
+    for i, task in enumerate(cfg.tasks):
+        validate_task(task, i)
+
+
+def validate_task(task: EvalTaskConfig, index: Optional[int] = None) -> None:
+    """Check one task's kind/format/name fields (paths are checked when the data is opened)."""
+    if not task.name:
+        raise EvalConfigError(f"{task_key(task, index, 'name')} is empty; give the task a name")
+    if task.kind not in KINDS:
+        raise EvalConfigError(f"{task_key(task, index, 'kind')}={task.kind!r}: choose one of {list(KINDS)}")
+    if task.format not in FORMATS[task.kind]:
+        raise EvalConfigError(
+            f"{task_key(task, index, 'format')}={task.format!r} is not a {task.kind} format; "
+            f"choose one of {list(FORMATS[task.kind])}"
+        )
+    if task.every_n_steps < 0:
+        raise EvalConfigError(f"{task_key(task, index, 'every_n_steps')} must be >= 0")
+    if task.max_samples is not None and task.max_samples <= 0:
+        raise EvalConfigError(f"{task_key(task, index, 'max_samples')} must be > 0 (or null for all)")

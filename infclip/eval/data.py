@@ -1,0 +1,274 @@
+"""Evaluation datasets: indexed (map-style) image lists, class names, prompts and captions.
+
+Every image source is turned into an :class:`ImageList` -- a map-style dataset whose item
+``i`` is ``(image tensor, label, i)`` -- so any subset of indices (one rank's shard) can be
+read in any order and the results are put back in global order by index. Webdataset tar
+shards are read by byte offset (one header scan at open), so they shard by sample, not by
+file, and give the same samples on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import open_clip
+from PIL import Image
+from torch.utils.data import Dataset
+
+from infclip.eval.config import EvalConfigError, EvalTaskConfig
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's key/extension split
+TarRef = tuple[str, int, int]  # (shard path, byte offset of the member's data, size)
+ImageRef = Union[str, TarRef]  # a file path or a member of a tar shard
+
+
+class DataError(EvalConfigError):
+    """A dataset named by an eval task is missing, empty or inconsistent."""
+
+
+def _where(task: EvalTaskConfig, index: Optional[int], key: str) -> str:
+    at = f"eval.tasks[{index}]" if index is not None else "eval task"
+    return f"{at}.{key} (task {task.name!r})"
+
+
+def _read_image(ref: ImageRef, handles: dict) -> Image.Image:
+    if isinstance(ref, str):
+        with Image.open(ref) as im:
+            return im.convert("RGB")
+    path, offset, size = ref
+    key = (os.getpid(), path)  # one handle per process: DataLoader workers fork
+    if key not in handles:
+        handles[key] = open(path, "rb")
+    f = handles[key]
+    f.seek(offset)
+    with Image.open(io.BytesIO(f.read(size))) as im:
+        return im.convert("RGB")
+
+
+class ImageList(Dataset):
+    """Map-style dataset over image references; item i = (transform(image_i), label_i, i).
+
+    Labels are -1 for retrieval images. ``transform`` maps a PIL RGB image to a tensor.
+    """
+
+    def __init__(self, refs: Sequence[ImageRef], labels: Sequence[int], transform: Callable):
+        assert len(refs) == len(labels)
+        self.refs, self.labels, self.transform = list(refs), list(labels), transform
+        self._handles: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, i: int):
+        return self.transform(_read_image(self.refs[i], self._handles)), self.labels[i], i
+
+    def __getstate__(self):  # file handles do not cross process boundaries
+        return {**self.__dict__, "_handles": {}}
+
+
+# -- zero-shot sources -------------------------------------------------------------------------
+
+
+def _shard_paths(task: EvalTaskConfig, index: Optional[int]) -> list[str]:
+    split_dir = os.path.join(task.root, task.split)
+    if not os.path.isdir(split_dir):
+        raise DataError(f"{_where(task, index, 'root')}={task.root!r}: no split folder {split_dir!r}; "
+                        "point root at a clip_benchmark wds dataset (root/<split>/*.tar) or fix split")
+    nshards_file = os.path.join(split_dir, "nshards.txt")
+    if os.path.isfile(nshards_file):
+        with open(nshards_file) as f:
+            paths = [os.path.join(split_dir, f"{i}.tar") for i in range(int(f.read().strip()))]
+    else:
+        names = [n for n in os.listdir(split_dir) if n.endswith(".tar")]
+        paths = [os.path.join(split_dir, n) for n in sorted(names, key=_natural_key)]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise DataError(f"{_where(task, index, 'root')}: shard {missing[0]!r} listed in nshards.txt is missing")
+    return paths
+
+
+def _natural_key(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def scan_tar(path: str) -> list[tuple[TarRef, int]]:
+    """(image ref, label) for every key of one shard holding an image and a ``.cls`` member."""
+    images: dict[str, TarRef] = {}
+    labels: dict[str, int] = {}
+    order: list[str] = []
+    with tarfile.open(path, "r:") as tar:
+        for m in tar:
+            match = _KEY_EXT.match(m.name) if m.isfile() else None
+            if not match:
+                continue
+            key, ext = match.group(1), match.group(2).lower()
+            if ext in IMAGE_EXTS and key not in images:
+                images[key] = (path, m.offset_data, m.size)
+                order.append(key)
+            elif ext == "cls":
+                labels[key] = int(tar.extractfile(m).read().decode().strip())
+    return [(images[k], labels[k]) for k in order if k in labels]
+
+
+def wds_samples(task: EvalTaskConfig, index: Optional[int] = None) -> tuple[list[TarRef], list[int]]:
+    """Image refs and integer labels of a clip_benchmark wds split, in shard order."""
+    refs, labels = [], []
+    for path in _shard_paths(task, index):
+        for ref, label in scan_tar(path):
+            refs.append(ref)
+            labels.append(label)
+    return refs, labels
+
+
+def imagefolder_samples(task: EvalTaskConfig, index: Optional[int] = None) -> tuple[list[str], list[int], list[str]]:
+    """(paths, labels, folder names) of an ImageFolder tree; labels follow sorted folder names."""
+    from torchvision.datasets import ImageFolder
+
+    if not os.path.isdir(task.root):
+        raise DataError(f"{_where(task, index, 'root')}={task.root!r} is not a folder of class folders")
+    tree = ImageFolder(task.root, allow_empty=True)
+    paths, labels = [p for p, _ in tree.samples], [y for _, y in tree.samples]
+    return paths, labels, list(tree.classes)
+
+
+def _read_lines(path: str) -> list[str]:
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def load_classnames(task: EvalTaskConfig, index: Optional[int], folder_names: Optional[list[str]]) -> list[str]:
+    """Class names: open_clip's ImageNet list, a file, <root>/classnames.txt, or folder names."""
+    spec = task.classnames
+    if spec == "imagenet":
+        return list(open_clip.IMAGENET_CLASSNAMES)
+    if spec is None and folder_names is not None:
+        return list(folder_names)
+    path = spec or os.path.join(task.root, "classnames.txt")
+    if not os.path.isfile(path):
+        raise DataError(f"{_where(task, index, 'classnames')}: class-name file {path!r} not found; "
+                        "set classnames to 'imagenet' or a file with one class name per line")
+    return _read_lines(path)
+
+
+def load_templates(task: EvalTaskConfig, index: Optional[int]) -> list[Callable[[str], str]]:
+    """Prompt templates as callables classname -> prompt (open_clip's or from a file)."""
+    spec = task.templates
+    default_file = os.path.join(task.root, "zeroshot_classification_templates.txt")
+    if spec is None:
+        spec = default_file if os.path.isfile(default_file) else "openai_imagenet"
+    if spec == "openai_imagenet":
+        return list(open_clip.OPENAI_IMAGENET_TEMPLATES)
+    if spec == "simple_imagenet":
+        return list(open_clip.SIMPLE_IMAGENET_TEMPLATES)
+    if not os.path.isfile(spec):
+        raise DataError(f"{_where(task, index, 'templates')}={spec!r} is not a file; use "
+                        "'openai_imagenet', 'simple_imagenet' or a file with one template per line")
+    lines = _read_lines(spec)
+    if not lines or any("{c}" not in t and "{}" not in t for t in lines):
+        raise DataError(f"{_where(task, index, 'templates')}: every template in {spec!r} needs a "
+                        "'{c}' (or '{}') placeholder for the class name")
+    return [(lambda c, t=t: t.replace("{c}", c).replace("{}", c)) for t in lines]
+
+
+@dataclass
+class ZeroShotData:
+    """Images with integer labels in [0, len(classnames)) plus the prompts to classify them."""
+
+    images: ImageList
+    classnames: list[str]
+    templates: list[Callable[[str], str]]
+
+
+def load_zeroshot(task: EvalTaskConfig, transform: Callable, index: Optional[int] = None) -> ZeroShotData:
+    """Open a zero-shot task's dataset (no image is decoded here)."""
+    folder_names = None
+    if task.format == "wds":
+        if not os.path.isdir(task.root):
+            raise DataError(f"{_where(task, index, 'root')}={task.root!r} does not exist")
+        refs, labels = wds_samples(task, index)
+    else:
+        refs, labels, folder_names = imagefolder_samples(task, index)
+    refs, labels = refs[: task.max_samples], labels[: task.max_samples]
+    if not refs:
+        raise DataError(f"{_where(task, index, 'root')}={task.root!r}: the dataset is empty "
+                        f"(no image with a label in split {task.split!r})")
+    names = load_classnames(task, index, folder_names)
+    bad = [y for y in labels if not 0 <= y < len(names)]
+    if bad:
+        raise DataError(f"{_where(task, index, 'classnames')}: {len(names)} class names but label {bad[0]} "
+                        f"occurs (labels must lie in [0, {len(names)})); use the class-name list of this dataset")
+    return ZeroShotData(ImageList(refs, labels, transform), names, load_templates(task, index))
+
+
+# -- retrieval sources -------------------------------------------------------------------------
+
+
+@dataclass
+class RetrievalData:
+    """N images and M >= N captions; caption j describes image ``txt2img[j]``."""
+
+    images: ImageList
+    captions: list[str]
+    txt2img: list[int]
+
+
+def _annotation_path(task: EvalTaskConfig, index: Optional[int]) -> str:
+    default = os.path.join(task.root, f"{task.split}.json" if task.format == "flat" else "dataset_coco.json")
+    path = task.annotations or default
+    if not os.path.isfile(path):
+        raise DataError(f"{_where(task, index, 'annotations')}: annotation file {path!r} not found; "
+                        "set annotations to the JSON file (or root to its folder)")
+    return path
+
+
+def _flat_records(data: list, image_root: str) -> list[tuple[str, list[str]]]:
+    out = []
+    for rec in data:
+        caps = rec["caption"]
+        out.append((os.path.join(image_root, rec["image"]), [caps] if isinstance(caps, str) else list(caps)))
+    return out
+
+
+def _karpathy_records(data: dict, image_root: str, split: str) -> list[tuple[str, list[str]]]:
+    out = []
+    for img in data["images"]:
+        if img.get("split") != split:
+            continue
+        path = os.path.join(image_root, img.get("filepath", ""), img["filename"])
+        out.append((path, [s["raw"].strip() for s in img["sentences"]]))
+    return out
+
+
+def load_retrieval(task: EvalTaskConfig, transform: Callable, index: Optional[int] = None) -> RetrievalData:
+    """Open a retrieval task: flat LAVIS-style JSON or Karpathy's dataset_*.json."""
+    path = _annotation_path(task, index)
+    with open(path) as f:
+        data = json.load(f)
+    image_root = task.root or os.path.dirname(os.path.abspath(path))
+    if task.format == "flat":
+        records = _flat_records(data, image_root)
+    else:
+        records = _karpathy_records(data, image_root, task.split)
+    records = records[: task.max_samples]
+    if not records:
+        raise DataError(f"{_where(task, index, 'annotations')}: {path!r} holds no images "
+                        f"(split {task.split!r}); check the file and the split")
+    if not os.path.isfile(records[0][0]):
+        raise DataError(f"{_where(task, index, 'root')}={task.root!r}: image {records[0][0]!r} "
+                        "not found; root must be the folder the annotation's image paths are relative to")
+    empty = [p for p, caps in records if not caps]
+    if empty:
+        raise DataError(f"{_where(task, index, 'annotations')}: image {empty[0]!r} has no caption in {path!r}")
+    captions, txt2img = [], []
+    for i, (_, caps) in enumerate(records):
+        captions.extend(caps)
+        txt2img.extend([i] * len(caps))
+    refs = [p for p, _ in records]
+    return RetrievalData(ImageList(refs, [-1] * len(refs), transform), captions, txt2img)

@@ -1,0 +1,72 @@
+"""Image-text retrieval: image->text and text->image Recall@{1,5,10}, in chunks.
+
+image->text: image i is a hit at k if any of its captions ranks in the top k of all M
+captions; text->image: caption j is a hit if its image ranks in the top k of all N images
+(ties: exact expectation, see :mod:`infclip.eval.metrics`). Each rank encodes a strided
+share of the images and captions; the embeddings are gathered on every rank, and each rank
+scores every W-th chunk of ``chunk_size`` query rows, so no similarity block is larger than
+chunk_size x max(N, M). The per-rank hit sums are added over the group.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from infclip.eval.data import RetrievalData
+from infclip.eval.embed import Runtime, all_reduce_sum, encode_images, encode_texts, gather_strided, shard
+from infclip.eval.metrics import chance_multi, chance_single, multi_positive_hits, topk_hits
+
+RECALL_K = (1, 5, 10)
+
+
+def _my_chunks(n: int, chunk_size: int, rt: Runtime) -> list[tuple[int, int]]:
+    starts = range(0, n, chunk_size)
+    return [(a, min(a + chunk_size, n)) for c, a in enumerate(starts) if c % rt.world_size == rt.rank]
+
+
+def recall_sums(img: Tensor, txt: Tensor, txt2img: Tensor, chunk_size: int, rt: Runtime) -> Tensor:
+    """This rank's hit sums (float64, shape (2, len(RECALL_K))): row 0 image->text, row 1 text->image.
+
+    img: (N, d), txt: (M, d) unit-norm, all rows on every rank; txt2img: (M,) int64 in [0, N).
+    """
+    sums = torch.zeros(2, len(RECALL_K), dtype=torch.float64, device=img.device)
+    for a, b in _my_chunks(img.shape[0], chunk_size, rt):
+        positive = txt2img[None, :] == torch.arange(a, b, device=img.device)[:, None]  # (b-a, M)
+        hits = multi_positive_hits(img[a:b] @ txt.T, positive, RECALL_K)
+        sums[0] += torch.stack([hits[k].sum() for k in RECALL_K])
+    for a, b in _my_chunks(txt.shape[0], chunk_size, rt):
+        hits = topk_hits(txt[a:b] @ img.T, txt2img[a:b], RECALL_K)
+        sums[1] += torch.stack([hits[k].sum() for k in RECALL_K])
+    return sums
+
+
+def summarize(sums: Tensor, txt2img: list[int], num_images: int) -> dict[str, float]:
+    """Recall metrics and their chance levels from the summed hits."""
+    num_texts = len(txt2img)
+    per_image = torch.bincount(torch.tensor(txt2img), minlength=num_images).tolist()
+    out: dict[str, float] = {}
+    for j, k in enumerate(RECALL_K):
+        out[f"i2t_r{k}"] = float(sums[0, j]) / num_images
+    for j, k in enumerate(RECALL_K):
+        out[f"t2i_r{k}"] = float(sums[1, j]) / num_texts
+    for k in RECALL_K:
+        out[f"i2t_r{k}_chance"] = chance_multi(num_texts, per_image, k)
+        out[f"t2i_r{k}_chance"] = chance_single(num_images, k)
+    out["num_images"], out["num_texts"] = float(num_images), float(num_texts)
+    return out
+
+
+def evaluate_retrieval(model, tokenizer: Callable, data: RetrievalData, on_device: Optional[Callable],
+                       batch_size: int, workers: int, chunk_size: int, rt: Runtime) -> dict[str, float]:
+    """Retrieval metrics over all of ``data`` (sharded over the group; same result on every rank)."""
+    n, m = len(data.images), len(data.captions)
+    img_idx, txt_idx = shard(n, rt), shard(m, rt)
+    img = encode_images(model, data.images, img_idx, on_device, batch_size, workers, rt)
+    txt = encode_texts(model, tokenizer, [data.captions[j] for j in txt_idx], batch_size, rt)
+    img, txt = gather_strided(img, n, rt), gather_strided(txt, m, rt)
+    txt2img = torch.tensor(data.txt2img, dtype=torch.int64, device=img.device)
+    sums = all_reduce_sum(recall_sums(img, txt, txt2img, chunk_size, rt), rt)
+    return summarize(sums.cpu(), data.txt2img, n)

@@ -1,0 +1,77 @@
+"""Zero-shot classification: prompt-ensemble class embeddings, top-1/top-5, per-class recall.
+
+Class embedding c = normalize(mean_t normalize(text(template_t(name_c)))), built with open_clip's
+``build_zero_shot_classifier``; logits = image embedding . class embeddings. Each rank encodes
+a strided share of the classes and of the images; only the class matrix (C x d) and per-class
+hit counts cross ranks, so the sums equal those of one process.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import open_clip
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from infclip.eval.data import ZeroShotData
+from infclip.eval.embed import Runtime, all_reduce_sum, encode_images, gather_strided, shard
+from infclip.eval.metrics import chance_single, topk_hits
+
+TOPK = (1, 5)
+
+
+def class_embeddings(model, tokenizer: Callable, classnames: list[str], templates: list, batch_size: int,
+                     rt: Runtime) -> Tensor:
+    """(C, d) fp32 unit-norm class embeddings, identical on every rank."""
+    mine = [classnames[i] for i in shard(len(classnames), rt)]
+    local = torch.zeros(0, 0, device=rt.device)
+    if mine:
+        with rt.autocast():
+            weights = open_clip.build_zero_shot_classifier(
+                model, tokenizer, mine, templates,
+                num_classes_per_batch=max(1, batch_size // len(templates)), device=rt.device)
+        local = F.normalize(weights.T.float(), dim=-1)
+    return gather_strided(local, len(classnames), rt)
+
+
+def zeroshot_counts(img: Tensor, labels: Tensor, classes: Tensor) -> Tensor:
+    """Per-class sums for one rank's images: (3, C) float64 rows = (top1 hits, top5 hits, count).
+
+    img: (n, d) unit-norm; labels: (n,) in [0, C); classes: (C, d) unit-norm.
+    """
+    num_classes = classes.shape[0]
+    hits = topk_hits(img @ classes.T, labels, TOPK)
+    out = torch.zeros(3, num_classes, dtype=torch.float64, device=img.device)
+    out[0].index_add_(0, labels, hits[1])
+    out[1].index_add_(0, labels, hits[5])
+    out[2].index_add_(0, labels, torch.ones_like(hits[1]))
+    return out
+
+
+def summarize(counts: Tensor) -> dict[str, float]:
+    """Metrics from summed per-class counts (3, C): top1, top5, mean per-class recall, chance."""
+    hit1, hit5, n = counts.sum(1).tolist()
+    present = counts[2] > 0
+    per_class = counts[0][present] / counts[2][present]
+    num_classes = counts.shape[1]
+    return {
+        "top1": hit1 / n, "top5": hit5 / n, "mean_per_class_recall": float(per_class.mean()),
+        "top1_chance": chance_single(num_classes, 1), "top5_chance": chance_single(num_classes, 5),
+        "num_samples": n, "num_classes": float(num_classes),
+    }
+
+
+def evaluate_zeroshot(model, tokenizer: Callable, data: ZeroShotData, on_device: Optional[Callable],
+                      batch_size: int, workers: int, chunk_size: int, rt: Runtime) -> dict[str, float]:
+    """Zero-shot metrics over all of ``data`` (sharded over the group; same result on every rank)."""
+    classes = class_embeddings(model, tokenizer, data.classnames, data.templates, batch_size, rt)
+    indices = shard(len(data.images), rt)
+    counts = torch.zeros(3, len(data.classnames), dtype=torch.float64, device=rt.device)
+    if len(indices):
+        img = encode_images(model, data.images, indices, on_device, batch_size, workers, rt)
+        labels = torch.tensor([data.images.labels[i] for i in indices], device=rt.device)
+        for i in range(0, len(indices), chunk_size):  # logits never exceed chunk_size x C
+            counts += zeroshot_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
+    return summarize(all_reduce_sum(counts, rt))

@@ -1,0 +1,183 @@
+"""Training data: from a DataConfig to an infinite, resumable stream of uint8 batches.
+
+``build_train_data`` resolves the shard sources (brace expansion, existence check, counting),
+fixes the number of batches per epoch so that every rank yields the same count (DDP never
+waits on a rank that ran dry), and returns a :class:`TrainData`. Per-sample work (decode,
+augment, tokenize) runs in DataLoader workers; see :mod:`infclip.data.stream` for the
+seeding that makes the resume position exact.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from infclip.data.config import DataConfig
+from infclip.data.shards import Source, check_exist, count_samples, expand
+from infclip.data.stream import BatchStream, EpochPlan, StreamSpec
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # images uint8 (B,3,H,W), tokens int64 (B,L)
+
+
+class DataError(ValueError):
+    """The data configuration cannot work; the message names the key and the fix."""
+
+
+def resolve_sources(cfg: DataConfig, shards: Optional[str] = None,
+                    num_samples: Optional[int] = None) -> list[Source]:
+    """Expand, check and count the configured sources (``shards`` overrides the config)."""
+    if shards is not None:
+        specs = [(shards, 1.0, num_samples)]
+    elif cfg.sources:
+        specs = [(s.shards, s.weight, s.num_samples) for s in cfg.sources]
+    elif cfg.shards:
+        specs = [(cfg.shards, 1.0, None)]
+    else:
+        raise DataError("no training shards: set data.shards=/path/{00000..00099}.tar or data.sources")
+    sources = []
+    for spec, weight, n in specs:
+        urls = expand(spec)
+        check_exist(urls)
+        if weight <= 0:
+            raise DataError(f"source {spec!r} has weight {weight}; weights must be > 0")
+        sources.append(Source(urls, weight, n if n is not None else count_samples(urls)))
+    return sources
+
+
+def total_samples(cfg: DataConfig, sources: list[Source], num_samples: Optional[int]) -> int:
+    """Samples per epoch: explicit argument > data.num_samples > sum of per-source counts."""
+    n = num_samples if num_samples is not None else cfg.num_samples
+    if n is not None:
+        return n
+    unknown = [s.urls[0] for s in sources if s.num_samples is None]
+    if unknown:
+        raise DataError(
+            f"cannot count the samples of the source starting at {unknown[0]!r}: no sizes.json or "
+            "*_stats.json beside its shards (or they are remote); set data.num_samples=<samples per "
+            "epoch> (or data.sources[i].num_samples)")
+    return sum(s.num_samples or 0 for s in sources)
+
+
+def url_weights(sources: list[Source]) -> list[float]:
+    """Per-shard draw weights so each source's share of *samples* follows its weight.
+
+    With counts known, a shard of source s is drawn with probability proportional to
+    weight_s / total_samples_s (then sources with big shards are not over-sampled); without
+    counts, proportional to weight_s / num_shards_s (each source's share of *shards*).
+    """
+    known = all(s.num_samples for s in sources)
+    weights = []
+    for s in sources:
+        denom = (s.num_samples if known else len(s.urls)) or 1
+        weights += [s.weight / denom] * len(s.urls)
+    return weights
+
+
+@dataclass
+class TrainData:
+    """Infinite batches for one rank with a resumable position and skip counters."""
+
+    spec: StreamSpec
+    transform: Callable
+    tokenizer: Callable
+    workers: int
+    num_samples: int
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        self.plan = EpochPlan(cursors=[0] * max(self.workers, 1))
+        self._skips: Counter = Counter()
+
+    @property
+    def epoch_batches(self) -> int:
+        """Batches per epoch per rank (the same on every rank)."""
+        return self.spec.epoch_batches
+
+    def batches(self) -> Iterator[Batch]:
+        """Yield (images, tokens) forever; epochs advance by themselves."""
+        while True:
+            for images, tokens, info in self._loader():
+                self.plan.batch += 1
+                self.plan.cursors[info["worker"]] = info["raw"]
+                self._skips.update(info["skips"])
+                yield images, tokens
+            self.plan = EpochPlan(epoch=self.plan.epoch + 1, cursors=[0] * max(self.workers, 1))
+
+    def _loader(self) -> DataLoader:
+        plan = EpochPlan(self.plan.epoch, self.plan.batch, list(self.plan.cursors))
+        dataset = BatchStream(self.spec, self.transform, self.tokenizer, plan, self.workers)
+        return DataLoader(dataset, batch_size=None, num_workers=self.workers,
+                          pin_memory=self.pin_memory, persistent_workers=False,
+                          prefetch_factor=2 if self.workers else None)
+
+    def skip_counts(self) -> dict[str, int]:
+        """Skipped samples/shards by reason, summed over this rank's workers since the start."""
+        return dict(self._skips)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The resume position (valid between two ``next()`` calls on ``batches()``)."""
+        s = self.spec
+        return {"epoch": self.plan.epoch, "batch": self.plan.batch, "cursors": list(self.plan.cursors),
+                "workers": self.workers, "world_size": s.world_size, "seed": s.seed,
+                "resampled": s.resampled, "epoch_batches": s.epoch_batches,
+                "skips": dict(self._skips)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a saved position; the layout (workers, world size, seed, mode) must match."""
+        s = self.spec
+        mine = {"workers": self.workers, "world_size": s.world_size, "seed": s.seed,
+                "resampled": s.resampled, "epoch_batches": s.epoch_batches}
+        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if diff:
+            raise DataError(
+                "cannot resume the data position exactly: " + ", ".join(
+                    f"{k} was {a} now {b}" for k, (a, b) in diff.items())
+                + "; restore these settings (data.workers, world size, seed, data.resampled, "
+                "data.num_samples, data.loader_batch) or start the data stream afresh")
+        self.plan = EpochPlan(state["epoch"], state["batch"], list(state["cursors"]))
+        self._skips = Counter(state.get("skips", {}))
+
+
+def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callable, rank: int,
+                     world_size: int, seed: int, shards: Optional[str] = None,
+                     num_samples: Optional[int] = None) -> TrainData:
+    """Build one rank's training stream.
+
+    ``transform``: PIL.Image -> uint8 (3,H,W) (see :mod:`infclip.data.transforms`);
+    ``tokenizer``: list[str] -> int64 (N, L). Batches per epoch per rank =
+    num_samples // (world_size * cfg.loader_batch); partial batches are dropped.
+    """
+    sources = resolve_sources(cfg, shards, num_samples)
+    total = total_samples(cfg, sources, num_samples)
+    urls = [u for s in sources for u in s.urls]
+    workers = max(cfg.workers, 0)
+    _check_layout(cfg, sources, urls, world_size, workers)
+    epoch_batches = total // (world_size * cfg.loader_batch)
+    if epoch_batches == 0:
+        raise DataError(
+            f"an epoch of {total} samples gives no full batch of data.loader_batch={cfg.loader_batch} "
+            f"on each of {world_size} ranks; lower data.loader_batch or add data")
+    spec = StreamSpec(urls=urls, weights=url_weights(sources), resampled=cfg.resampled, seed=seed,
+                      rank=rank, world_size=world_size, loader_batch=cfg.loader_batch,
+                      epoch_batches=epoch_batches, shuffle_buffer=cfg.shuffle_buffer,
+                      caption_key=cfg.caption_key, json_caption_key=cfg.json_caption_key)
+    return TrainData(spec, transform, tokenizer, workers, total, pin_memory=torch.cuda.is_available())
+
+
+def _check_layout(cfg: DataConfig, sources: list[Source], urls: list[str], world_size: int,
+                  workers: int) -> None:
+    if cfg.resampled:
+        return
+    if len({s.weight for s in sources}) > 1:
+        raise DataError("data.sources with different weights need data.resampled=true "
+                        "(epoch mode reads every shard once per epoch)")
+    slots = world_size * max(workers, 1)
+    if len(urls) < slots:
+        raise DataError(
+            f"epoch mode needs at least world_size x data.workers = {world_size} x {max(workers, 1)} "
+            f"= {slots} shards, but there are {len(urls)}; lower data.workers, use more (smaller) "
+            "shards, or set data.resampled=true")

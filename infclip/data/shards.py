@@ -1,0 +1,141 @@
+"""Shard lists: brace expansion, existence checks, sample counting and robust tar reading.
+
+Shard specs are webdataset URL strings: brace-expanded (``/data/laion/{00000..41407}.tar``),
+``::``-joined lists, local paths, or ``pipe:`` commands (``pipe:aws s3 cp s3://b/{0..9}.tar -``).
+Counting follows img2dataset: a ``sizes.json`` (``{"00000.tar": n}``) beside the shards wins,
+else each shard's ``{stem}_stats.json`` ``successes`` field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+from webdataset.gopen import gopen
+from webdataset.shardlists import expand_urls
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+@dataclass
+class Source:
+    """One expanded shard source."""
+
+    urls: list[str]
+    weight: float = 1.0
+    num_samples: Optional[int] = None  # configured or counted; None when unknown
+
+
+def expand(spec: str) -> list[str]:
+    """Expand a brace/``::`` shard spec into a list of URLs (empty spec -> error)."""
+    if not spec or not spec.strip():
+        raise ValueError("empty shard spec; set data.shards=/path/{00000..00099}.tar")
+    return list(expand_urls(spec.strip()))
+
+
+def is_local(url: str) -> bool:
+    return not url.startswith("pipe:") and ("://" not in url or url.startswith("file://"))
+
+
+def _local_path(url: str) -> str:
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
+def check_exist(urls: Sequence[str], show: int = 5) -> None:
+    """Raise FileNotFoundError listing the first missing local shards (remote URLs are not checked)."""
+    missing = [u for u in urls if is_local(u) and not os.path.exists(_local_path(u))]
+    if missing:
+        first = "\n  ".join(missing[:show])
+        raise FileNotFoundError(
+            f"{len(missing)} of {len(urls)} local shards do not exist; first missing:\n  {first}\n"
+            "Fix data.shards (brace range, folder) or remove the missing shards from it.")
+
+
+def _shard_count(url: str, sizes_cache: dict[str, Optional[dict]]) -> Optional[int]:
+    path = _local_path(url)
+    folder, name = os.path.split(path)
+    if folder not in sizes_cache:
+        sizes_file = os.path.join(folder, "sizes.json")
+        sizes_cache[folder] = json.load(open(sizes_file)) if os.path.exists(sizes_file) else None
+    sizes = sizes_cache[folder]
+    if sizes is not None and name in sizes:
+        return int(sizes[name])
+    stats = os.path.join(folder, os.path.splitext(name)[0] + "_stats.json")
+    if os.path.exists(stats):
+        with open(stats) as f:
+            return int(json.load(f)["successes"])
+    return None
+
+
+def count_samples(urls: Sequence[str]) -> Optional[int]:
+    """Total samples from sizes.json / *_stats.json, or None if any shard is not covered."""
+    cache: dict[str, Optional[dict]] = {}
+    total = 0
+    for url in urls:
+        n = _shard_count(url, cache) if is_local(url) else None
+        if n is None:
+            return None
+        total += n
+    return total
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+RawSample = dict  # {"__key__": str, "__url__": str, "<ext>": bytes, ...}
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    """``dir/abc.x.jpg`` -> (``dir/abc``, ``x.jpg``): the key ends at the basename's first dot."""
+    folder, base = os.path.split(name)
+    stem, dot, ext = base.partition(".")
+    return os.path.join(folder, stem) if folder else stem, ext.lower() if dot else ""
+
+
+def _grouped(tar: tarfile.TarFile, url: str) -> Iterator[RawSample]:
+    current: Optional[RawSample] = None
+    for info in tar:
+        if not info.isreg() or os.path.basename(info.name).startswith(("__", "._")):
+            continue
+        key, ext = _split_name(info.name)
+        data = tar.extractfile(info).read()  # raises on a member cut short
+        if current is None or current["__key__"] != key:
+            if current is not None:
+                yield current
+            current = {"__key__": key, "__url__": url}
+        current[ext] = data
+        tar.members = []  # stream mode: do not keep every TarInfo
+    if current is not None:
+        yield current
+
+
+def iter_samples(url: str, counts: Counter) -> Iterator[RawSample]:
+    """Samples of one shard, grouped by key; never raises for bad data.
+
+    A shard that cannot be opened or read at all counts ``unreadable_shard``; one that breaks
+    after some samples counts ``truncated_tar`` (the sample being read when it broke is lost
+    with it); a ``pipe:`` command that exits non-zero after a clean read counts ``pipe_error``.
+    """
+    yielded, failed = 0, False
+    try:
+        stream = gopen(url, "rb")
+    except Exception:
+        counts["unreadable_shard"] += 1
+        return
+    try:
+        with tarfile.open(fileobj=stream, mode="r|*") as tar:
+            for sample in _grouped(tar, url):
+                yielded += 1
+                yield sample
+    except (tarfile.TarError, OSError, EOFError, ValueError):
+        failed = True
+        counts["truncated_tar" if yielded else "unreadable_shard"] += 1
+    finally:
+        try:
+            stream.close()
+        except Exception:  # a pipe: command that exited non-zero reports here
+            if not failed:
+                counts["pipe_error"] += 1

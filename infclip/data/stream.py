@@ -1,0 +1,247 @@
+"""The per-worker sample stream: shard order, shuffle, decode, batch, tokenize.
+
+Everything random here is a pure function of (seed, epoch, rank, worker, position), which is
+what makes the resume position (:class:`WorkerCursor`) exact:
+
+* epoch mode: all shards are permuted with ``seed + epoch`` (the same on every rank), split
+  ``[rank::world]`` then ``[worker::workers]``. A worker whose shards run out before its batch
+  quota wraps around over its own shards (new permutation per pass); extra samples are dropped.
+* resampled mode: shards are drawn with replacement from a generator seeded with
+  (seed, epoch, rank, worker), with per-source weights.
+
+The shuffle buffer, json caption choice and the image augmentation (torch RNG, seeded per
+batch inside ``fork_rng``) follow the same seeds. A resumed worker replays the raw stream
+(tar reading + shuffle, no decoding) up to its cursor and continues with identical batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from PIL import Image
+from torch.utils.data import IterableDataset, get_worker_info
+
+from infclip.data.shards import IMAGE_EXTS, RawSample, iter_samples
+
+MAX_EMPTY_DRAWS = 100  # resampled mode: consecutive shards with no sample before giving up
+
+
+def mix_seed(*parts: Any) -> int:
+    """A stable 63-bit seed from any tuple of ints/strings (Python's hash() is salted)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass
+class StreamSpec:
+    """What one rank's workers need (pickled into each DataLoader worker)."""
+
+    urls: list[str]
+    weights: list[float]  # per-url draw weight (resampled mode)
+    resampled: bool
+    seed: int
+    rank: int
+    world_size: int
+    loader_batch: int
+    epoch_batches: int  # batches per epoch for this rank (all workers together)
+    shuffle_buffer: int
+    caption_key: str = "txt"
+    json_caption_key: Optional[str] = None
+
+
+@dataclass
+class WorkerCursor:
+    """Resume position of one worker within an epoch."""
+
+    raw: int = 0  # raw samples (after the shuffle buffer) consumed so far
+    batches: int = 0  # batches produced so far
+
+
+# -- shard order ------------------------------------------------------------------------------
+
+
+def epoch_shards(spec: StreamSpec, epoch: int, worker: int, workers: int) -> list[str]:
+    """Epoch mode: this worker's disjoint share of the epoch's shard permutation."""
+    order = list(spec.urls)
+    random.Random(mix_seed("shards", spec.seed, epoch)).shuffle(order)
+    return order[spec.rank::spec.world_size][worker::workers]
+
+
+def shard_stream(spec: StreamSpec, epoch: int, worker: int, workers: int) -> Iterator[str]:
+    """Infinite shard URLs for one worker (epoch mode wraps around its share)."""
+    if spec.resampled:
+        rng = random.Random(mix_seed("resample", spec.seed, epoch, spec.rank, worker))
+        while True:
+            yield rng.choices(spec.urls, weights=spec.weights)[0]
+    mine = epoch_shards(spec, epoch, worker, workers)
+    for wrap in range(1 << 62):
+        order = list(mine)
+        if wrap:
+            random.Random(mix_seed("wrap", spec.seed, epoch, spec.rank, worker, wrap)).shuffle(order)
+        yield from order
+
+
+def raw_stream(spec: StreamSpec, epoch: int, worker: int, workers: int,
+               counts: Counter) -> Iterator[RawSample]:
+    """Samples of this worker's shards in order; raises if shards stop producing any."""
+    empty = 0
+    per_pass = len(epoch_shards(spec, epoch, worker, workers)) if not spec.resampled else None
+    for url in shard_stream(spec, epoch, worker, workers):
+        got = 0
+        for sample in iter_samples(url, counts):
+            got += 1
+            yield sample
+        empty = 0 if got else empty + 1
+        limit = per_pass if per_pass is not None else MAX_EMPTY_DRAWS
+        if empty >= max(limit, 1):
+            raise RuntimeError(
+                f"rank {spec.rank} worker {worker}: {empty} shards in a row gave no sample (last: {url});"
+                f" skip counts so far: {dict(counts)}. Check the shard paths and their readability.")
+
+
+def shuffled(samples: Iterator[RawSample], bufsize: int, rng: random.Random) -> Iterator[RawSample]:
+    """Reservoir-style shuffle buffer (bufsize <= 1: pass through)."""
+    if bufsize <= 1:
+        yield from samples
+        return
+    buf: list[RawSample] = []
+    for sample in samples:
+        buf.append(sample)
+        if len(buf) >= bufsize:
+            i = rng.randrange(len(buf))
+            buf[i], buf[-1] = buf[-1], buf[i]
+            yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+# -- decoding ---------------------------------------------------------------------------------
+
+
+class Skip(Exception):
+    """A sample is unusable; ``reason`` names the counter it increments."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _caption(sample: RawSample, spec: StreamSpec, rng: random.Random) -> str:
+    if spec.json_caption_key:
+        if "json" not in sample:
+            raise Skip("missing_json")
+        try:
+            value = json.loads(sample["json"]).get(spec.json_caption_key)
+        except (ValueError, AttributeError):
+            raise Skip("bad_json") from None
+        if isinstance(value, list):
+            value = rng.choice(value) if value else None
+    else:
+        raw = sample.get(spec.caption_key)
+        value = None if raw is None else raw.decode("utf-8", errors="replace")
+    if value is None:
+        raise Skip("missing_caption")
+    if not isinstance(value, str) or not value.strip():
+        raise Skip("empty_caption")
+    return value.strip()
+
+
+def _image(sample: RawSample) -> Image.Image:
+    ext = next((e for e in IMAGE_EXTS if e in sample), None)
+    if ext is None:
+        known = {"__key__", "__url__", "txt", "json"}
+        raise Skip("unknown_extension" if set(sample) - known else "missing_image")
+    try:
+        with Image.open(io.BytesIO(sample[ext])) as img:
+            return img.convert("RGB")  # forces the full decode here, not in the transform
+    except Exception:
+        raise Skip("corrupt_image") from None
+
+
+def decode(sample: RawSample, spec: StreamSpec, transform: Callable, rng: random.Random
+           ) -> tuple[torch.Tensor, str]:
+    """(uint8 image (3,H,W), caption) or raise :class:`Skip`."""
+    text = _caption(sample, spec, rng)
+    image = _image(sample)
+    try:
+        out = transform(image)
+    except Exception:
+        raise Skip("transform_error") from None
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 3:
+        raise Skip("transform_error")
+    return out, text
+
+
+# -- the worker-side dataset ------------------------------------------------------------------
+
+
+@dataclass
+class EpochPlan:
+    """Where a rank's loader starts: epoch, batches already consumed, and worker cursors."""
+
+    epoch: int = 0
+    batch: int = 0
+    cursors: list[int] = field(default_factory=list)  # raw samples consumed per worker
+
+
+def worker_quota(epoch_batches: int, worker: int, workers: int) -> int:
+    """Batches worker ``w`` produces per epoch: the DataLoader takes batch k from worker k % W."""
+    return len(range(worker, epoch_batches, workers))
+
+
+class BatchStream(IterableDataset):
+    """Yields ``(images uint8 (B,3,H,W), tokens int64 (B,L), info)`` for one epoch of one worker.
+
+    ``info`` = {"worker", "raw" (cursor after this batch), "skips" (Counter delta)}.
+    """
+
+    def __init__(self, spec: StreamSpec, transform: Callable, tokenizer: Callable,
+                 plan: EpochPlan, workers: int):
+        self.spec, self.transform, self.tokenizer = spec, transform, tokenizer
+        self.plan, self.workers = plan, max(workers, 1)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        spec, plan, epoch = self.spec, self.plan, self.plan.epoch
+        done = worker_quota(plan.batch, worker, self.workers)
+        todo = worker_quota(spec.epoch_batches, worker, self.workers) - done
+        counts: Counter = Counter()
+        rng = random.Random(mix_seed("shuffle", spec.seed, epoch, spec.rank, worker))
+        stream = shuffled(raw_stream(spec, epoch, worker, self.workers, counts), spec.shuffle_buffer, rng)
+        raw = plan.cursors[worker] if worker < len(plan.cursors) else 0
+        for _ in range(raw):  # resume: replay the raw stream without decoding
+            next(stream)
+        counts.clear()  # skips before the cursor were counted by the run that consumed them
+        for b in range(done, done + todo):
+            images, texts, raw = self._batch(stream, counts, raw, mix_seed("batch", spec.seed, epoch,
+                                                                           spec.rank, worker, b))
+            tokens = self.tokenizer(texts)
+            yield torch.stack(images), tokens, {"worker": worker, "raw": raw, "skips": dict(counts)}
+            counts.clear()
+
+    def _batch(self, stream: Iterator[RawSample], counts: Counter, raw: int, seed: int
+               ) -> tuple[list[torch.Tensor], list[str], int]:
+        images: list[torch.Tensor] = []
+        texts: list[str] = []
+        rng = random.Random(seed)
+        with torch.random.fork_rng(devices=[]):  # keep the caller's RNG untouched (workers=0)
+            torch.manual_seed(seed)
+            while len(images) < self.spec.loader_batch:
+                sample = next(stream)
+                raw += 1
+                try:
+                    image, text = decode(sample, self.spec, self.transform, rng)
+                except Skip as skip:
+                    counts[skip.reason] += 1
+                    continue
+                images.append(image)
+                texts.append(text)
+        return images, texts, raw

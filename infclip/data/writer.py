@@ -1,0 +1,126 @@
+"""Shard writer for the img2dataset layout.
+
+Output folder::
+
+    00000.tar            {key}.jpg  {key}.txt  {key}.json   (one triple per sample)
+    00000_stats.json     {"count": n, "successes": n, "failed_to_download": 0, ...}
+    00001.tar ...
+    sizes.json           {"00000.tar": n, "00001.tar": m, ...}
+
+This is what img2dataset produces (plus parquet files we do not write), so the training
+pipeline counts samples the same way for downloaded and generated data. Tar members get a
+fixed mtime/owner, so the bytes of a shard depend only on what was written (determinism).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SHARD_DIGITS = 5
+
+
+@dataclass
+class ShardStats:
+    """What the writer produced: shard file names and samples per shard."""
+
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(self.sizes.values())
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.sizes)
+
+    def brace_spec(self, out_dir: str) -> str:
+        """Brace-expanded shard spec covering every written shard, e.g. ``dir/{00000..00015}.tar``."""
+        if not self.sizes:
+            raise ValueError(f"no shards were written to {out_dir}")
+        first, last = 0, self.num_shards - 1
+        if first == last:
+            return os.path.join(out_dir, f"{first:0{SHARD_DIGITS}d}.tar")
+        return os.path.join(out_dir, f"{{{first:0{SHARD_DIGITS}d}..{last:0{SHARD_DIGITS}d}}}.tar")
+
+
+def _add_member(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(payload)
+    info.mtime = 0  # deterministic bytes
+    info.mode = 0o644
+    info.uname = info.gname = "infclip"
+    tar.addfile(info, io.BytesIO(payload))
+
+
+class ShardWriter:
+    """Write samples into numbered tar shards with a per-shard sample and byte limit.
+
+    Use as a context manager; ``close()`` finishes the last shard and writes ``sizes.json``.
+    """
+
+    def __init__(self, out_dir: str, max_samples: int = 10_000, max_bytes: Optional[int] = None,
+                 start_shard: int = 0):
+        if max_samples <= 0:
+            raise ValueError(f"max_samples must be > 0, got {max_samples}")
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir, self.max_samples, self.max_bytes = out_dir, max_samples, max_bytes
+        self.stats = ShardStats()
+        self._index = start_shard
+        self._tar: Optional[tarfile.TarFile] = None
+        self._count = self._bytes = 0
+
+    def write(self, key: str, image: bytes, caption: str, meta: Optional[dict[str, Any]] = None,
+              ext: str = "jpg") -> None:
+        """Add one sample ``{key}.{ext}``, ``{key}.txt`` and ``{key}.json`` (meta + key + caption)."""
+        if "." in key or "/" in key:
+            raise ValueError(f"sample key {key!r} must not contain '.' or '/'")
+        size = len(image) + len(caption.encode())
+        full = self._tar is not None and (
+            self._count >= self.max_samples
+            or (self.max_bytes is not None and self._count and self._bytes + size > self.max_bytes))
+        if full:
+            self._finish_shard()
+        if self._tar is None:
+            self._tar = tarfile.open(self._shard_path(), "w", format=tarfile.USTAR_FORMAT)
+        record = {"key": key, "caption": caption, "status": "success", **(meta or {})}
+        _add_member(self._tar, f"{key}.{ext}", image)
+        _add_member(self._tar, f"{key}.txt", caption.encode("utf-8"))
+        _add_member(self._tar, f"{key}.json", json.dumps(record, sort_keys=True).encode("utf-8"))
+        self._count += 1
+        self._bytes += size
+
+    def _shard_name(self) -> str:
+        return f"{self._index:0{SHARD_DIGITS}d}"
+
+    def _shard_path(self) -> str:
+        return os.path.join(self.out_dir, self._shard_name() + ".tar")
+
+    def _finish_shard(self) -> None:
+        assert self._tar is not None
+        self._tar.close()
+        name = self._shard_name()
+        stats = {"count": self._count, "successes": self._count, "failed_to_download": 0,
+                 "failed_to_resize": 0, "status_dict": {"success": self._count}}
+        with open(os.path.join(self.out_dir, f"{name}_stats.json"), "w") as f:
+            json.dump(stats, f, indent=1, sort_keys=True)
+        self.stats.sizes[name + ".tar"] = self._count
+        self._tar, self._count, self._bytes = None, 0, 0
+        self._index += 1
+
+    def close(self) -> ShardStats:
+        if self._tar is not None:
+            self._finish_shard()
+        with open(os.path.join(self.out_dir, "sizes.json"), "w") as f:
+            json.dump(self.stats.sizes, f, indent=1, sort_keys=True)
+        return self.stats
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,48 @@
+"""Fixtures for the data tests: small img2dataset-style shards written on the fly."""
+
+import io
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from infclip.data.writer import ShardWriter
+
+
+def jpeg(value: int, side: int = 16) -> bytes:
+    """A tiny solid-colour JPEG whose red channel encodes ``value`` (0..255)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (value % 256, 128, 64)).save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def write_shards(folder, sizes, start=0, prefix="s"):
+    """Shards with ``sizes[i]`` samples each; captions are the global sample ids ("s000017")."""
+    os.makedirs(folder, exist_ok=True)
+    with ShardWriter(str(folder), max_samples=max(sizes), start_shard=start) as w:
+        gid = 0
+        for n in sizes:
+            for _ in range(n):
+                w.write(f"{prefix}{gid:06d}", jpeg(gid), f"{prefix}{gid:06d}", {"captions": [f"alt{gid}"]})
+                gid += 1
+            w._finish_shard()
+    return [os.path.join(folder, name) for name in sorted(w.stats.sizes)]
+
+
+class IdTokenizer:
+    """Tokenizer stand-in: caption "s000017" -> [[17]] so tests can read back sample ids."""
+
+    def __call__(self, texts):
+        return torch.tensor([[int(t.lstrip("salt"))] for t in texts], dtype=torch.int64)
+
+
+def ids(tokens):
+    return tokens[:, 0].tolist()
+
+
+@pytest.fixture
+def shards(tmp_path):
+    def make(sizes, name="shards", **kw):
+        return write_shards(tmp_path / name, sizes, **kw)
+    return make

@@ -150,7 +150,7 @@ def load_classnames(task: EvalTaskConfig, index: Optional[int], folder_names: Op
         return list(open_clip.IMAGENET_CLASSNAMES)
     if spec is None and folder_names is not None:
         return list(folder_names)
-    path = spec or os.path.join(task.root, "classnames.txt")
+    path = _in_root(task, spec or "classnames.txt")
     if not os.path.isfile(path):
         raise DataError(f"{_where(task, index, 'classnames')}: class-name file {path!r} not found; "
                         "set classnames to 'imagenet' or a file with one class name per line")
@@ -167,6 +167,7 @@ def load_templates(task: EvalTaskConfig, index: Optional[int]) -> list[Callable[
         return list(open_clip.OPENAI_IMAGENET_TEMPLATES)
     if spec == "simple_imagenet":
         return list(open_clip.SIMPLE_IMAGENET_TEMPLATES)
+    spec = _in_root(task, spec)
     if not os.path.isfile(spec):
         raise DataError(f"{_where(task, index, 'templates')}={spec!r} is not a file; use "
                         "'openai_imagenet', 'simple_imagenet' or a file with one template per line")
@@ -219,9 +220,15 @@ class RetrievalData:
     txt2img: list[int]
 
 
+def _in_root(task: EvalTaskConfig, path: str) -> str:
+    """Relative annotation / class-name / template paths are relative to the task's root."""
+    path = os.path.expanduser(path)
+    return path if os.path.isabs(path) or not task.root else os.path.join(task.root, path)
+
+
 def _annotation_path(task: EvalTaskConfig, index: Optional[int]) -> str:
-    default = os.path.join(task.root, f"{task.split}.json" if task.format == "flat" else "dataset_coco.json")
-    path = task.annotations or default
+    default = f"{task.split}.json" if task.format == "flat" else "dataset_coco.json"
+    path = _in_root(task, task.annotations or default)
     if not os.path.isfile(path):
         raise DataError(f"{_where(task, index, 'annotations')}: annotation file {path!r} not found; "
                         "set annotations to the JSON file (or root to its folder)")

@@ -37,6 +37,11 @@ class Runtime:
         return torch.device("cpu")
 
 
+def fp32(rt: Runtime) -> ContextManager:
+    """Scores and rank counts run outside any caller's autocast: bf16 logits would create ties."""
+    return torch.autocast(rt.device.type, enabled=False)
+
+
 def shard(n: int, rt: Runtime) -> range:
     """This rank's global indices of an n-item dataset."""
     return range(rt.rank, n, rt.world_size)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from infclip.eval.data import RetrievalData
-from infclip.eval.embed import Runtime, all_reduce_sum, encode_images, encode_texts, gather_strided, shard
+from infclip.eval.embed import Runtime, all_reduce_sum, encode_images, encode_texts, fp32, gather_strided, shard
 from infclip.eval.metrics import chance_multi, chance_single, multi_positive_hits, topk_hits
 
 RECALL_K = (1, 5, 10)
@@ -68,5 +68,6 @@ def evaluate_retrieval(model, tokenizer: Callable, data: RetrievalData, on_devic
     txt = encode_texts(model, tokenizer, [data.captions[j] for j in txt_idx], batch_size, rt)
     img, txt = gather_strided(img, n, rt), gather_strided(txt, m, rt)
     txt2img = torch.tensor(data.txt2img, dtype=torch.int64, device=img.device)
-    sums = all_reduce_sum(recall_sums(img, txt, txt2img, chunk_size, rt), rt)
+    with fp32(rt):
+        sums = all_reduce_sum(recall_sums(img, txt, txt2img, chunk_size, rt), rt)
     return summarize(sums.cpu(), data.txt2img, n)

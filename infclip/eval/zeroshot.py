@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infclip.eval.data import ZeroShotData
-from infclip.eval.embed import Runtime, all_reduce_sum, encode_images, gather_strided, shard
+from infclip.eval.embed import Runtime, all_reduce_sum, encode_images, fp32, gather_strided, shard
 from infclip.eval.metrics import chance_single, topk_hits
 
 TOPK = (1, 5)
@@ -72,6 +72,7 @@ def evaluate_zeroshot(model, tokenizer: Callable, data: ZeroShotData, on_device:
     if len(indices):
         img = encode_images(model, data.images, indices, on_device, batch_size, workers, rt)
         labels = torch.tensor([data.images.labels[i] for i in indices], device=rt.device)
-        for i in range(0, len(indices), chunk_size):  # logits never exceed chunk_size x C
-            counts += zeroshot_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
+        with fp32(rt):
+            for i in range(0, len(indices), chunk_size):  # logits never exceed chunk_size x C
+                counts += zeroshot_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
     return summarize(all_reduce_sum(counts, rt))

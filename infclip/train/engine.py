@@ -1,0 +1,306 @@
+"""The step engine: one optimizer step's gradients at any global batch (gradient cache).
+
+One step on each rank, with b/W local samples split into K micro-batches:
+
+1. **Cache pass** (no grad): encode each micro-batch, keep its normalized embeddings
+   (fp32 or bf16) and the RNG state (CPU + CUDA) it was encoded under. Locked LiT towers
+   are run here once (their embeddings or trunk features are cached, see ``lit``).
+2. **Loss**: one call of the loss on all local embeddings (the ring spans the ranks) gives
+   d loss / d embeddings and d loss / d logit_scale, scaled by the GradScaler if any.
+3. **Replay** (with grad): re-encode each micro-batch under its recorded RNG state (dropout,
+   drop-path, patch dropout replay bit for bit) and back-propagate its cached embedding
+   gradients. ``no_sync`` on all but the last micro-batch, so DDP all-reduces once. The
+   logit scale (the only parameter outside the towers) gets its gradient exactly once:
+   its cached gradient is back-propagated through the last replay's ``logit_scale.exp()``
+   output, inside the DDP-synchronized backward.
+
+GPU memory: inputs (b/W samples, or 2 micro-batches with offload; see ``offload``)
++ embeddings and their gradients, O(b/W c) + max(loss working set, one micro-batch's
+encoder activations). It does not otherwise grow with the global batch.
+
+With one micro-batch and ``memory.grad_cache`` "auto"/"off" the step is ordinary training:
+one forward with grad, the loss, one backward.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from infclip.config import ConfigError, micro_size
+from infclip.train.lit import LockPlan, lock_plan
+from infclip.train.offload import InputStager
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepOutput:
+    loss: Tensor  # detached local loss (this rank's rows)
+    global_loss: Tensor  # detached mean of the local losses over ranks (for logging)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: cache_pass, loss, replay
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Run-time facts derived once from the config (see ``build_engine``)."""
+
+    local: int  # samples per rank per step (global_size / world)
+    micro: int  # samples per encoder pass
+    grad_cache: bool  # two-pass gradient cache (else: plain forward/backward, micro == local)
+    cache_dtype: torch.dtype  # cached embeddings and their gradients
+    offload: bool  # stream micro-batches from pinned host memory
+    amp: Optional[torch.dtype]  # autocast dtype for the encoders (None: fp32)
+
+    @property
+    def num_micro(self) -> int:
+        return self.local // self.micro
+
+
+def build_engine(cfg: Any, model: nn.Module, *, device, normalizer: Callable[[Tensor], Tensor],
+                 loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor], scaler=None, group=None,
+                 world_size: int = 1) -> "StepEngine":
+    """The step engine for ``cfg`` (a ``TrainConfig``); call after ``lit.apply_locks``."""
+    local = cfg.batch.global_size // world_size
+    micro = micro_size(cfg, world_size)
+    mode = cfg.memory.grad_cache
+    if mode == "off" and micro != local:
+        raise ConfigError(
+            f"memory.grad_cache=off needs batch.micro_size == per-rank batch ({local}), got {micro}: "
+            "plain accumulation would change the contrastive loss; use memory.grad_cache=auto"
+        )
+    settings = EngineSettings(
+        local=local, micro=micro, grad_cache=mode == "on" or (mode == "auto" and micro < local),
+        cache_dtype=_DTYPES[cfg.memory.cache_dtype], offload=cfg.memory.offload,
+        amp=None if cfg.precision.amp == "fp32" else _DTYPES[cfg.precision.amp],
+    )
+    plan = lock_plan(unwrap(model), cfg.model)
+    return StepEngine(model, settings, device=device, normalizer=normalizer, loss_fn=loss_fn,
+                      scaler=scaler, group=group, world_size=world_size, plan=plan)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+@dataclass
+class _Micro:
+    """One micro-batch's tower inputs after the locked trunks ran (pass 1)."""
+
+    img_in: Optional[Tensor]  # tower input: normalized images, trunk features, or None (frozen)
+    txt_in: Optional[Tensor]
+    img_emb: Optional[Tensor] = None  # frozen tower: its cached embedding
+    txt_emb: Optional[Tensor] = None
+
+
+class StepEngine:
+    """Computes one optimizer step's gradients (see the module docs)."""
+
+    def __init__(self, model: nn.Module, settings: EngineSettings, *, device, normalizer, loss_fn,
+                 scaler=None, group=None, world_size: int = 1, plan: Optional[LockPlan] = None):
+        self.model, self.core = model, unwrap(model)
+        self.s = settings
+        self.device = torch.device(device)
+        self.normalizer, self.loss_fn, self.scaler = normalizer, loss_fn, scaler
+        self.group, self.world_size = group, world_size
+        self.plan = plan or LockPlan()
+        self.stager = InputStager(self.device, settings.offload)
+        self.measure_timings = True  # synchronize CUDA at phase boundaries to time them
+        self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+
+    # ------------------------------------------------------------------------- step
+    def step(self, images: Tensor, tokens: Tensor) -> StepOutput:
+        """Gradients of one step into ``.grad`` (see module docs); images uint8 (b/W,3,H,W)."""
+        if images.shape[0] != self.s.local or tokens.shape[0] != self.s.local:
+            raise ValueError(
+                f"engine.step expects the per-rank batch of {self.s.local} samples, got images "
+                f"{tuple(images.shape)} and tokens {tuple(tokens.shape)}"
+            )
+        inputs = {"images": images, "tokens": tokens}
+        if self.s.grad_cache:
+            loss, timings = self._cached_step(inputs)
+        else:
+            loss, timings = self._plain_step(inputs)
+        return StepOutput(loss.detach(), self._global_mean(loss.detach()), timings)
+
+    def _plain_step(self, inputs: dict) -> tuple[Tensor, dict]:
+        """Ordinary training: one forward with grad on the whole local batch, one backward."""
+        clock = _Clock(self.device, self.measure_timings)
+        batches = self.stager.stream(inputs, self.s.local, [(0, ("images", "tokens"))])
+        m = self._prepare(next(batches))
+        img, txt, scale = self._encode(self.model, m)
+        clock.lap("cache_pass")
+        img, txt = _same_dtype(img, txt)
+        loss = self.loss_fn(img, txt, scale)
+        clock.lap("loss")
+        self._scaled(loss).backward()
+        _drain(batches)  # the stager marks the input buffers free only after the backward
+        clock.lap("replay")
+        return loss, clock.laps
+
+    def _cached_step(self, inputs: dict) -> tuple[Tensor, dict]:
+        clock = _Clock(self.device, self.measure_timings)
+        k_n = self.s.num_micro
+        batches = self.stager.stream(inputs, self.s.micro, self._schedule())
+        micros, rngs, img_c, txt_c = [], [], [], []
+        for _ in range(k_n):  # pass 1: cache embeddings + RNG states, no graph
+            with torch.no_grad():
+                m = self._prepare(next(batches))
+                rngs.append(_rng_state(self.device))
+                img, txt, _ = self._encode(self.core, m)
+            micros.append(m)
+            img_c.append(_cache(img, m.img_emb, self.s.cache_dtype))
+            txt_c.append(_cache(txt, m.txt_emb, self.s.cache_dtype))
+        clock.lap("cache_pass")
+        loss, g_img, g_txt, g_scale = self._loss_grads(torch.cat(img_c), torch.cat(txt_c))
+        del img_c, txt_c
+        clock.lap("loss")
+        for k in range(k_n):  # pass 2: replay with grad, back-propagate the cached gradients
+            self._replay(k, next(batches), micros[k], rngs[k], g_img, g_txt, g_scale)
+            micros[k] = None  # release cached trunk features as we go
+        _drain(batches)
+        clock.lap("replay")
+        return loss, clock.laps
+
+    # ------------------------------------------------------------------------- pieces
+    def _schedule(self) -> list:
+        """Which inputs each stage needs: pass 1 all; pass 2 only the towers re-run from raw input."""
+        again = [n for n, t in (("images", self.plan.image), ("tokens", self.plan.text)) if t.mode == "train"]
+        k_n = self.s.num_micro
+        return [(k, ("images", "tokens")) for k in range(k_n)] + [(k, tuple(again)) for k in range(k_n)]
+
+    def _prepare(self, batch: dict) -> _Micro:
+        """Normalize images; run locked trunks / frozen towers once (no grad, eval mode)."""
+        with torch.no_grad(), self._autocast():
+            m = _Micro(self.normalizer(batch["images"]), batch["tokens"])
+            for side, tower in (("img", self.plan.image), ("txt", self.plan.text)):
+                x = getattr(m, f"{side}_in")
+                if tower.mode == "frozen":
+                    enc = self.core.encode_image if side == "img" else self.core.encode_text
+                    setattr(m, f"{side}_emb", enc(x, normalize=True))
+                    setattr(m, f"{side}_in", None)
+                elif tower.mode == "split":
+                    setattr(m, f"{side}_in", tower.trunk(x))
+        return m
+
+    def _encode(self, net: nn.Module, m: _Micro) -> tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+        """The model's own forward (through DDP when ``net`` is the wrapper) on the tower inputs."""
+        with self._autocast(), self.plan.head_only():
+            out = net(image=m.img_in, text=m.txt_in)
+        if isinstance(out, dict):
+            img, txt, scale = out["image_features"], out["text_features"], out["logit_scale"]
+        else:
+            img, txt, scale = out[0], out[1], out[2]
+        return (m.img_emb if img is None else img), (m.txt_emb if txt is None else txt), scale
+
+    def _loss_grads(self, img: Tensor, txt: Tensor):
+        """One loss call on all local embeddings -> (loss, d img, d txt, d scale), scaled."""
+        img.requires_grad_(self.plan.image.mode != "frozen")
+        txt.requires_grad_(self.plan.text.mode != "frozen")
+        # The loss sees s = exp(logit_scale) as a leaf; its gradient is pushed through the
+        # last replay's own exp(logit_scale) output, so logit_scale.grad = dL/ds * s.
+        s = self.core.logit_scale.detach().exp().reshape(()).requires_grad_(self.core.logit_scale.requires_grad)
+        loss = self.loss_fn(img, txt, s)
+        wrt = [t for t in (img, txt, s) if t.requires_grad]
+        grads = iter(torch.autograd.grad(self._scaled(loss), wrt) if wrt else ())
+        return loss, *(next(grads) if t.requires_grad else None for t in (img, txt, s))
+
+    def _replay(self, k: int, batch: dict, m: _Micro, rng, g_img, g_txt, g_scale) -> None:
+        """Re-encode micro-batch ``k`` under its pass-1 RNG state and back-propagate."""
+        if self.plan.image.mode == "train":
+            m.img_in = self.normalizer(batch["images"])
+        if self.plan.text.mode == "train":
+            m.txt_in = batch["tokens"]
+        last = k == self.s.num_micro - 1
+        # Only the last micro-batch's backward all-reduces (DDP buckets fire once per step).
+        sync = nullcontext() if (last or not self._ddp) else self.model.no_sync()
+        rows = slice(k * self.s.micro, (k + 1) * self.s.micro)
+        with sync, _replayed_rng(self.device, rng):
+            img, txt, scale = self._encode(self.model, m)
+            outs, grads = [], []
+            for emb, g, fresh in ((img, g_img, m.img_emb is None), (txt, g_txt, m.txt_emb is None)):
+                if g is not None and fresh:
+                    outs.append(emb)
+                    grads.append(g[rows].to(emb.dtype))
+            if last and g_scale is not None:
+                outs.append(scale)
+                grads.append(g_scale.reshape(scale.shape).to(scale.dtype))
+            if outs:
+                torch.autograd.backward(outs, grads)
+
+    def _scaled(self, loss: Tensor) -> Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def _autocast(self):
+        if self.s.amp is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.s.amp)
+
+    def _global_mean(self, loss: Tensor) -> Tensor:
+        if self.group is None or self.world_size == 1:
+            return loss
+        total = loss.clone()
+        dist.all_reduce(total, group=self.group)
+        return total / self.world_size
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _drain(it) -> None:
+    for _ in it:
+        raise RuntimeError("input stager yielded more micro-batches than the step consumed")
+
+
+def _cache(emb: Optional[Tensor], frozen: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    return (frozen if emb is None else emb).detach().to(dtype)
+
+
+def _same_dtype(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    if a.dtype == b.dtype:
+        return a, b
+    dt = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dt), b.to(dt)
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Optional[Tensor]]:
+    """CPU and (on CUDA) this device's generator state; patch dropout draws on the CPU one."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextmanager
+def _replayed_rng(device: torch.device, state):
+    """Run under a recorded RNG state; the ambient state is restored afterwards."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+class _Clock:
+    """Phase timer; synchronizes CUDA at each lap only when ``sync`` (measuring)."""
+
+    def __init__(self, device: torch.device, sync: bool):
+        self.sync = sync and device.type == "cuda"
+        self.device = device
+        self.laps: dict[str, float] = {}
+        self._t = self._now()
+
+    def _now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        t = self._now()
+        self.laps[name] = t - self._t
+        self._t = t

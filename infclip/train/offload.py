@@ -1,0 +1,122 @@
+"""Input staging for one optimizer step: which micro-batch of inputs is on the device when.
+
+The engine asks for micro-batches in a fixed schedule (pass 1: 0..K-1, then pass 2:
+0..K-1). :class:`InputStager` yields each one as a dict of device tensors.
+
+* ``offload=False``: the whole per-rank batch is copied to the device once per step
+  (one buffer of b/W rows per input); micro-batches are views into it. Device memory for
+  inputs: b/W samples (M_data in the paper's notation).
+* ``offload=True``: the step's inputs stay in (pinned) CPU memory. Two device buffers of
+  one micro-batch each (double buffering) per input: while the engine computes on
+  micro-batch i from one buffer, micro-batch i+1 is copied into the other on a side CUDA
+  stream. Device memory for inputs: 2 micro-batches, independent of the global batch.
+  Every micro-batch crosses PCIe twice per step (pass 1 and pass 2); a 224^2 uint8 image
+  is 150 KB, so a 1M batch is 150 GB of host memory (37.6 GB per rank on 4 ranks) and
+  ~300 GB of PCIe traffic per step across ranks, hidden behind the encoder compute.
+
+Images are staged as uint8 (normalized on the device by the data pipeline's normalizer):
+a float32 224^2 image would be 4x the bytes on the host and on the wire.
+
+On a CPU device the same code runs: buffers are allocated and filled with ``copy_``, only
+the stream/event synchronization is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+Item = tuple[int, Sequence[str]]  # (micro-batch index, names of the inputs it needs)
+
+
+class InputStager:
+    """Stages micro-batches of host inputs into device buffers (see the module docs)."""
+
+    def __init__(self, device: torch.device, offload: bool):
+        self.device = torch.device(device)
+        self.offload = offload
+        self.buffers: dict[str, list[Tensor]] = {}  # name -> device buffers (1 or 2)
+        self._cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if (offload and self._cuda) else None
+        self._free: dict[tuple[str, int], torch.cuda.Event] = {}  # buffer last read by compute
+
+    def resident_rows(self) -> int:
+        """Largest number of samples of any one input that the device buffers can hold."""
+        return max((sum(b.shape[0] for b in bufs) for bufs in self.buffers.values()), default=0)
+
+    def stream(self, inputs: dict[str, Tensor], micro: int, schedule: Sequence[Item]) -> Iterator[dict[str, Tensor]]:
+        """Yield ``{name: device tensor (micro, ...)}`` for each schedule item, in order.
+
+        A yielded tensor is valid until the generator is resumed (offload) or until the
+        step ends (no offload); the consumer must finish its forward/backward on it first.
+        """
+        if self.offload:
+            yield from self._stream_offload(inputs, micro, schedule)
+        else:
+            yield from self._stream_resident(inputs, micro, schedule)
+
+    # -- resident: the whole per-rank batch on the device -------------------------------
+    def _stream_resident(self, inputs, micro, schedule):
+        staged = {}
+        for name in {n for _, names in schedule for n in names}:
+            buf = self._buffer(name, 0, inputs[name].shape, inputs[name].dtype)
+            buf.copy_(inputs[name], non_blocking=True)
+            staged[name] = buf
+        for k, names in schedule:
+            yield {n: staged[n][k * micro:(k + 1) * micro] for n in names}
+
+    # -- offload: two micro-batch buffers per input, filled ahead on a side stream ------
+    def _stream_offload(self, inputs, micro, schedule):
+        ready = self._issue(inputs, micro, schedule, 0)
+        for i, (_, names) in enumerate(schedule):
+            nxt = self._issue(inputs, micro, schedule, i + 1) if i + 1 < len(schedule) else None
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
+            yield {n: self.buffers[n][i % 2] for n in names}
+            if self._cuda:  # the compute stream has now enqueued every use of slot i % 2
+                for n in names:
+                    ev = self._free[(n, i % 2)] = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(self.device))
+            ready = nxt
+
+    def _issue(self, inputs, micro, schedule, i) -> Optional[torch.cuda.Event]:
+        """Start copying schedule item ``i`` into slot ``i % 2``; returns its ready event."""
+        k, names = schedule[i]
+        slot = i % 2
+        if not self._cuda:
+            for n in names:
+                src = inputs[n][k * micro:(k + 1) * micro]
+                self._buffer(n, slot, src.shape, src.dtype).copy_(src)
+            return None
+        srcs = {n: inputs[n][k * micro:(k + 1) * micro] for n in names}
+        bufs = {n: self._buffer(n, slot, s.shape, s.dtype) for n, s in srcs.items()}  # on compute stream
+        with torch.cuda.stream(self._copy_stream):
+            for n, src in srcs.items():
+                buf = bufs[n]
+                if (n, slot) in self._free:  # never overwrite a slot the compute stream still reads
+                    self._copy_stream.wait_event(self._free[(n, slot)])
+                buf.copy_(src, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        return ready
+
+    def _buffer(self, name: str, slot: int, shape, dtype) -> Tensor:
+        """The device buffer ``slot`` for ``name``, (re)allocated when the shape changes."""
+        bufs = self.buffers.setdefault(name, [])
+        while len(bufs) <= slot:
+            bufs.append(torch.empty(0, device=self.device))
+        if bufs[slot].shape != shape or bufs[slot].dtype != dtype:
+            if self._cuda:  # a reallocation must not race a pending read of the old buffer
+                torch.cuda.current_stream(self.device).synchronize()
+            bufs[slot] = torch.empty(shape, dtype=dtype, device=self.device)
+            self._free.pop((name, slot), None)
+        return bufs[slot]
+
+
+def pin(t: Tensor) -> Tensor:
+    """``t`` in page-locked host memory (needed for truly asynchronous H2D copies)."""
+    if t.device.type != "cpu" or t.is_pinned() or not torch.cuda.is_available():
+        return t
+    return t.pin_memory()

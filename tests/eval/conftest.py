@@ -1,0 +1,24 @@
+"""Fixtures for the eval tests: the generator's held-out split and a tiny open_clip model."""
+
+import open_clip
+import pytest
+import torch
+
+import infclip.model  # noqa: F401  registers infclip/model_configs (infclip-micro)
+from infclip.data.synthetic import generate
+
+MODEL = "infclip-micro"  # 32 px, 1 layer per tower, embed dim 32
+
+
+@pytest.fixture(scope="session")
+def synthetic(tmp_path_factory):
+    """The data generator's dataset with a 37-image eval split (odd: uneven rank shards)."""
+    return generate(str(tmp_path_factory.mktemp("syn") / "root"), num_train=8, num_eval=37, side=32, seed=0)
+
+
+@pytest.fixture(scope="session")
+def micro():
+    """(model, tokenizer, float val preprocess) of a randomly initialized infclip-micro (seed 0)."""
+    torch.manual_seed(0)
+    model, _, preprocess = open_clip.create_model_and_transforms(MODEL)
+    return model.eval(), open_clip.get_tokenizer(MODEL), preprocess

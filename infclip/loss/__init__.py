@@ -7,11 +7,14 @@ exactly open_clip's ``ClipLoss`` value.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 from infclip.loss.function import lse_pair
 from infclip.loss.reference import vanilla_loss
+from infclip.loss.ring import global_mean_loss
 from infclip.loss.tiled import TorchTileOps
 
 IMPLS = ("auto", "vanilla", "local", "torch", "triton")
@@ -57,8 +60,9 @@ def tile_ops(impl: str, device: torch.device, *, fp32_precision: str = "ieee"):
     if impl == "torch":
         return TorchTileOps()
     if impl == "triton":
-        if device.type != "cuda":
-            raise ValueError(f"impl='triton' needs CUDA tensors, got {device}; use impl='torch' or 'auto'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {device}; "
+                             "use impl='torch' or 'auto'")
         from infclip.kernels.clip import TritonTileOps
 
         return TritonTileOps(fp32_precision=fp32_precision)
@@ -117,3 +121,8 @@ def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> Tensor:
     diag = scale.to(acc) * (img.to(acc) * txt.to(acc)).sum(-1)
     loss = 0.5 * (row_lse.to(acc).mean() + col_lse.to(acc).mean()) - diag.mean()
     return loss if acc == torch.float64 else loss.float()
+
+
+# Other objectives on the same tiled engine (issue 9). Imported last: they use the helpers above.
+from infclip.loss.siglip import siglip_loss  # noqa: E402
+from infclip.loss.nt_xent import nt_xent_loss  # noqa: E402

@@ -1,0 +1,248 @@
+"""The Inf-CL loss across ranks: text blocks travel around a ring, images stay put.
+
+Each of the W ranks of ``group`` holds its local (m, c) images I_r and texts T_r; the
+global batch is b = W * m. With x_ij = s * <I_i, T_j> over the global batch:
+
+    ring_forward  -> row_lse (m,)  = LSE over all b texts, for the local images
+                     col_lse (m,)  = LSE over all b images, for the local texts
+    ring_backward -> dI_r, dT_r, ds_r  (see "Gradient semantics")
+
+Schedule (send to group rank r+1, receive from r-1, ``dist.batch_isend_irecv``). At step
+k = 0..W-1 rank r holds the text block of rank r-k and computes the tile (I_r, T_{r-k})
+with the tile backend ``ops`` (``TorchTileOps`` on CPU, ``TritonTileOps`` on CUDA; the
+protocol is in ``infclip.loss.tiled``). Before the tile starts, the transfers of step k
+are posted:
+
+* the current block itself (plus, in backward, its col_lse and g_col) goes to r+1, where
+  it is used at step k+1 (double-buffered: two receive buffers alternate);
+* the block's accumulator (column-LSE partial in forward, dT partial in backward) travels
+  one step *behind* its block: rank r receives the accumulator of block r-k (from rank r-1,
+  which finished its tile at step k-1) while it computes its own partial for that block,
+  then merges the two (``logaddexp`` / ``+``). So no transfer ever waits for a tile.
+
+After the last step one more hop carries each finished accumulator home: W hops in all.
+Images never move, so dI accumulates in place. On CUDA with NCCL the P2P kernels run on
+the process group's internal communication stream, which waits (through events) on the
+compute stream for the data being sent; ``Work.wait()`` makes the compute stream wait on
+the communication stream, without blocking the host. The whole ring is therefore queued
+without host synchronization and the transfer of step k+1's block overlaps step k's tile.
+
+Memory per rank beyond the inputs: two (m, c) text receive buffers, in backward three
+(m, c) accumulators (the partial being computed, the one arriving, the one leaving) and
+dI, plus O(m) vectors. Never O(b * c).
+
+Gradient semantics. Every rank calls backward on its own loss L_r (the mean over its
+local rows). Feature gradients are d(sum_q L_q)/d(local features): the column terms
+g_col of remote ranks travel with their blocks. The logit-scale gradient is *not*
+all-reduced: rank r returns the part of d(sum_q L_q)/ds that flows through the tiles
+(I_r, T_*) it computed. DDP averages parameter gradients, (1/W) * d(sum_q L_q)/dθ, which
+is exactly the single-process gradient of the global mean (sum_q L_q = W * global mean).
+
+Unequal local batch sizes are not supported: DDP's average of local means is the global
+mean only when every rank has the same m. ``check_equal_shapes`` (one small all_gather per
+forward) raises ``ValueError`` instead of letting a receive with the wrong size hang.
+
+Logging: ``global_mean_loss(loss, group)`` all-reduces one detached scalar, O(1) traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Peers of this process in ``group``: group rank, world size, global ranks of r+-1."""
+
+    group: object
+    rank: int
+    world: int
+    send_to: int  # global rank of group rank (rank + 1) % world
+    recv_from: int  # global rank of group rank (rank - 1) % world
+
+    @classmethod
+    def of(cls, group) -> "Ring":
+        group = dist.group.WORLD if group is None else group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if rank < 0:
+            raise ValueError("this process is not a member of the process group passed to the loss")
+        return cls(
+            group, rank, world,
+            dist.get_global_rank(group, (rank + 1) % world),
+            dist.get_global_rank(group, (rank - 1) % world),
+        )
+
+    def post(self, sends: list[Tensor], recvs: list[Tensor]) -> list:
+        """Sends sends[i] to r+1 and receives recvs[i] from r-1 (tag i); returns the works."""
+        ops = [dist.P2POp(dist.isend, t, self.send_to, self.group, tag=i) for i, t in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, t, self.recv_from, self.group, tag=i) for i, t in enumerate(recvs)]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    @staticmethod
+    def wait(works: list) -> None:
+        for w in works:
+            w.wait()
+
+
+def check_equal_shapes(img: Tensor, txt: Tensor, scale: Tensor, group) -> None:
+    """Raises ValueError unless every rank of ``group`` has the same (m, c), dtype and scale.
+
+    One all_gather of a 4-element float64 tensor (and, on CUDA, one host sync).
+    """
+    world = dist.get_world_size(group)
+    shape = torch.tensor([img.shape[0], img.shape[1], _DTYPES.index(img.dtype)], dtype=torch.float64)
+    mine = torch.cat([shape.to(img.device), scale.detach().to(torch.float64).reshape(1)])
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    rows = [e.tolist() for e in every]
+    if any(r[:3] != rows[0][:3] for r in rows):
+        shapes = ", ".join(f"rank {i}: ({int(r[0])}, {int(r[1])}) {_DTYPES[int(r[2])]}" for i, r in enumerate(rows))
+        raise ValueError(
+            f"the distributed CLIP loss needs the same local batch shape and dtype on every rank, got "
+            f"{shapes}; give every rank the same per-rank batch (drop or pad the last global batch)"
+        )
+    if any(r[3] != rows[0][3] for r in rows):
+        raise ValueError(
+            f"logit_scale differs across ranks ({[r[3] for r in rows]}); the parameters are out of "
+            "sync: wrap the model in DistributedDataParallel or broadcast logit_scale"
+        )
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def ring_forward(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> tuple[Tensor, Tensor]:
+    """(row_lse (m,), col_lse (m,)) over the global batch; the caller's autograd saves them."""
+    ring = Ring.of(group)
+    check_equal_shapes(img, txt, scale, ring.group)
+    txt = txt.contiguous()
+    bufs: list[Tensor] = []  # two alternating receive buffers for the travelling texts
+    cur, row_lse, acc = txt, None, None  # acc: column-LSE accumulator of the last block
+    for k in range(ring.world):
+        sends, recvs, nxt, acc_in = [], [], None, None
+        if k < ring.world - 1:
+            if len(bufs) < 2:
+                bufs.append(torch.empty_like(txt))
+            nxt = bufs[k % 2]
+            sends += [cur]
+            recvs += [nxt]
+        if k > 0:
+            acc_in = torch.empty_like(acc)
+            sends += [acc]
+            recvs += [acc_in]
+        works = ring.post(sends, recvs)
+        # -- compute tile -- (I_r, T_{r-k}) while the next block and acc_in are in flight.
+        row_part, col_part = ops.forward(img, cur, scale)
+        row_lse = row_part if row_lse is None else torch.logaddexp(row_lse, row_part)
+        ring.wait(works)
+        acc = col_part if acc_in is None else torch.logaddexp(acc_in, col_part)
+        cur = nxt
+    return row_lse, _home(ring, acc, torch.empty_like(acc))
+
+
+def _home(ring: Ring, acc: Tensor, out: Tensor) -> Tensor:
+    """The last hop: the finished accumulator of block r+1 goes to its owner r+1 (into out)."""
+    if ring.world == 1:
+        return acc
+    ring.wait(ring.post([acc], [out]))
+    return out
+
+
+class _Pool:
+    """Reusable (m, c) accumulator buffers, so the backward ring holds at most three."""
+
+    def __init__(self, like: Tensor, dtype: torch.dtype):
+        self.shape, self.dtype, self.device = like.shape, dtype, like.device
+        self.free: list[Tensor] = []
+
+    def take(self, zero: bool) -> Tensor:
+        buf = self.free.pop() if self.free else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return buf.zero_() if zero else buf
+
+    def give(self, *bufs: Tensor) -> None:
+        self.free.extend(bufs)
+
+
+def ring_backward(
+    img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
+    g_row: Tensor, g_col: Tensor, ops, group,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dimg (m, c), dtxt (m, c), dscale 0-d) in the accumulation dtype (fp32, fp64 for fp64).
+
+    dimg, dtxt: d(sum over all ranks' losses)/d(local features); dscale: this rank's part.
+    """
+    ring = Ring.of(group)
+    acc = _acc_dtype(img)
+    cur, meta = txt.contiguous(), torch.stack([col_lse, g_col.to(col_lse.dtype)])
+    pool = _Pool(txt, acc)
+    dimg = torch.zeros(img.shape, dtype=acc, device=img.device)
+    dscale = torch.zeros((), dtype=acc, device=img.device)
+    bufs: list[tuple[Tensor, Tensor]] = []
+    dt_out = None  # dT accumulator of the block computed at the previous step
+    for k in range(ring.world):
+        sends, recvs, nxt, dt_in = [], [], None, None
+        if k < ring.world - 1:
+            if len(bufs) < 2:
+                bufs.append((torch.empty_like(cur), torch.empty_like(meta)))
+            nxt = bufs[k % 2]
+            sends += [cur, meta]
+            recvs += list(nxt)
+        if k > 0:
+            dt_in = pool.take(zero=False)
+            sends += [dt_out]
+            recvs += [dt_in]
+        works = ring.post(sends, recvs)
+        # -- compute tile -- partial dT of block r-k into a fresh buffer; dI in place.
+        part = pool.take(zero=True)
+        _, _, ds = ops.backward(img, cur, scale, row_lse, meta[0], g_row, meta[1], dimg=dimg, dtxt=part)
+        dscale += ds
+        ring.wait(works)
+        if dt_in is not None:
+            part += dt_in
+            pool.give(dt_in, dt_out)
+        dt_out = part
+        if nxt is not None:
+            cur, meta = nxt
+    return dimg, _home(ring, dt_out, pool.take(zero=False)), dscale
+
+
+def global_mean_loss(loss: Tensor, group=None) -> Tensor:
+    """Detached mean of every rank's (local-rows) loss: the global-batch loss, for logging.
+
+    One all-reduce of a scalar; with equal local batch sizes this equals the loss of a
+    single process on the concatenated global batch. Without distributed, returns loss.
+    """
+    out = loss.detach().clone()
+    if not dist.is_available() or not dist.is_initialized():
+        return out
+    world = dist.get_world_size(group)
+    if world > 1:
+        dist.all_reduce(out, group=group)
+        out /= world
+    return out
+
+
+def distributed_clip_loss(
+    img: Tensor, txt: Tensor, scale: Tensor, *, impl: str, group, fp32_precision: str = "ieee",
+) -> Tensor:
+    """``clip_loss`` on a process group of world size > 1: this rank's local-rows loss.
+
+    impl "auto" | "torch" | "triton": the ring above with that tile backend.
+    impl "vanilla" | "local": all-gather-with-grad baselines (``infclip.loss.reference``).
+    """
+    from infclip.loss import _tiled_loss, tile_ops
+    from infclip.loss import reference
+
+    if impl in ("vanilla", "local"):
+        check_equal_shapes(img, txt, scale, group)
+        fn = reference.distributed_vanilla_loss if impl == "vanilla" else reference.distributed_local_loss
+        return fn(img, txt, scale, group)
+    ops = tile_ops(impl, img.device, fp32_precision=fp32_precision)
+    return _tiled_loss(img, txt, scale, ops, group)

@@ -1,0 +1,218 @@
+"""The ring loss on W gloo ranks equals one process on the concatenated global batch.
+
+Each test launches 3 or 4 processes that run this file as a script (``case`` argument);
+the assertions run inside the ranks and a failing rank exits non-zero with its traceback.
+Every launch has a wall-clock bound, so a deadlocked ring fails instead of hanging CI.
+Ground truth: the full b x b matrix in float64 on every rank (the data are seeded).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+LAUNCH_TIMEOUT_S = 150
+C = 37  # feature dim, not a power of two
+
+
+# -- launcher (parent side) -----------------------------------------------------------------
+
+
+def launch(case: str, world: int, tmp_path: Path, timeout: float = LAUNCH_TIMEOUT_S) -> None:
+    """Runs ``python this_file case`` on ``world`` gloo ranks; fails on error or timeout."""
+    env = dict(os.environ, WORLD_SIZE=str(world), OMP_NUM_THREADS="1", INIT=f"file://{tmp_path}/store")
+    logs = [tmp_path / f"rank{r}.log" for r in range(world)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, case], env={**env, "RANK": str(r)},
+                         stdout=log.open("w"), stderr=subprocess.STDOUT)
+        for r, log in enumerate(logs)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case}: ranks still running after {timeout} s (deadlock?)\n" + _tails(logs))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(p.returncode != 0 for p in procs):
+        pytest.fail(f"{case}: rank exit codes {[p.returncode for p in procs]}\n" + _tails(logs))
+
+
+def _tails(logs: list[Path]) -> str:
+    return "\n".join(f"--- {log.name} ---\n{log.read_text()[-4000:]}" for log in logs)
+
+
+def test_ring_matches_single_process_w2_w3_w4_and_subgroups(tmp_path):
+    launch("equivalence", 4, tmp_path)
+
+
+def test_ring_errors_and_slow_ranks(tmp_path):
+    launch("robustness", 3, tmp_path)
+
+
+# -- ranks (child side) ---------------------------------------------------------------------
+
+
+def _init():
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    return rank, world
+
+
+def global_batch(world: int, m: int, seed: int, *, peaked: bool = False):
+    """Seeded (b, C) float32 images/texts (L2-normalized) and scale; same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    img = torch.nn.functional.normalize(torch.randn(world * m, C, generator=g), dim=-1)
+    noise = torch.randn(world * m, C, generator=g)
+    txt = torch.nn.functional.normalize(img + (0.3 if peaked else 3.0) * noise, dim=-1)
+    scale = torch.tensor(50.0 if peaked else 1 / 0.07)
+    return img, txt, scale
+
+
+def reference(img, txt, scale, world: int, dtype=torch.float64):
+    """Per-rank losses L_q and the gradients of sum_q L_q (the DDP-summed objective), one process."""
+    i, t, s = (x.to(dtype).requires_grad_() for x in (img, txt, scale))
+    x = s * i @ t.T
+    per_row = 0.5 * (x.logsumexp(1) + x.logsumexp(0)) - x.diagonal()
+    losses = per_row.view(world, -1).mean(1)
+    losses.sum().backward()
+    return losses.detach(), i.grad, t.grad, s.grad
+
+
+def rel_err(got, want, floor: float = 0.0) -> float:
+    """max |got - want| / max(max |want|, floor)."""
+    got, want = got.double(), want.double()
+    return float((got - want).abs().max() / max(float(want.abs().max()), floor, 1e-30))
+
+
+def run_case(loss_fn, img, txt, scale, group, tag: str, tol: float = 1e-5):
+    """One rank's loss + grads vs the float64 reference; scale grads summed over the group.
+
+    Tolerance ``tol``, relative; feature gradients relative to the whole global gradient's
+    max (one rank's slice can be tiny when its pairs are nearly solved). A loss, or d(sum L)/ds, can be a small difference of large
+    terms (near-duplicate pairs, tiny batches), which no float32 code resolves to 1e-5 of
+    itself; so their errors are relative to at least 1 (a loss) and W (d(sum_q L_q)/ds is a
+    sum of W per-rank terms, each a difference of means of |<I_i, T_j>| <= 1).
+    """
+    import torch.distributed as dist
+
+    from infclip.loss import global_mean_loss
+
+    world, r = dist.get_world_size(group), dist.get_rank(group)
+    m = img.shape[0] // world
+    ref_loss, ref_di, ref_dt, ref_ds = reference(img, txt, scale, world)
+    i, t = (x[r * m:(r + 1) * m].clone().requires_grad_() for x in (img, txt))
+    s = scale.clone().requires_grad_()
+    loss = loss_fn(i, t, s, group)
+    loss.backward()
+    ds = s.grad.clone()
+    dist.all_reduce(ds, group=group)  # what DDP's average gives, times W
+    sl = slice(r * m, (r + 1) * m)
+    errs = {
+        "loss": rel_err(loss.detach(), ref_loss[r], 1.0),
+        "global_mean": rel_err(global_mean_loss(loss, group), ref_loss.mean(), 1.0),
+        "dimg": rel_err(i.grad, ref_di[sl], float(ref_di.abs().max())),
+        "dtxt": rel_err(t.grad, ref_dt[sl], float(ref_dt.abs().max())),
+        "dscale(sum over ranks)": rel_err(ds, ref_ds, world),
+    }
+    bad = {k: f"{v:.2e}" for k, v in errs.items() if not v <= tol}
+    assert not bad, f"{tag} (W={world}, group rank {r}, m={m}): rel errors {bad} > {tol}"
+
+
+def _impls():
+    from infclip.loss import _tiled_loss, clip_loss
+    from infclip.loss.tiled import TorchTileOps
+
+    return {
+        "ring": lambda i, t, s, g: clip_loss(i, t, s, impl="torch", group=g),
+        "ring_tile3": lambda i, t, s, g: _tiled_loss(i, t, s, TorchTileOps(tile=3), g),
+        "vanilla": lambda i, t, s, g: clip_loss(i, t, s, impl="vanilla", group=g),
+        "local": lambda i, t, s, g: clip_loss(i, t, s, impl="local", group=g),
+    }
+
+
+def case_equivalence():
+    """W = 2, 3, 4 (prefix groups) and the non-contiguous subgroup {1, 3}; odd m, C = 37."""
+    import torch.distributed as dist
+
+    rank, _ = _init()
+    groups = [(members, dist.new_group(members)) for members in ([0, 1], [0, 1, 2], [0, 1, 2, 3], [1, 3])]
+    for members, group in groups:
+        if rank not in members:
+            continue
+        world = len(members)
+        for m, peaked in ((5, False), (7, True), (1, False)):
+            img, txt, scale = global_batch(world, m, seed=10 * world + m, peaked=peaked)
+            for name, fn in _impls().items():
+                run_case(fn, img, txt, scale, group, f"{name} members={members} peaked={peaked}")
+    dist.barrier()
+
+
+class SlowOps:
+    """TorchTileOps that sleeps before every tile: this rank lags mid-ring."""
+
+    def __init__(self, delay: float):
+        from infclip.loss.tiled import TorchTileOps
+
+        self.inner, self.delay = TorchTileOps(tile=4), delay
+
+    def forward(self, *args):
+        time.sleep(self.delay)
+        return self.inner.forward(*args)
+
+    def backward(self, *args, **kwargs):
+        time.sleep(self.delay)
+        return self.inner.backward(*args, **kwargs)
+
+
+def _expect_value_error(fn, match: str):
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def case_robustness():
+    """Unequal shapes raise ValueError on every rank (no hang); slow ranks don't deadlock."""
+    import torch.distributed as dist
+
+    from infclip.loss import _tiled_loss, clip_loss
+
+    rank, world = _init()
+    group = dist.group.WORLD
+    img, txt, scale = global_batch(world, 4, seed=1)
+    m_bad = 4 + (rank == 1)  # rank 1 has one extra row
+    for impl in ("torch", "local", "vanilla"):
+        x = torch.randn(m_bad, C)
+        _expect_value_error(lambda: clip_loss(x, x, scale, impl=impl, group=group), "same local batch shape")
+    y = torch.randn(4, C + rank)
+    _expect_value_error(lambda: clip_loss(y, y, scale, impl="torch", group=group), "same local batch shape")
+    _expect_value_error(lambda: clip_loss(txt[:4], txt[:4], scale + rank, group=group), "logit_scale differs")
+    # Ranks reach the loss at different times and one is slow inside every tile.
+    time.sleep(0.5 * rank)
+    ops = SlowOps(0.3 if rank == 0 else 0.0)
+    run_case(lambda i, t, s, g: _tiled_loss(i, t, s, ops, g), img, txt, scale, group, "slow ranks")
+    if rank == 2:
+        time.sleep(1.0)  # late into the next call: the others wait in the ring, then finish
+    run_case(_impls()["ring"], img, txt, scale, group, "after errors and delays")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    {"equivalence": case_equivalence, "robustness": case_robustness}[sys.argv[1]]()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()

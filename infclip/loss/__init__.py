@@ -7,8 +7,6 @@ exactly open_clip's ``ClipLoss`` value.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -60,9 +58,8 @@ def tile_ops(impl: str, device: torch.device, *, fp32_precision: str = "ieee"):
     if impl == "torch":
         return TorchTileOps()
     if impl == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {device}; "
-                             "use impl='torch' or 'auto'")
+        if device.type != "cuda":
+            raise ValueError(f"impl='triton' needs CUDA tensors, got {device}; use impl='torch' or 'auto'")
         from infclip.kernels.clip import TritonTileOps
 
         return TritonTileOps(fp32_precision=fp32_precision)
@@ -121,8 +118,3 @@ def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> Tensor:
     diag = scale.to(acc) * (img.to(acc) * txt.to(acc)).sum(-1)
     loss = 0.5 * (row_lse.to(acc).mean() + col_lse.to(acc).mean()) - diag.mean()
     return loss if acc == torch.float64 else loss.float()
-
-
-# Other objectives on the same tiled engine (issue 9). Imported last: they use the helpers above.
-from infclip.loss.siglip import siglip_loss  # noqa: E402
-from infclip.loss.nt_xent import nt_xent_loss  # noqa: E402

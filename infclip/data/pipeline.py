@@ -110,9 +110,12 @@ class TrainData:
     def _loader(self) -> DataLoader:
         plan = EpochPlan(self.plan.epoch, self.plan.batch, list(self.plan.cursors))
         dataset = BatchStream(self.spec, self.transform, self.tokenizer, plan, self.workers)
+        # An explicit generator: creating the loader must not draw from the trainer's torch RNG
+        # (the workers' seeds come from mix_seed, not from the loader's base seed).
         return DataLoader(dataset, batch_size=None, num_workers=self.workers,
                           pin_memory=self.pin_memory, persistent_workers=False,
-                          prefetch_factor=2 if self.workers else None)
+                          prefetch_factor=2 if self.workers else None,
+                          generator=torch.Generator().manual_seed(self.spec.seed))
 
     def skip_counts(self) -> dict[str, int]:
         """Skipped samples/shards by reason, summed over this rank's workers since the start."""

@@ -101,12 +101,11 @@ def _grouped(tar: tarfile.TarFile, url: str) -> Iterator[RawSample]:
         if not info.isreg() or os.path.basename(info.name).startswith(("__", "._")):
             continue
         key, ext = _split_name(info.name)
-        data = tar.extractfile(info).read()  # raises on a member cut short
         if current is None or current["__key__"] != key:
             if current is not None:
-                yield current
+                yield current  # complete before the next member is read: a cut loses only its sample
             current = {"__key__": key, "__url__": url}
-        current[ext] = data
+        current[ext] = tar.extractfile(info).read()  # raises on a member cut short
         tar.members = []  # stream mode: do not keep every TarInfo
     if current is not None:
         yield current

@@ -74,8 +74,10 @@ def epoch_shards(spec: StreamSpec, epoch: int, worker: int, workers: int) -> lis
     return order[spec.rank::spec.world_size][worker::workers]
 
 
-def shard_stream(spec: StreamSpec, epoch: int, worker: int, workers: int) -> Iterator[str]:
-    """Infinite shard URLs for one worker (epoch mode wraps around its share)."""
+def shard_stream(spec: StreamSpec, epoch: int, worker: int, workers: int) -> Iterator[Optional[str]]:
+    """Infinite shard URLs for one worker; epoch mode wraps around its share and marks the end
+    of each pass with ``None`` (the shuffle buffer is flushed there, so a pass never mixes with
+    the next one and the first pass covers every sample exactly once)."""
     if spec.resampled:
         rng = random.Random(mix_seed("resample", spec.seed, epoch, spec.rank, worker))
         while True:
@@ -86,35 +88,42 @@ def shard_stream(spec: StreamSpec, epoch: int, worker: int, workers: int) -> Ite
         if wrap:
             random.Random(mix_seed("wrap", spec.seed, epoch, spec.rank, worker, wrap)).shuffle(order)
         yield from order
+        yield None
 
 
 def raw_stream(spec: StreamSpec, epoch: int, worker: int, workers: int,
-               counts: Counter) -> Iterator[RawSample]:
-    """Samples of this worker's shards in order; raises if shards stop producing any."""
+               counts: Counter) -> Iterator[Optional[RawSample]]:
+    """Samples of this worker's shards in order (``None`` at pass ends); raises if the shards
+    stop producing samples (a whole pass, or MAX_EMPTY_DRAWS resampled draws, without one)."""
     empty = 0
-    per_pass = len(epoch_shards(spec, epoch, worker, workers)) if not spec.resampled else None
+    limit = MAX_EMPTY_DRAWS if spec.resampled else len(epoch_shards(spec, epoch, worker, workers))
     for url in shard_stream(spec, epoch, worker, workers):
+        if url is None:
+            yield None
+            continue
         got = 0
         for sample in iter_samples(url, counts):
             got += 1
             yield sample
         empty = 0 if got else empty + 1
-        limit = per_pass if per_pass is not None else MAX_EMPTY_DRAWS
         if empty >= max(limit, 1):
             raise RuntimeError(
                 f"rank {spec.rank} worker {worker}: {empty} shards in a row gave no sample (last: {url});"
                 f" skip counts so far: {dict(counts)}. Check the shard paths and their readability.")
 
 
-def shuffled(samples: Iterator[RawSample], bufsize: int, rng: random.Random) -> Iterator[RawSample]:
-    """Reservoir-style shuffle buffer (bufsize <= 1: pass through)."""
-    if bufsize <= 1:
-        yield from samples
-        return
+def shuffled(samples: Iterator[Optional[RawSample]], bufsize: int, rng: random.Random
+             ) -> Iterator[RawSample]:
+    """Shuffle buffer of ``bufsize`` samples (<= 1: pass through), flushed at ``None`` markers."""
     buf: list[RawSample] = []
     for sample in samples:
+        if sample is None:
+            rng.shuffle(buf)
+            yield from buf
+            buf = []
+            continue
         buf.append(sample)
-        if len(buf) >= bufsize:
+        if len(buf) >= max(bufsize, 1):
             i = rng.randrange(len(buf))
             buf[i], buf[-1] = buf[-1], buf[i]
             yield buf.pop()
@@ -209,7 +218,10 @@ class BatchStream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
         info = get_worker_info()
-        worker = 0 if info is None else info.id
+        # The DataLoader asks its workers round-robin starting with worker 0; loader batch k
+        # belongs to logical worker k % W, so a loader resumed at batch b starts with logical
+        # worker b % W: rotate.
+        worker = ((0 if info is None else info.id) + self.plan.batch) % self.workers
         spec, plan, epoch = self.spec, self.plan, self.plan.epoch
         done = worker_quota(plan.batch, worker, self.workers)
         todo = worker_quota(spec.epoch_batches, worker, self.workers) - done

@@ -11,17 +11,20 @@ from infclip.data.writer import ShardWriter
 
 
 def jpeg(value: int, side: int = 16) -> bytes:
-    """A tiny solid-colour JPEG whose red channel encodes ``value`` (0..255)."""
+    """A tiny JPEG: gradients in red/green (so crops differ), blue encodes ``value``."""
+    grid = torch.arange(side, dtype=torch.int64) * (256 // side)
+    pixels = torch.stack([grid.view(1, -1).expand(side, side), grid.view(-1, 1).expand(side, side),
+                          torch.full((side, side), value % 256)], dim=-1).to(torch.uint8)
     buf = io.BytesIO()
-    Image.new("RGB", (side, side), (value % 256, 128, 64)).save(buf, format="JPEG", quality=95)
+    Image.fromarray(pixels.numpy()).save(buf, format="JPEG", quality=95)
     return buf.getvalue()
 
 
-def write_shards(folder, sizes, start=0, prefix="s"):
+def write_shards(folder, sizes, start=0, prefix="s", first_id=0):
     """Shards with ``sizes[i]`` samples each; captions are the global sample ids ("s000017")."""
     os.makedirs(folder, exist_ok=True)
     with ShardWriter(str(folder), max_samples=max(sizes), start_shard=start) as w:
-        gid = 0
+        gid = first_id
         for n in sizes:
             for _ in range(n):
                 w.write(f"{prefix}{gid:06d}", jpeg(gid), f"{prefix}{gid:06d}", {"captions": [f"alt{gid}"]})

@@ -1,0 +1,204 @@
+"""Tiled SimCLR / NT-Xent loss: O(N) memory on one process, a ring across ranks.
+
+Features F (2n, D) hold two augmented views, row i's positive is row i+n and vice versa.
+With x_ij = s * <F_i, F_j> (s = 1 / temperature; features used as given, callers
+normalize) over the global batch, the loss of the 2n local rows is
+
+    L = (1/2n) * sum_i [ LSE_{j != i} x_ij  -  x_{i, pos(i)} ],   j over all global rows.
+
+On W ranks each rank passes its own (2n, D) = [view 1; view 2]; the global batch is the
+union, and since the denominator runs over every other row the mean of the per-rank losses
+equals the single-process loss on [all views 1; all views 2].
+
+The matrix is symmetric, so a rank needs only its own rows' LSEs in the forward pass (no
+statistic travels); dL/dx_ij = g_i exp(x_ij - lse_i) (0 for j == i) and
+dF = s (dX + dX^T) F: the dX F part stays local, the dX^T F part of each travelling block
+goes home behind it (``infclip.loss.sweep``), as in the CLIP ring.
+
+Tile-operation protocol (``TorchMaskedLSEOps``):
+    forward(a (m,c), b (n,c), scale, mask_diag) -> row_lse (m,) fp32 over this block pair,
+        excluding the pairs (i, i) when ``mask_diag`` (a and b are the same block).
+    backward(a, b, scale, row_lse, g_row, mask_diag, da=None, db=None)
+        -> (da (m,c), db (n,c), dscale 0-d) fp32, row_lse the final (global) LSEs.
+Gradient semantics across ranks as ``clip_loss``: feature gradients are d(sum over ranks of
+the losses)/d(local features); the temperature gradient is this rank's part.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype
+
+IMPLS = ("auto", "vanilla", "torch")
+
+
+class TorchMaskedLSEOps:
+    """Row LSEs of a self-similarity block pair in plain PyTorch, one row block at a time."""
+
+    name = "torch"
+
+    def __init__(self, tile: int = DEFAULT_TILE):
+        if tile < 1:
+            raise ValueError(f"tile must be >= 1, got {tile}")
+        self.tile = tile
+
+    @staticmethod
+    def _logits(a: Tensor, b32: Tensor, lo: int, hi: int, s: Tensor, mask_diag: bool):
+        """(dot, x) of rows lo:hi; x_ii = -inf where masked."""
+        dot = a[lo:hi].to(b32.dtype) @ b32.T
+        x = s * dot
+        if mask_diag and lo < b32.shape[0]:
+            x[:, lo:hi].diagonal().fill_(float("-inf"))
+        return dot, x
+
+    def forward(self, a: Tensor, b: Tensor, scale: Tensor, mask_diag: bool) -> Tensor:
+        acc = _acc_dtype(a)
+        b32, s = b.to(acc), scale.to(acc)
+        lse = torch.empty(a.shape[0], dtype=acc, device=a.device)
+        for lo in range(0, a.shape[0], self.tile):
+            hi = min(lo + self.tile, a.shape[0])
+            # -- compute tile --
+            _, x = self._logits(a, b32, lo, hi, s, mask_diag)
+            lse[lo:hi] = torch.logsumexp(x, dim=1)
+        return lse
+
+    def backward(self, a: Tensor, b: Tensor, scale: Tensor, row_lse: Tensor, g_row: Tensor,
+                 mask_diag: bool, da: Tensor | None = None, db: Tensor | None = None):
+        acc = _acc_dtype(a)
+        b32, s, g = b.to(acc), scale.to(acc), g_row.to(acc)
+        da = torch.zeros(a.shape, dtype=acc, device=a.device) if da is None else da
+        db = torch.zeros(b.shape, dtype=acc, device=a.device) if db is None else db
+        ds = torch.zeros((), dtype=acc, device=a.device)
+        for lo in range(0, a.shape[0], self.tile):
+            hi = min(lo + self.tile, a.shape[0])
+            dot, x = self._logits(a, b32, lo, hi, s, mask_diag)
+            # -- compute tile --: dX = g_i softmax_ij (exp(-inf) = 0 on the masked diagonal).
+            dx = g[lo:hi, None] * torch.exp(x - row_lse[lo:hi, None].to(acc))
+            ds += (dx * dot).sum()
+            da[lo:hi] += s * (dx @ b32)
+            db += s * (dx.T @ a[lo:hi].to(acc))
+        return da, db, ds
+
+
+class _MaskedRowLSE(torch.autograd.Function):
+    """row_lse (2n,) over all other global rows; saves O(n) beyond the features."""
+
+    @staticmethod
+    def forward(ctx, f, scale, ops, group):
+        lse = ops.forward(f, f, scale, True) if group is None else _ring_forward(f, scale, ops, group)
+        ctx.save_for_backward(f, scale, lse)
+        ctx.ops, ctx.group = ops, group
+        return lse
+
+    @staticmethod
+    def backward(ctx, g_row):
+        f, scale, lse = ctx.saved_tensors
+        g_row = g_row.contiguous()
+        if ctx.group is None:
+            d_rows, d_cols, ds = ctx.ops.backward(f, f, scale, lse, g_row, True)
+        else:
+            d_rows, d_cols, ds = _ring_backward(f, scale, lse, g_row, ctx.ops, ctx.group)
+        df = (d_rows + d_cols).to(f.dtype) if ctx.needs_input_grad[0] else None
+        return df, (ds.to(scale.dtype) if ctx.needs_input_grad[1] else None), None, None
+
+
+def _ring_forward(f: Tensor, scale: Tensor, ops, group) -> Tensor:
+    from infclip.loss.ring import Ring, check_equal_shapes
+    from infclip.loss.sweep import ring_sweep
+
+    ring = Ring.of(group)
+    check_equal_shapes(f, f, scale, ring.group)
+    lse = torch.full((f.shape[0],), float("-inf"), dtype=_acc_dtype(f), device=f.device)
+
+    def tile(k, blocks, _):
+        torch.logaddexp(lse, ops.forward(f, blocks[0], scale, k == 0), out=lse)
+
+    ring_sweep(ring, [f], tile)
+    return lse
+
+
+def _ring_backward(f: Tensor, scale: Tensor, lse: Tensor, g_row: Tensor, ops, group):
+    from infclip.loss.ring import Ring
+    from infclip.loss.sweep import ring_sweep
+
+    acc = _acc_dtype(f)
+    d_rows = torch.zeros(f.shape, dtype=acc, device=f.device)
+    ds = torch.zeros((), dtype=acc, device=f.device)
+
+    def tile(k, blocks, part):
+        ds.add_(ops.backward(f, blocks[0], scale, lse, g_row, k == 0, da=d_rows, db=part)[2])
+
+    d_cols = ring_sweep(Ring.of(group), [f], tile, acc_like=f, acc_dtype=acc)
+    return d_rows, d_cols, ds
+
+
+def positives(rows: int, device=None) -> Tensor:
+    """pos (rows,): index of each row's positive, i <-> i + rows/2."""
+    n = rows // 2
+    return (torch.arange(rows, device=device) + n) % rows
+
+
+def nt_xent_reference(f: Tensor, scale: Tensor, pos: Tensor | None = None) -> Tensor:
+    """Naive full-matrix NT-Xent (the SimCLR formulation): (2N)^2 logits in the input dtype."""
+    x = scale.to(f.dtype) * f @ f.T
+    x = x.masked_fill(torch.eye(f.shape[0], dtype=torch.bool, device=f.device), float("-inf"))
+    pos = positives(f.shape[0], f.device) if pos is None else pos
+    loss = torch.nn.functional.cross_entropy(x, pos)
+    return loss if loss.dtype == torch.float64 else loss.float()
+
+
+def _temperature_scale(temperature, like: Tensor) -> Tensor:
+    """s = 1 / temperature as a 0-d tensor (autograd flows to a tensor temperature)."""
+    if not isinstance(temperature, Tensor):
+        temperature = torch.tensor(float(temperature), dtype=torch.float32, device=like.device)
+    if temperature.numel() != 1 or temperature.device != like.device:
+        raise ValueError(
+            f"temperature must be a float or a 1-element tensor on {like.device}, got "
+            f"shape {tuple(temperature.shape)} on {temperature.device}"
+        )
+    if not bool(temperature.detach() > 0):
+        raise ValueError(f"temperature must be > 0, got {float(temperature)}")
+    return 1.0 / temperature.reshape(())
+
+
+def _check_features(f: Tensor) -> None:
+    if not isinstance(f, Tensor) or f.dim() != 2:
+        raise ValueError(f"features must be a 2-D tensor (2N, D), got {getattr(f, 'shape', type(f))}")
+    if f.shape[0] < 2 or f.shape[0] % 2:
+        raise ValueError(
+            f"features must have an even number of rows >= 2 (views 1 then views 2), got {f.shape[0]}"
+        )
+    if not f.is_floating_point():
+        raise ValueError(f"features must be floating point, got {f.dtype}")
+
+
+def nt_xent_loss(features: Tensor, temperature, *, impl: str = "auto", group=None) -> Tensor:
+    """NT-Xent (SimCLR's InfoNCE) without the (2N)^2 matrix; see the module docs.
+
+    Args:
+        features: (2N, D) local rows [view 1 of samples 0..N-1; view 2 of the same samples].
+        temperature: > 0, float or 0-d tensor (may require grad); logits = <f_i, f_j> / T.
+        impl: "auto" / "torch" (tiled) or "vanilla" (full matrix; on one process only).
+        group: process group for the ring across ranks, or None.
+    Returns:
+        float32 scalar (float64 for float64 features): mean over the 2N local rows.
+    """
+    from infclip.loss import _world
+
+    _check_features(features)
+    scale = _temperature_scale(temperature, features)
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r} for nt_xent_loss; choose one of {IMPLS}")
+    distributed = group is not None and _world(group) > 1
+    if impl == "vanilla":
+        if distributed:
+            raise ValueError("impl='vanilla' for nt_xent_loss runs on one process; use impl='auto' with a group")
+        return nt_xent_reference(features, scale)
+    lse = _MaskedRowLSE.apply(features, scale, TorchMaskedLSEOps(), group if distributed else None)
+    acc = lse.dtype
+    pos = features.roll(features.shape[0] // 2, dims=0)  # row i's positive feature
+    x_pos = scale.to(acc) * (features.to(acc) * pos.to(acc)).sum(-1)
+    loss = (lse - x_pos).mean()
+    return loss if loss.dtype == torch.float64 else loss.float()

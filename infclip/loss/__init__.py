@@ -118,3 +118,8 @@ def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> Tensor:
     diag = scale.to(acc) * (img.to(acc) * txt.to(acc)).sum(-1)
     loss = 0.5 * (row_lse.to(acc).mean() + col_lse.to(acc).mean()) - diag.mean()
     return loss if acc == torch.float64 else loss.float()
+
+
+# Other objectives on the same tiled engine (issue 9). Imported last: they use the helpers above.
+from infclip.loss.siglip import siglip_loss  # noqa: E402
+from infclip.loss.nt_xent import nt_xent_loss  # noqa: E402

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,16 @@ class MetricsLogger:
         if cfg.wandb_mode != "disabled":
             self._wandb = _init_wandb(run_dir, cfg, config_dict)
 
+    def log_run_info(self, info: dict[str, Any]) -> None:
+        """One ``{"event": "start", ...}`` record per process start (a resumed run appends
+        another), and the same facts in the wandb run config."""
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"event": "start", "time": time.time(), **info}, default=_json_default) + "\n")
+        if self._wandb is not None:
+            self._wandb.config.update({"run": info}, allow_val_change=True)
+
     def set_start(self, step: int) -> None:
         if self._bar is not None:
             self._bar.n = step
@@ -52,7 +64,8 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         if echo:
-            self.write(f"step {step:>6}/{self.total} " + " ".join(_fmt(k, v) for k, v in metrics.items()))
+            shown = {k: v for k, v in metrics.items() if _shown(k)}
+            self.write(f"step {step:>6}/{self.total}  " + "  ".join(_fmt(k, v) for k, v in shown.items()))
 
     def progress(self, step: int, metrics: dict[str, Any]) -> None:
         if self._bar is not None:
@@ -74,6 +87,17 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+_TERMINAL_KEYS = ("loss", "lr", "logit_scale", "samples_per_s", "gpu_mem_gb", "skipped_samples")
+_BOOKKEEPING = ("_chance", "num_samples", "num_classes", "num_images", "num_texts", "seconds")
+
+
+def _shown(key: str) -> bool:
+    """Terminal lines stay short; the metrics file gets everything."""
+    if key.startswith("eval/"):
+        return not key.endswith(_BOOKKEEPING)
+    return key in _TERMINAL_KEYS
+
+
 def _json_default(o: Any) -> Any:
     if isinstance(o, torch.Tensor):
         return o.item()
@@ -92,6 +116,28 @@ def _init_wandb(run_dir: Path, cfg: Any, config_dict: dict):
         project=cfg.wandb_project, entity=cfg.wandb_entity, mode=cfg.wandb_mode, id=run_id,
         resume="allow", dir=str(run_dir), config=config_dict, name=run_dir.name,
     )
+
+
+def git_commit() -> dict[str, Any]:
+    """The source tree's commit and whether it had uncommitted changes ({} outside git)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if sha.returncode != 0:
+        return {}
+    return {"git_commit": sha.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
+
+
+def run_info(overrides: list[str], info: Any) -> dict[str, Any]:
+    """Facts about this process start: git commit, command-line overrides, world, Slurm job."""
+    slurm = {k: os.environ[k] for k in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_JOB_NODELIST")
+             if k in os.environ}
+    return {**git_commit(), "overrides": list(overrides), "world_size": info.world_size,
+            "torchelastic_restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), **slurm}
 
 
 def gpu_memory_gb(device: torch.device) -> float:

@@ -24,7 +24,8 @@ from infclip.loss import clip_loss
 from infclip.model import BuiltModel, build_model, clamp_logit_scale
 from infclip.train import checkpoint as ckpt
 from infclip.train.distributed import DistInfo, any_rank, barrier, init_distributed, shutdown
-from infclip.train.logger import MetricsLogger, gpu_memory_gb
+from infclip.train import slurm
+from infclip.train.logger import _BOOKKEEPING, MetricsLogger, gpu_memory_gb, run_info
 from infclip.train.optim import build_optimizer, build_scheduler
 
 
@@ -56,30 +57,58 @@ class State:
     nonfinite_run: int = 0  # consecutive non-finite steps
     nonfinite_total: int = 0
     stop_requested: bool = False
+    stop_signal: int = 0  # the signal that asked to stop (SIGUSR1: Slurm's warning -> requeue)
+    saved_step: int = -1  # step of the newest checkpoint this process wrote or resumed from
     last_eval: dict = field(default_factory=dict)
 
 
 def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
     """Runs training as configured; returns the final metrics (on every rank)."""
+    slurm.export_submitit_env()  # hydra-submitit tasks: RANK/WORLD_SIZE/MASTER_* from Slurm
     info = init_distributed(cfg.device)
     try:
         validate(cfg, info.world_size)  # before any model or GPU work
         run_dir = _setup_run_dir(cfg, info, overrides or [])
         torch.manual_seed(cfg.seed + info.rank)
         parts = build(cfg, info, run_dir)
+        parts.logger.log_run_info(run_info(overrides or [], info))
         return fit(cfg, info, parts)
     finally:
         shutdown()
 
 
 def _setup_run_dir(cfg: Any, info: DistInfo, overrides: list[str]) -> Path:
-    run_dir = Path(cfg.run_dir or os.path.join(cfg.runs_root, cfg.name)).expanduser()
+    run_dir = derive_run_dir(cfg)
     if info.is_main:  # rank 0 writes; the others only read
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
     barrier(info)
     return run_dir
+
+
+def derive_run_dir(cfg: Any) -> Path:
+    """``run_dir`` if set, else ``runs_root/name``; under a Hydra multirun (``-m``) each job
+    gets ``runs_root/name/<its override dirname>`` so sweep members never share (and never
+    resume from) one directory, while a requeued job finds its own again."""
+    if cfg.run_dir:
+        return Path(cfg.run_dir).expanduser()
+    run_dir = Path(cfg.runs_root, cfg.name).expanduser()
+    sub = _multirun_subdir()
+    return run_dir / sub if sub else run_dir
+
+
+def _multirun_subdir() -> Optional[str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return None
+        job = HydraConfig.get().job
+        return job.override_dirname or str(job.num)
+    except ImportError:
+        return None
 
 
 # ----------------------------------------------------------------------------- build
@@ -135,7 +164,7 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
 
     size = cfg.data.image_size or built.image_size
     transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
-    shards, num_samples, eval_cfg = None, None, cfg.eval
+    shards, num_samples, eval_cfg = None, None, _eval_config(cfg)
     if cfg.data.kind == "synthetic":
         shards, num_samples, eval_cfg = _synthetic(cfg, info)
     data_cfg = copy.deepcopy(cfg.data)
@@ -156,11 +185,16 @@ def _synthetic(cfg: Any, info: DistInfo):
     barrier(info)
     if not info.is_main:
         ds = ensure_synthetic(cfg.data)  # already there: returns its paths
-    eval_cfg = copy.deepcopy(cfg.eval)
+    eval_cfg = _eval_config(cfg)
     for task in eval_cfg.tasks:
         if task.root.startswith("synthetic:"):
             task.root = str(Path(ds.root) / "eval" / task.root.split(":", 1)[1])
     return ds.train_shards, ds.num_train, eval_cfg
+
+
+def _eval_config(cfg: Any) -> Any:
+    """The eval section as a plain EvalConfig dataclass (what infclip.eval consumes)."""
+    return OmegaConf.to_object(cfg.eval) if OmegaConf.is_config(cfg.eval) else copy.deepcopy(cfg.eval)
 
 
 def _loader_batch(cfg: Any, info: DistInfo) -> int:
@@ -196,15 +230,14 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, batcher: "S
     t_data = time.perf_counter() - t0
     parts.model.train()
     out = parts.engine.step(images, tokens)
+    _maybe_inject_nan(parts, state.step + 1)
     t1 = time.perf_counter()
     applied, grad_norm = _optimizer_step(cfg, parts, out)
     t_opt = time.perf_counter() - t1
     step_time = time.perf_counter() - t0
-    loss = float(out.global_loss)
-    _count_nonfinite(cfg, parts, state, applied, loss)
     return {
-        "loss": loss, "lr": parts.optimizer.param_groups[0]["lr"],
-        "logit_scale": float(_unwrap(parts.model).logit_scale.exp()), "grad_norm": grad_norm,
+        "loss": float(out.global_loss), "lr": parts.optimizer.param_groups[0]["lr"],
+        "logit_scale": float(_unwrap(parts.model).logit_scale.detach().exp()), "grad_norm": grad_norm,
         "samples_per_s": cfg.batch.global_size / step_time,
         "samples_per_s_per_gpu": cfg.batch.global_size / step_time / info.world_size,
         "step_time": step_time, "time_data": t_data, "time_optim": t_opt,
@@ -233,18 +266,30 @@ def _optimizer_step(cfg: Any, parts: Parts, out: Any) -> tuple[bool, float]:
     return finite, grad_norm
 
 
-def _count_nonfinite(cfg: Any, parts: Parts, state: State, applied: bool, loss: float) -> None:
-    if applied:
-        state.nonfinite_run = 0
-        return
-    state.nonfinite_run += 1
-    state.nonfinite_total += 1
-    parts.logger.write(f"step {state.step + 1}: non-finite loss/gradient (loss={loss}); update skipped")
+def _maybe_inject_nan(parts: Parts, step: int) -> None:
+    """Test hook: ``INFCLIP_INJECT_NAN_AT_STEPS=3,4,5`` poisons those steps' gradients."""
+    spec = os.environ.get("INFCLIP_INJECT_NAN_AT_STEPS", "")
+    if str(step) in spec.replace(" ", "").split(","):
+        grads = [p.grad for g in parts.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            grads[0].fill_(math.nan)
+
+
+def _count_nonfinite(state: State, skipped: bool) -> None:
+    state.nonfinite_run = state.nonfinite_run + 1 if skipped else 0
+    state.nonfinite_total += int(skipped)
+
+
+def _abort_if_nonfinite(cfg: Any, parts: Parts, state: State, loss: float) -> None:
+    """Called after ``state.step`` counted the skipped step: it still consumed its data and
+    its learning-rate slot, so a checkpoint at ``state.step`` resumes after it."""
+    parts.logger.write(f"step {state.step}: non-finite loss/gradient (loss={loss}); update skipped")
     if state.nonfinite_run >= cfg.max_nonfinite:
-        _save(parts, state)  # the weights are still the last good ones: no update was applied
+        path = _save(parts, state)  # the weights are still the last good ones: no update was applied
         raise NonFiniteError(
             f"{state.nonfinite_run} consecutive non-finite steps (max_nonfinite={cfg.max_nonfinite}); "
-            f"last good state saved at step {state.step}. Lower optim.lr, use precision.amp=bf16, or check the data."
+            f"the last good state (weights after step {state.step - state.nonfinite_run}) is saved in {path}. "
+            "Lower optim.lr, use precision.amp=bf16, or check the data."
         )
 
 
@@ -252,10 +297,14 @@ def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: d
     step = state.step
     every = cfg.logging.every_n_steps
     parts.logger.progress(step, {"loss": metrics["loss"], "lr": metrics["lr"]})
-    if step == 1 or (every and step % every == 0) or step == cfg.steps:
+    skipped = bool(metrics["skipped_step"])
+    _count_nonfinite(state, skipped)
+    if step == 1 or (every and step % every == 0) or step == cfg.steps or skipped:
         metrics["skipped_samples"] = sum(parts.data.skip_counts().values())
         metrics["nonfinite_steps"] = state.nonfinite_total
         parts.logger.log(step, metrics)
+    if skipped:
+        _abort_if_nonfinite(cfg, parts, state, metrics["loss"])
     if _eval_due(parts.eval_cfg, step) and step != cfg.steps:
         state.last_eval = _evaluate(cfg, info, parts, step, final=False)
     state.stop_requested = any_rank(state.stop_requested, info)
@@ -294,13 +343,16 @@ def _autocast(cfg: Any, info: DistInfo):
 
 def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -> dict:
     final = {} if state.stop_requested else _evaluate(cfg, info, parts, state.step, final=True)
-    _save(parts, state)
+    if state.saved_step != state.step:  # never rewrite a complete checkpoint of the same step
+        _save(parts, state)
     skips = parts.data.skip_counts()
     summary = {"steps": state.step, "wall_s": wall, "nonfinite_steps": state.nonfinite_total,
                "skipped_samples": skips, **final}
     parts.logger.log(state.step, {"summary": summary}, echo=False)
     _print_summary(parts, summary, state)
     parts.logger.close()
+    if state.stop_signal == signal.SIGUSR1 and state.step < cfg.steps and info.is_main:
+        slurm.requeue()  # Slurm's warning signal (not a user's SIGTERM): come back and resume
     return summary
 
 
@@ -310,12 +362,12 @@ def _print_summary(parts: Parts, summary: dict, state: State) -> None:
     w(f"== {why}: {summary['steps']} steps in {summary['wall_s']:.1f} s; run dir {parts.run_dir}")
     w(f"   skipped samples: {summary['skipped_samples'] or 'none'}; non-finite steps: {summary['nonfinite_steps']}")
     for k, v in summary.items():
-        if k.startswith("eval/") and not k.endswith("_chance"):
+        if k.startswith("eval/") and not k.endswith(_BOOKKEEPING):
             chance = summary.get(f"{k}_chance")
             w(f"   {k:<40} {v:8.4f}" + (f"   (chance {chance:.4f})" if chance is not None else ""))
 
 
-def _save(parts: Parts, state: State) -> None:
+def _save(parts: Parts, state: State) -> Path:
     model = _unwrap(parts.model)
     train_state = {
         "step": state.step, "samples": state.samples, "nonfinite_total": state.nonfinite_total,
@@ -324,7 +376,9 @@ def _save(parts: Parts, state: State) -> None:
     }
     rank_state = {"rng": ckpt.rng_state(), "data": parts.data.state_dict()}
     path = parts.checkpointer.save(state.step, model.state_dict(), train_state, rank_state)
+    state.saved_step = state.step
     parts.logger.write(f"checkpoint: {path}")
+    return path
 
 
 def _maybe_resume(cfg: Any, info: DistInfo, parts: Parts, state: State) -> None:
@@ -342,6 +396,8 @@ def _maybe_resume(cfg: Any, info: DistInfo, parts: Parts, state: State) -> None:
     parts.data.load_state_dict(rank_state["data"])
     ckpt.set_rng_state(rank_state["rng"])
     parts.checkpointer.protected = path
+    if path.parent.resolve() == parts.checkpointer.root.resolve():
+        state.saved_step = state.step  # this run's own checkpoint: no need to write it again
     parts.logger.write(f"resumed from {path} at step {state.step}")
 
 
@@ -367,6 +423,7 @@ def _install_signal_handlers(state: State) -> None:
 
     def handler(signum, frame):
         state.stop_requested = True
+        state.stop_signal = signum
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, handler)

@@ -1,0 +1,47 @@
+"""Build img2dataset-layout webdataset shards from local images.
+
+    # a table of image paths + captions (.csv, .tsv or .parquet)
+    python data/build_shards.py captions.csv --out /data/mine --image-col filepath --caption-col caption
+    # a folder of images with sidecar captions (a/001.jpg + a/001.txt)
+    python data/build_shards.py /data/images --out /data/mine --resize 256 --workers 8
+
+Output: 00000.tar ... ({key}.jpg/.txt/.json), {shard}_stats.json, sizes.json, build_stats.json;
+train on it with  train.py data.kind=wds data.shards='/data/mine/{00000..000NN}.tar'.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from infclip.data.build import BuildOptions, build_shards, rows_from, summarize
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", help="a .csv/.tsv/.parquet table or an image folder with sidecar .txt captions")
+    p.add_argument("--out", required=True, help="output folder for the shards")
+    p.add_argument("--image-col", default="filepath", help="table column with image paths")
+    p.add_argument("--caption-col", default="caption", help="table column with captions")
+    p.add_argument("--image-root", default=None, help="resolve relative image paths here (default: table's folder)")
+    p.add_argument("--shard-size", type=int, default=10_000, help="samples per shard")
+    p.add_argument("--max-shard-mb", type=float, default=None, help="also cut shards at this size")
+    p.add_argument("--resize", type=int, default=None, help="re-encode as JPEG, shorter side to this many px")
+    p.add_argument("--quality", type=int, default=95, help="JPEG quality when re-encoding")
+    p.add_argument("--no-verify", action="store_true", help="do not decode images (faster, trusts the input)")
+    p.add_argument("--workers", type=int, default=1, help="processes reading / re-encoding images")
+    a = p.parse_args(argv)
+    opts = BuildOptions(out_dir=a.out, shard_size=a.shard_size,
+                        max_shard_bytes=int(a.max_shard_mb * 2**20) if a.max_shard_mb else None,
+                        resize=a.resize, quality=a.quality, verify=not a.no_verify, workers=a.workers)
+    rows = rows_from(a.input, a.image_col, a.caption_col, a.image_root)
+    report = build_shards(rows, opts)
+    print(summarize(report, a.out))
+    n = report.shards
+    if n:
+        last = f"{n - 1:05d}"
+        print(f"train with: data.kind=wds data.shards='{a.out}/{{00000..{last}}}.tar'" if n > 1
+              else f"train with: data.kind=wds data.shards={a.out}/00000.tar")
+
+
+if __name__ == "__main__":
+    main()

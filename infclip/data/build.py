@@ -1,0 +1,194 @@
+"""Build img2dataset-layout shards from local images: a CSV/TSV/parquet table or a folder.
+
+Inputs:
+* a table with an image-path column and a caption column (paths relative to the table's
+  folder unless ``image_root`` is given); ``.csv``, ``.tsv`` or ``.parquet``;
+* a folder of images with sidecar captions (``cat/001.jpg`` + ``cat/001.txt``).
+
+Images are copied byte for byte (jpg/png/webp), or re-encoded as JPEG with the shorter side
+resized to ``resize`` pixels. Failures (missing file, undecodable image, empty caption) are
+skipped and counted, never fatal; ``build_stats.json`` records them next to ``sizes.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from multiprocessing import Pool
+from typing import Iterator, Optional
+
+from PIL import Image
+
+from infclip.data.shards import IMAGE_EXTS
+from infclip.data.writer import ShardWriter
+
+
+@dataclass
+class BuildOptions:
+    out_dir: str
+    shard_size: int = 10_000  # samples per shard
+    max_shard_bytes: Optional[int] = None  # also cut a shard at this many payload bytes
+    resize: Optional[int] = None  # re-encode: shorter side to this many pixels (None: copy bytes)
+    quality: int = 95  # JPEG quality when re-encoding
+    verify: bool = True  # decode every image once (catches corrupt files before training does)
+    workers: int = 1  # processes reading/re-encoding images
+
+
+@dataclass
+class BuildReport:
+    written: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    shards: int = 0
+    seconds: float = 0.0
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+
+def read_table(path: str, image_col: str, caption_col: str,
+               image_root: Optional[str] = None) -> list[tuple[str, str]]:
+    """(image path, caption) rows of a CSV/TSV/parquet table."""
+    root = image_root or os.path.dirname(os.path.abspath(path))
+    if path.endswith(".parquet"):
+        rows = _parquet_rows(path, image_col, caption_col)
+    else:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter="\t" if path.endswith((".tsv", ".tab")) else ",")
+            missing = {image_col, caption_col} - set(reader.fieldnames or [])
+            if missing:
+                raise KeyError(f"{path} has no column(s) {sorted(missing)}; columns: {reader.fieldnames}. "
+                               "Pass --image-col/--caption-col")
+            rows = [(r[image_col], r[caption_col]) for r in reader]
+    return [(p if os.path.isabs(p) else os.path.join(root, p), c or "") for p, c in rows]
+
+
+def _parquet_rows(path: str, image_col: str, caption_col: str) -> list[tuple[str, str]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("reading parquet needs pyarrow or pandas: pip install pyarrow") from None
+        df = pd.read_parquet(path, columns=[image_col, caption_col])
+        return list(zip(df[image_col].astype(str), df[caption_col].fillna("").astype(str)))
+    table = pq.read_table(path, columns=[image_col, caption_col]).to_pydict()
+    return list(zip(map(str, table[image_col]), (c or "" for c in table[caption_col])))
+
+
+def scan_folder(folder: str) -> list[tuple[str, str]]:
+    """(image path, caption) for every image with a sidecar ``.txt`` (missing sidecar: caption "")."""
+    rows = []
+    for parent, dirs, names in os.walk(folder):
+        dirs.sort()
+        for name in sorted(names):
+            stem, ext = os.path.splitext(name)
+            if ext.lower().lstrip(".") not in IMAGE_EXTS:
+                continue
+            side = os.path.join(parent, stem + ".txt")
+            caption = open(side, encoding="utf-8").read() if os.path.exists(side) else ""
+            rows.append((os.path.join(parent, name), caption))
+    return rows
+
+
+# -- per image --------------------------------------------------------------------------------
+
+
+def load_image(item: tuple[str, str, BuildOptions]) -> tuple[str, Optional[bytes], str, dict]:
+    """(status, payload, ext, meta) for one (path, caption); status "ok" or a skip reason."""
+    path, caption, opts = item
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    ext = "jpg" if ext == "jpeg" else ext
+    if not caption.strip():
+        return "empty_caption", None, ext, {}
+    if ext not in IMAGE_EXTS:
+        return "unknown_extension", None, ext, {}
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return "missing_image", None, ext, {}
+    if not (opts.verify or opts.resize):
+        return "ok", data, ext, {}
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img = img.convert("RGB")
+    except Exception:
+        return "corrupt_image", None, ext, {}
+    meta = {"original_width": img.width, "original_height": img.height}
+    if opts.resize:
+        data, img = _reencode(img, opts.resize, opts.quality)
+        ext = "jpg"
+    meta.update(width=img.width, height=img.height)
+    return "ok", data, ext, meta
+
+
+def _reencode(img: Image.Image, side: int, quality: int) -> tuple[bytes, Image.Image]:
+    scale = side / min(img.size)
+    if scale < 1:
+        img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                         Image.Resampling.BICUBIC)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue(), img
+
+
+# -- driver -----------------------------------------------------------------------------------
+
+
+def _loaded(rows: list[tuple[str, str]], opts: BuildOptions) -> Iterator[tuple[tuple[str, str], tuple]]:
+    items = [(p, c, opts) for p, c in rows]
+    if opts.workers <= 1:
+        for row, item in zip(rows, items):
+            yield row, load_image(item)
+        return
+    with Pool(opts.workers) as pool:  # imap keeps the input order: output is deterministic
+        yield from zip(rows, pool.imap(load_image, items, chunksize=16))
+
+
+def build_shards(rows: list[tuple[str, str]], opts: BuildOptions, progress: bool = True) -> BuildReport:
+    """Write ``rows`` as shards into ``opts.out_dir``; returns what was written and skipped."""
+    from tqdm import tqdm
+
+    report, t0 = BuildReport(), time.time()
+    with ShardWriter(opts.out_dir, max_samples=opts.shard_size, max_bytes=opts.max_shard_bytes) as writer:
+        bar = tqdm(_loaded(rows, opts), total=len(rows), disable=not progress, unit="img", desc="shards")
+        for (path, caption), (status, data, ext, meta) in bar:
+            if status != "ok":
+                report.skipped[status] += 1
+                continue
+            writer.write(f"{report.written:09d}", data, caption.strip(), {"url": path, **meta}, ext=ext)
+            report.written += 1
+            if report.written % 1000 == 0:
+                bar.set_postfix(written=report.written, skipped=sum(report.skipped.values()))
+    report.shards, report.seconds = writer.stats.num_shards, time.time() - t0
+    _write_report(opts.out_dir, report, len(rows))
+    return report
+
+
+def _write_report(out_dir: str, report: BuildReport, total: int) -> None:
+    summary = {"input_rows": total, "written": report.written, "skipped": dict(report.skipped),
+               "shards": report.shards, "seconds": round(report.seconds, 2)}
+    with open(os.path.join(out_dir, "build_stats.json"), "w") as f:
+        json.dump(summary, f, indent=1, sort_keys=True)
+
+
+def rows_from(source: str, image_col: str = "filepath", caption_col: str = "caption",
+              image_root: Optional[str] = None) -> list[tuple[str, str]]:
+    """Rows from a table file or an image folder."""
+    if os.path.isdir(source):
+        return scan_folder(source)
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"input {source!r} does not exist (expected a .csv/.tsv/.parquet or a folder)")
+    return read_table(source, image_col, caption_col, image_root)
+
+
+def summarize(report: BuildReport, out_dir: str) -> str:
+    skipped = ", ".join(f"{k}={v}" for k, v in sorted(report.skipped.items())) or "none"
+    return (f"wrote {report.written} samples in {report.shards} shards to {out_dir} "
+            f"({report.seconds:.1f}s); skipped: {skipped}")

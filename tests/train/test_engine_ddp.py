@@ -1,0 +1,78 @@
+"""2 gloo ranks: one gradient all-reduce per step; result == one process on the global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from engine_testutils import assert_grads_close, batch, config, engine_for, reference_grads, tiny_clip
+
+from infclip.train.lit import apply_locks
+
+WORLD, LOCAL = 2, 6
+CASES = {  # name -> (micro-batch, model config overrides)
+    "cache": (2, {}),
+    "plain": (LOCAL, {}),
+    "lit": (3, {"lock_image": True, "lock_image_unlocked_groups": 2}),
+}
+
+
+def _model(case: str):
+    micro, model_kw = CASES[case]
+    model = tiny_clip(dropout=0.0, patch_dropout=0.0)  # same seed, same weights on every rank
+    cfg = config(LOCAL, micro, world=WORLD, **model_kw)
+    apply_locks(model, cfg.model)
+    return model, cfg
+
+
+def _worker(rank: int, init_file: str, out_file: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    images, tokens = batch(LOCAL * WORLD)
+    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
+    results = {}
+    for name in CASES:
+        model, cfg = _model(name)
+        ddp = DDP(model, broadcast_buffers=False, bucket_cap_mb=100)  # one bucket: one all-reduce
+        calls: list = []
+
+        def hook(state, bucket, calls=calls):
+            calls.append(1)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(dist.group.WORLD, hook)
+        engine = engine_for(cfg, ddp, group=dist.group.WORLD, world=WORLD)
+        per_step = []
+        for _ in range(2):
+            ddp.zero_grad(set_to_none=True)
+            n0 = len(calls)
+            out = engine.step(images[mine], tokens[mine])
+            per_step.append(len(calls) - n0)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[name] = {"calls": per_step, "grads": grads, "global_loss": out.global_loss}
+    if rank == 0:
+        torch.save(results, out_file)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    out = tmp / "rank0.pt"
+    mp.spawn(_worker, args=(str(tmp / "init"), str(out)), nprocs=WORLD, join=True)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_allreduce_per_step_and_single_process_equality(ddp_results, case):
+    res = ddp_results[case]
+    assert res["calls"] == [1, 1], "exactly one gradient all-reduce per optimizer step"
+    model, _ = _model(case)
+    images, tokens = batch(LOCAL * WORLD)
+    ref_loss, ref = reference_grads(model.train(), images, tokens, LOCAL * WORLD)  # one literal forward
+    torch.testing.assert_close(res["global_loss"], ref_loss, atol=1e-6, rtol=1e-6)
+    assert_grads_close(res["grads"], ref)

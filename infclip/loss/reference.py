@@ -40,7 +40,8 @@ class _GatherWithGrad(torch.autograd.Function):
 
         ctx.group, world = group, dist.get_world_size(group)
         out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.14
+        gather(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -51,7 +52,8 @@ class _GatherWithGrad(torch.autograd.Function):
         m, grad = grad.shape[0] // world, grad.contiguous()
         if dist.get_backend(ctx.group) == "nccl":
             out = grad.new_empty((m, *grad.shape[1:]))
-            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            scatter(out, grad, group=ctx.group)
             return out, None
         grad = grad.clone()  # all_reduce is in place; autograd may still hold grad
         dist.all_reduce(grad, group=ctx.group)

@@ -61,6 +61,24 @@ def test_ring_errors_and_slow_ranks(tmp_path):
     launch("robustness", 3, tmp_path)
 
 
+@pytest.mark.parametrize("world, m, tile", [(1, 5, 1024), (3, 7, 3), (4, 6, 4)])
+def test_loopback_ring_equals_w_copies_of_the_batch(world, m, tile):
+    """One process, no communication: the ring schedule on W identical ranks (float64)."""
+    from infclip.loss import _tiled_loss
+    from infclip.loss.ring import LoopbackRing
+    from infclip.loss.tiled import TorchTileOps
+
+    img, txt, scale = global_batch(1, m, seed=world)
+    ref_loss, ref_di, ref_dt, ref_ds = reference(img.repeat(world, 1), txt.repeat(world, 1), scale, world)
+    i, t, s = (x.double().requires_grad_() for x in (img, txt, scale))
+    loss = _tiled_loss(i, t, s, TorchTileOps(tile=tile), LoopbackRing(world))
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(i.grad, ref_di[:m], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(t.grad, ref_dt[:m], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s.grad * world, ref_ds, rtol=1e-10, atol=0)  # W ranks' parts
+
+
 # -- ranks (child side) ---------------------------------------------------------------------
 
 

@@ -1,0 +1,222 @@
+"""Benchmark the CLIP loss across W GPUs: our ring vs open_clip local vs inf-cl 1.2.1.
+
+    torchrun --nproc_per_node 4 scripts/bench_ring.py --sizes 65536 262144 1048576
+    # CPU dry run (gloo, TorchTileOps, no inf_cl):
+    torchrun --nproc_per_node 2 scripts/bench_ring.py --device cpu --dtype fp32 --sizes 512 2048
+
+Per global batch b (each rank holds b/W rows, c = 512, L2-normalized random features, the
+logit scale a learnable log-parameter as in open_clip), forward + backward of:
+
+    ring       ``clip_loss(impl="auto", group=WORLD)``: our overlapped ring (Triton tiles on GPU)
+    loopback   the same ring code on one GPU with every hop a local copy (``LoopbackRing``):
+               the identical per-rank work without communication, so ring / loopback is the
+               cost of communication that the overlap does not hide
+    local      ``clip_loss(impl="local")``: open_clip ``ClipLoss(local_loss=True,
+               gather_with_grad=True)``; skipped where its (b/W, b) logits cannot fit
+    inf_cl     ``0.5 * (cal_inf_loss(img, txt, s) + cal_inf_loss(txt, img, s))``, inf-cl 1.2.1
+
+Timing: median of ``--reps`` after ``--warmup`` untimed runs, CUDA events, a barrier before
+each run, the max over ranks. Memory: peak allocated during the call minus what was
+allocated before it (inputs), max over ranks. The floor is 8 b^2 c / W FLOP at
+``--peak-tflops`` (the H200 bf16 rate measured in shared/ANCHORS.md). Prints a markdown
+table on rank 0 and writes it with the raw numbers as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+METHODS = ("ring", "loopback", "local", "inf_cl")
+
+
+@dataclass
+class BenchConfig:
+    sizes: list[int] = field(default_factory=lambda: [65536, 262144, 1048576])  # global batch b
+    dim: int = 512  # feature dim c
+    dtype: str = "bf16"
+    device: str = "cuda"  # "cuda" (NCCL) or "cpu" (gloo dry run)
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    warmup: int = 1
+    reps: int = 3
+    infcl_max_b: int = 262144  # inf_cl takes ~62 s a step at 1M on 4 H200 (ANCHORS.md)
+    local_mem_frac: float = 0.92  # skip `local` when 4 (b/W) b bytes/elt exceeds this share
+    peak_tflops: float = 799.0  # H200 bf16 dense matmul rate (ANCHORS.md)
+    out: str = "bench_ring.json"
+
+
+@dataclass
+class Row:
+    b: int
+    method: str
+    ms: float | None = None  # median per-rank ms, max over ranks
+    gb: float | None = None  # peak extra GB per rank, max over ranks
+    loss: float | None = None  # global mean loss of the last run
+    note: str = ""
+
+
+def parse() -> BenchConfig:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for f in ("sizes", "methods"):
+        p.add_argument(f"--{f}", nargs="+", default=getattr(d, f), type=int if f == "sizes" else str)
+    for f in ("dim", "warmup", "reps", "infcl_max_b"):
+        p.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(d, f))
+    for f in ("local_mem_frac", "peak_tflops"):
+        p.add_argument(f"--{f.replace('_', '-')}", type=float, default=getattr(d, f))
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype)
+    p.add_argument("--device", choices=("cuda", "cpu"), default=d.device)
+    p.add_argument("--out", default=d.out)
+    return BenchConfig(**vars(p.parse_args()))
+
+
+def init(cfg: BenchConfig) -> torch.device:
+    if cfg.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=dev)
+        return dev
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def features(b: int, cfg: BenchConfig, dev: torch.device):
+    """This rank's (b/W, c) image/text features (leaf, requires grad) and log logit scale."""
+    m = b // dist.get_world_size()
+    g = torch.Generator(device=dev).manual_seed(1000 + dist.get_rank())
+    img, txt = (torch.nn.functional.normalize(torch.randn(m, cfg.dim, generator=g, device=dev), dim=-1)
+                for _ in range(2))
+    dt = DTYPES[cfg.dtype]
+    log_scale = torch.tensor(math.log(1 / 0.07), device=dev, requires_grad=True)
+    return img.to(dt).requires_grad_(), txt.to(dt).requires_grad_(), log_scale
+
+
+def method_fn(name: str, dev: torch.device):
+    """name -> fn(img, txt, log_scale) -> this rank's loss (forward only; caller backprops)."""
+    from infclip.loss import _tiled_loss, clip_loss, tile_ops
+    from infclip.loss.ring import LoopbackRing
+
+    world = dist.get_world_size()
+    if name == "ring":
+        return lambda i, t, ls: clip_loss(i, t, ls.exp(), impl="auto", group=dist.group.WORLD)
+    if name == "loopback":
+        ops = tile_ops("auto", dev)
+        return lambda i, t, ls: _tiled_loss(i, t, ls.exp(), ops, LoopbackRing(world))
+    if name == "local":
+        return lambda i, t, ls: clip_loss(i, t, ls.exp(), impl="local", group=dist.group.WORLD)
+    if name == "inf_cl":
+        from inf_cl import cal_inf_loss
+
+        def infcl(i, t, ls):
+            s = ls.exp()
+            return 0.5 * (cal_inf_loss(i, t, scale=s) + cal_inf_loss(t, i, scale=s))
+
+        return infcl
+    raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
+
+
+def skip_reason(name: str, b: int, cfg: BenchConfig, dev: torch.device) -> str:
+    world = dist.get_world_size()
+    if name == "inf_cl" and (dev.type != "cuda" or b > cfg.infcl_max_b):
+        return "not run (needs CUDA)" if dev.type != "cuda" else f"not run (b > {cfg.infcl_max_b})"
+    if name == "local" and dev.type == "cuda":
+        need = 4 * (b // world) * b * torch.finfo(DTYPES[cfg.dtype]).bits // 8
+        have = torch.cuda.get_device_properties(dev).total_memory
+        if need > cfg.local_mem_frac * have:
+            return f"OOM: its logits alone need {need / 1e9:.0f} GB"
+    return ""
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_once(fn, img, txt, ls, dev) -> tuple[float, float, float]:
+    """(ms, peak extra GB, loss) of one forward + backward on this rank."""
+    for x in (img, txt, ls):
+        x.grad = None
+    sync(dev)
+    dist.barrier()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+    t0 = time.perf_counter()
+    loss = fn(img, txt, ls)
+    loss.backward()
+    sync(dev)
+    ms = 1e3 * (time.perf_counter() - t0)
+    gb = (torch.cuda.max_memory_allocated(dev) - base) / 1e9 if dev.type == "cuda" else float("nan")
+    return ms, gb, float(loss.detach())
+
+
+def measure(name: str, b: int, cfg: BenchConfig, dev: torch.device) -> Row:
+    note = skip_reason(name, b, cfg, dev)
+    if note:
+        return Row(b, name, note=note)
+    img, txt, ls = features(b, cfg, dev)
+    fn = method_fn(name, dev)
+    for _ in range(cfg.warmup):
+        run_once(fn, img, txt, ls, dev)
+    runs = [run_once(fn, img, txt, ls, dev) for _ in range(cfg.reps)]
+    ms = statistics.median(r[0] for r in runs)
+    stats = torch.tensor([ms, max(r[1] for r in runs)], dtype=torch.float64, device=dev)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    loss = torch.tensor(runs[-1][2], dtype=torch.float64, device=dev)
+    dist.all_reduce(loss)
+    del img, txt, ls, fn
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return Row(b, name, float(stats[0]), float(stats[1]), float(loss) / dist.get_world_size())
+
+
+def table(rows: list[Row], cfg: BenchConfig) -> str:
+    world = dist.get_world_size()
+    head = (f"| b | floor ms | {' | '.join(cfg.methods)} | ring / loopback |\n"
+            f"|---|---|{'---|' * len(cfg.methods)}---|")
+    lines = [head]
+    for b in cfg.sizes:
+        by = {r.method: r for r in rows if r.b == b}
+        floor = 8 * b * b * cfg.dim / world / (cfg.peak_tflops * 1e12) * 1e3
+        cells = [f"{by[m].ms:.1f} ms / {by[m].gb:.2f} GB" if by[m].ms is not None else by[m].note
+                 for m in cfg.methods]
+        ring, loop = by.get("ring"), by.get("loopback")
+        ratio = f"{ring.ms / loop.ms:.3f}" if ring and loop and ring.ms and loop.ms else "-"
+        lines.append(f"| {b:,} | {floor:.1f} | {' | '.join(cells)} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    cfg = parse()
+    dev = init(cfg)
+    rows = []
+    for b in cfg.sizes:
+        if b % dist.get_world_size():
+            raise ValueError(f"global batch {b} is not divisible by the world size {dist.get_world_size()}")
+        for name in cfg.methods:
+            rows.append(measure(name, b, cfg, dev))
+            if dist.get_rank() == 0:
+                print(json.dumps(asdict(rows[-1])), flush=True)
+    if dist.get_rank() == 0:
+        env = {"world": dist.get_world_size(), "torch": torch.__version__,
+               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+        text = table(rows, cfg)
+        print(f"\n{env}\n{text}", flush=True)
+        with open(cfg.out, "w") as f:
+            json.dump({"config": asdict(cfg), "env": env, "rows": [asdict(r) for r in rows],
+                       "table": text}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

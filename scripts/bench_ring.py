@@ -180,6 +180,27 @@ def measure(name: str, b: int, cfg: BenchConfig, dev: torch.device) -> Row:
     return Row(b, name, float(stats[0]), float(stats[1]), float(loss) / dist.get_world_size())
 
 
+def verify(cfg: BenchConfig, dev: torch.device, m: int = 3000) -> dict[str, float]:
+    """fp32 check before timing: ring vs local (full-matrix) loss and gradients, max over ranks."""
+    from infclip.loss import clip_loss
+
+    g = torch.Generator(device=dev).manual_seed(7 + dist.get_rank())
+    feats = [torch.nn.functional.normalize(torch.randn(m, cfg.dim, generator=g, device=dev), dim=-1)
+             for _ in range(2)]
+    out = {}
+    for impl in ("auto", "local"):
+        i, t = (f.clone().requires_grad_() for f in feats)
+        ls = torch.tensor(math.log(1 / 0.07), device=dev, requires_grad=True)
+        loss = clip_loss(i, t, ls.exp(), impl=impl, group=dist.group.WORLD)
+        loss.backward()
+        dist.all_reduce(ls.grad)  # DDP's average times W
+        out[impl] = (loss.detach(), i.grad, t.grad, ls.grad)
+    errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(out["auto"], out["local"])]
+    errs = torch.tensor(errs, dtype=torch.float64, device=dev)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    return dict(zip(("loss", "dimg", "dtxt", "dscale"), errs.tolist()))
+
+
 def table(rows: list[Row], cfg: BenchConfig) -> str:
     world = dist.get_world_size()
     head = (f"| b | floor ms | {' | '.join(cfg.methods)} | ring / loopback |\n"
@@ -199,6 +220,9 @@ def table(rows: list[Row], cfg: BenchConfig) -> str:
 def main() -> None:
     cfg = parse()
     dev = init(cfg)
+    check = verify(cfg, dev)
+    if dist.get_rank() == 0:
+        print(json.dumps({"verify_fp32_ring_vs_local_rel_err": check}), flush=True)
     rows = []
     for b in cfg.sizes:
         if b % dist.get_world_size():
@@ -213,7 +237,7 @@ def main() -> None:
         text = table(rows, cfg)
         print(f"\n{env}\n{text}", flush=True)
         with open(cfg.out, "w") as f:
-            json.dump({"config": asdict(cfg), "env": env, "rows": [asdict(r) for r in rows],
+            json.dump({"config": asdict(cfg), "env": env, "verify": check, "rows": [asdict(r) for r in rows],
                        "table": text}, f, indent=1)
     dist.destroy_process_group()
 

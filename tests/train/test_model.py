@@ -1,0 +1,53 @@
+"""Model construction through open_clip's factory: names, custom JSON, local weights, errors."""
+
+import json
+
+import pytest
+import torch
+
+from infclip.config import ModelConfig
+from infclip.model import build_model, clamp_logit_scale
+
+
+def test_named_tiny_model_with_tokenizer_and_preprocess():
+    built = build_model(ModelConfig(name="infclip-micro"))
+    assert built.image_size == 32 and len(built.mean) == 3
+    tokens = built.tokenizer(["a red circle", "a blue star"])
+    assert tokens.shape == (2, 16) and tokens.dtype == torch.long
+    out = built.model(torch.randn(2, 3, 32, 32), tokens)
+    assert out["image_features"].shape == (2, 32)
+    assert torch.allclose(out["image_features"].norm(dim=-1), torch.ones(2), atol=1e-5)
+
+
+def test_custom_json_config_and_local_pretrained_file(tmp_path):
+    cfg = {"embed_dim": 16, "vision_cfg": {"image_size": 16, "layers": 1, "width": 16, "head_width": 8, "patch_size": 8},
+           "text_cfg": {"context_length": 8, "vocab_size": 49408, "width": 16, "heads": 2, "layers": 1}}
+    path = tmp_path / "my-clip.json"
+    path.write_text(json.dumps(cfg))
+    first = build_model(ModelConfig(config_file=str(path), init_logit_scale=1.5))
+    assert first.image_size == 16 and float(first.model.logit_scale.detach()) == 1.5
+    weights = tmp_path / "w.pt"
+    torch.save(first.model.state_dict(), weights)
+    second = build_model(ModelConfig(config_file=str(path), pretrained=str(weights)))
+    for (name, a), (_, b) in zip(first.model.state_dict().items(), second.model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_unknown_model_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="model.name='no-such-model' is not an open_clip model config"):
+        build_model(ModelConfig(name="no-such-model"))
+
+
+def test_missing_files_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model.config_file"):
+        build_model(ModelConfig(config_file=str(tmp_path / "absent.json")))
+    with pytest.raises(FileNotFoundError, match="model.pretrained"):
+        build_model(ModelConfig(name="infclip-micro", pretrained=str(tmp_path / "absent.pt")))
+
+
+def test_logit_scale_clamped_to_ln_100():
+    built = build_model(ModelConfig(name="infclip-micro"))
+    with torch.no_grad():
+        built.model.logit_scale.fill_(7.0)
+    clamp_logit_scale(built.model)
+    assert float(built.model.logit_scale.exp()) == pytest.approx(100.0, rel=1e-5)

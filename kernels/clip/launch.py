@@ -1,0 +1,210 @@
+"""Launch wrappers of the CLIP LSE kernels: block configs, column chunking, tuning.
+
+``lse_forward`` and ``grad_rows`` take plain tensors and explicit configs; ``pick_config``
+chooses a config per problem class (feature dim, dtype, precision, size bucket) by timing
+the candidates once on the GPU (under ``TRITON_INTERPRET=1`` or with
+``INFCLIP_TRITON_TUNE=0`` it takes the first candidate that fits).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .kernels import _grad_kernel, _lse_fwd_kernel
+
+PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
+TUNE_ROWS = 32768  # tuning runs on at most this many rows/columns (same config class)
+SMEM_BYTES = 220 << 10  # usable shared memory per block on Hopper, minus slack
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Forward tile: BM rows x BN columns, K streamed in BK chunks."""
+
+    BM: int
+    BN: int
+    BK: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Backward tile: BM rows, BN columns per step, DC feature columns of the accumulator.
+
+    resident: the (BM, K) row block stays on chip (needs DC >= K); else logits stream over K.
+    """
+
+    BM: int
+    BN: int
+    BK: int
+    DC: int
+    resident: bool
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _dot_f32(t: Tensor) -> bool:
+    """The interpreter's 16-bit tl.dot is wrong (triton 3.8): upcast operands there."""
+    return interpreting() and t.element_size() == 2
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(x, 1))))
+
+
+def fwd_candidates(k: int, esize: int) -> list[FwdConfig]:
+    """Forward configs worth timing; the first is the default when not tuning."""
+    if interpreting():
+        return [FwdConfig(32, 32, 32)]
+    if esize == 4:  # fp32: smaller K chunks keep the pipelined operands in shared memory
+        return [FwdConfig(128, 128, 32, 8, 3), FwdConfig(64, 128, 32, 4, 3), FwdConfig(128, 64, 32, 4, 3)]
+    # 16-bit: GEMM-like shapes; 128x256 halves L2 traffic per FLOP vs 128x128.
+    return [
+        FwdConfig(128, 128, 64, 8, 3),
+        FwdConfig(128, 256, 64, 8, 3),
+        FwdConfig(256, 128, 64, 8, 3),
+        FwdConfig(128, 128, 64, 4, 4),
+        FwdConfig(128, 128, 128, 8, 3),
+    ]
+
+
+def _bwd_smem(c: BwdConfig, k: int, esize: int) -> int:
+    if c.resident:
+        return (c.BM + c.num_stages * c.BN) * c.DC * esize
+    return (c.num_stages * (c.BM + c.BN) * c.BK + c.BN * c.DC) * esize
+
+
+def bwd_candidates(k: int, esize: int) -> list[BwdConfig]:
+    """Backward configs that fit shared memory and registers for feature dim ``k``."""
+    kp = _pow2(k)
+    if interpreting():
+        if kp <= 256:
+            return [BwdConfig(32, 32, 32, kp, True)]
+        return [BwdConfig(32, 32, 32, 128, False)]
+    cands = []
+    if kp <= 512:
+        # Resident row block: B tile loaded once for both products; acc (64, kp) in regs.
+        cands += [BwdConfig(64, 64, 64, kp, True, 8, 2), BwdConfig(64, 32, 64, kp, True, 8, 3),
+                  BwdConfig(64, 64, 64, kp, True, 4, 2)]
+    dc = min(kp, 512)
+    cands += [BwdConfig(64, 64, 64, dc, False, 8, 3), BwdConfig(64, 128, 64, dc, False, 8, 3),
+              BwdConfig(128, 64, 64, min(kp, 256), False, 8, 3)]
+    if esize == 4:
+        cands = [BwdConfig(64, 64, 32, min(kp, 256), False, 8, 2), BwdConfig(64, 32, 32, min(kp, 128), False, 4, 2)]
+    return [c for c in cands if _bwd_smem(c, k, esize) <= SMEM_BYTES]
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
+                alloc=torch.empty) -> tuple[Tensor, Tensor]:
+    """(row_lse (M,), col_lse (N,)) fp32 over the block pair (a, b); partial buffers <= 32 MB."""
+    m, k = a.shape
+    n = b.shape[0]
+    nrb = triton_cdiv(m, cfg.BM)
+    chunk = max(cfg.BN, PART_BUDGET_BYTES // (4 * nrb) // cfg.BN * cfg.BN)
+    row_lse, col_lse = None, alloc(n, device=a.device, dtype=torch.float32)
+    for c0 in range(0, n, chunk):
+        c1 = min(c0 + chunk, n)
+        length = c1 - c0
+        splits = max(1, min(triton_cdiv(_target_programs(a.device), nrb), triton_cdiv(length, cfg.BN)))
+        per = triton_cdiv(triton_cdiv(length, splits), cfg.BN) * cfg.BN
+        splits = triton_cdiv(length, per)
+        row_part = alloc(splits, m, device=a.device, dtype=torch.float32)
+        col_part = alloc(nrb, length, device=a.device, dtype=torch.float32)
+        _lse_fwd_kernel[(nrb, splits)](
+            a, b, scale, row_part, col_part, m, n, k, a.stride(0), b.stride(0), c0, c1, per, length,
+            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=k % cfg.BK == 0, PREC=prec,
+            DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        part = torch.logsumexp(row_part, 0)
+        row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)
+        col_lse[c0:c1] = torch.logsumexp(col_part, 0)
+    return row_lse, col_lse
+
+
+def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
+              g_b: Tensor, out: Tensor, accumulate: bool, compute_ds: bool, cfg: BwdConfig,
+              prec: str) -> Tensor | None:
+    """out (+)= s * dX @ b for the rows of ``a``; returns ds (0-d fp32) if ``compute_ds``."""
+    m, k = a.shape
+    n = b.shape[0]
+    if cfg.resident and cfg.DC < k:
+        raise ValueError(f"resident config needs DC >= K, got DC={cfg.DC}, K={k}")
+    gnorm = torch.maximum(g_a.abs().max(), g_b.abs().max()).float().clamp_min(1e-30)
+    nrb, ncb = triton_cdiv(m, cfg.BM), triton_cdiv(k, cfg.DC)
+    ds_part = torch.empty(nrb * ncb if compute_ds else 1, device=a.device, dtype=torch.float32)
+    _grad_kernel[(nrb, ncb)](
+        a, b, scale, gnorm, lse_a, lse_b, g_a, g_b, out, ds_part, m, n, k,
+        a.stride(0), b.stride(0), out.stride(0),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DC=cfg.DC, EVEN_K=k % cfg.BK == 0,
+        RESIDENT=cfg.resident, ACCUM=accumulate, COMPUTE_DS=compute_ds, PREC=prec,
+        DOT_F32=_dot_f32(a),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return ds_part.sum() if compute_ds else None
+
+
+def triton_cdiv(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+_TUNED: dict[tuple, object] = {}
+
+
+def _bucket(x: int) -> int:
+    return _pow2(min(x, TUNE_ROWS))
+
+
+def pick_config(kind: str, a: Tensor, b: Tensor, prec: str, candidates: list, run) -> object:
+    """Fastest candidate for this problem class; ``run(cfg, a_sub, b_sub)`` launches it once."""
+    key = (kind, a.shape[1], a.dtype, prec, _bucket(a.shape[0]), _bucket(b.shape[0]), str(a.device))
+    if key in _TUNED:
+        return _TUNED[key]
+    if interpreting() or a.device.type != "cuda" or os.environ.get("INFCLIP_TRITON_TUNE", "1") == "0":
+        _TUNED[key] = candidates[0]
+        return candidates[0]
+    a_sub, b_sub = a[:TUNE_ROWS], b[:TUNE_ROWS]
+    best, best_ms = None, float("inf")
+    for cfg in candidates:
+        try:
+            ms = _time(lambda: run(cfg, a_sub, b_sub))
+        except Exception:  # noqa: BLE001 -- out of resources / compile error: skip config
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"no {kind} Triton config compiled for K={a.shape[1]}, {a.dtype}")
+    _TUNED[key] = best
+    return best
+
+
+def _time(fn, reps: int = 3) -> float:
+    fn()  # compile + warm up
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def tuned_configs() -> dict:
+    """The configs chosen so far (for benchmark reports)."""
+    return dict(_TUNED)

@@ -1,0 +1,110 @@
+"""``TritonTileOps``: the tile-operation protocol of ``infclip.loss.tiled`` on Triton kernels.
+
+Protocol (same as ``TorchTileOps``), with x_ij = s * <img_i, txt_j>:
+    forward(img (m, c), txt (n, c), scale 0-d) -> (row_lse (m,), col_lse (n,)) fp32, LSE
+        over this block pair only (callers merge partial LSEs with logaddexp).
+    backward(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg=None, dtxt=None)
+        -> (dimg (m, c), dtxt (n, c), dscale 0-d) fp32; row_lse/col_lse are the final
+        (global) LSEs; accumulates into dimg/dtxt when given.
+``scale`` stays on the device (read by the kernels through a pointer: no host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import launch
+
+PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
+
+
+class TritonTileOps:
+    """Fused Triton tile operations: one forward pass for both LSEs, two backward passes.
+
+    Args:
+        fp32_precision: dot precision for float32 inputs: "ieee" (default, full fp32),
+            "tf32x3" (near-fp32 on tensor cores) or "tf32". 16-bit inputs always use
+            tensor cores with fp32 accumulation.
+        poison: fill every buffer the kernels must write with NaN first (tests).
+    """
+
+    name = "triton"
+
+    def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False):
+        if fp32_precision not in PRECISIONS:
+            raise ValueError(f"fp32_precision must be one of {sorted(PRECISIONS)}, got {fp32_precision!r}")
+        self.fp32_precision = fp32_precision
+        self.poison = poison
+
+    def _prec(self, t: Tensor) -> str:
+        return PRECISIONS[self.fp32_precision] if t.dtype == torch.float32 else "tf32"
+
+    def _alloc(self, *shape, device, dtype):
+        if self.poison:
+            return torch.full(shape, float("nan"), device=device, dtype=dtype)
+        return torch.empty(*shape, device=device, dtype=dtype)
+
+    def forward(self, img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+        """(row_lse (m,), col_lse (n,)) fp32 over the block pair (img, txt)."""
+        img, txt, scale = _prep(img, txt, scale)
+        prec = self._prec(img)
+
+        def run(cfg, a, b):
+            return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc)
+
+        cfg = launch.pick_config("fwd", img, txt, prec,
+                                 launch.fwd_candidates(img.shape[1], img.element_size()), run)
+        return run(cfg, img, txt)
+
+    def backward(self, img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
+                 g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,
+                 dtxt: Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        """(dimg, dtxt, dscale); fresh outputs are ``out_dtype`` (fp32 by the protocol)."""
+        img, txt, scale = _prep(img, txt, scale)
+        vecs = [v.float().contiguous() for v in (row_lse, col_lse, g_row, g_col)]
+        row_lse, col_lse, g_row, g_col = vecs
+        prec = self._prec(img)
+        acc_i, acc_t = dimg is not None, dtxt is not None
+        dimg = self._out(dimg, img, out_dtype)
+        dtxt = self._out(dtxt, txt, out_dtype)
+        cfg_i = self._bwd_cfg(img, txt, prec, scale)
+        ds = launch.grad_rows(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, cfg_i, prec)
+        cfg_t = self._bwd_cfg(txt, img, prec, scale)
+        launch.grad_rows(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, cfg_t, prec)
+        return dimg, dtxt, ds
+
+    def _out(self, buf: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
+        if buf is None:
+            return self._alloc(*like.shape, device=like.device, dtype=dtype)
+        if buf.shape != like.shape or buf.stride(-1) != 1:
+            raise ValueError(f"gradient buffer must be {tuple(like.shape)} with unit last stride, "
+                             f"got {tuple(buf.shape)} strides {buf.stride()}")
+        return buf
+
+    def _bwd_cfg(self, a: Tensor, b: Tensor, prec: str, scale: Tensor):
+        m, n = a.shape[0], b.shape[0]
+
+        def run(cfg, a_sub, b_sub):
+            ms, ns = a_sub.shape[0], b_sub.shape[0]
+            lse_a = torch.full((ms,), 30.0, device=a.device)  # keeps exp() of tuning data finite
+            lse_b = torch.full((ns,), 30.0, device=a.device)
+            g_a, g_b = torch.ones(ms, device=a.device), torch.ones(ns, device=a.device)
+            out = torch.empty(a_sub.shape, device=a.device, dtype=torch.float32)
+            launch.grad_rows(a_sub, b_sub, scale, lse_a, lse_b, g_a, g_b, out, False, True, cfg, prec)
+
+        cands = launch.bwd_candidates(a.shape[1], a.element_size())
+        return launch.pick_config("bwd", a, b, prec, cands, run) if m and n else cands[0]
+
+
+def _prep(img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Unit last stride for the kernels' pointer math; scale as a 0-d fp32 device tensor."""
+    if img.shape[1] != txt.shape[1] or img.dtype != txt.dtype:
+        raise ValueError(f"img {tuple(img.shape)} {img.dtype} and txt {tuple(txt.shape)} {txt.dtype} "
+                         "must share feature dim and dtype")
+    if img.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"Triton tile ops support float32/bfloat16/float16, got {img.dtype}")
+    img = img if img.stride(-1) == 1 else img.contiguous()
+    txt = txt if txt.stride(-1) == 1 else txt.contiguous()
+    return img, txt, scale.detach().float().reshape(())

@@ -1,0 +1,175 @@
+"""Triton CLIP-LSE kernels vs the float64 reference (interpreter on CPU, real kernels on GPU).
+
+Shapes are tiny and odd (b = 1, 37, 130; c = 16, 200) so that every tail mask and the
+clamped loads are exercised; every buffer the kernels write is poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infclip.kernels.clip import (
+    TritonTileOps, clip_loss_reference, clip_loss_triton, launch, lse_grad_reference, lse_pair_reference,
+)
+from infclip.kernels.clip.launch import BwdConfig, FwdConfig
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1, 1, 16), (37, 37, 16), (130, 37, 200), (37, 130, 200)]
+
+
+def _feats(n: int, c: int, dtype=torch.float32, norm: float = 1.0, seed: int | None = None) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    x = torch.randn(n, c, generator=gen, dtype=torch.float64)
+    return (norm * torch.nn.functional.normalize(x, dim=-1)).to(dtype).to(DEV)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("m,n,c", SHAPES)
+def test_forward_matches_float64(m, n, c):
+    a, b = _feats(m, c), _feats(n, c)
+    s = torch.tensor(20.0, device=DEV)
+    row, col = TritonTileOps(poison=True).forward(a, b, s)
+    ref_row, ref_col = lse_pair_reference(a, b, s)
+    assert row.dtype == col.dtype == torch.float32 and row.shape == (m,) and col.shape == (n,)
+    torch.testing.assert_close(row.double(), ref_row, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(col.double(), ref_col, rtol=1e-6, atol=2e-6)
+
+
+def test_forward_column_chunks_and_splits(monkeypatch):
+    """A tiny partial budget forces several column launches and splits; same result."""
+    monkeypatch.setattr(launch, "PART_BUDGET_BYTES", 4 * 5 * 64)  # 5 row blocks x 64 columns
+    a, b = _feats(130, 16), _feats(200, 16)
+    s = torch.tensor(5.0, device=DEV)
+    poison = TritonTileOps(poison=True)
+    row, col = launch.lse_forward(a, b, s, FwdConfig(32, 32, 16), "ieee", alloc=poison._alloc)
+    ref_row, ref_col = lse_pair_reference(a, b, s)
+    torch.testing.assert_close(row.double(), ref_row, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(col.double(), ref_col, rtol=1e-6, atol=2e-6)
+
+
+RESIDENT = BwdConfig(32, 32, 32, 256, True)  # row block on chip; K tail masked for c=200
+STREAM = BwdConfig(32, 32, 32, 64, False)  # streamed logits, several feature chunks for c=200
+STREAM16 = BwdConfig(16, 16, 16, 16, False)  # K multiple of BK (EVEN_K path) for c=16
+GRAD_CASES = [(cfg, shape) for shape in SHAPES for cfg in (RESIDENT, STREAM)] + [
+    (STREAM16, (37, 37, 16)), (STREAM16, (1, 1, 16))]
+
+
+@pytest.mark.parametrize("cfg,shape", GRAD_CASES)
+def test_grad_rows_matches_float64(cfg, shape):
+    m, n, c = shape
+    a, b = _feats(m, c), _feats(n, c)
+    s = torch.tensor(10.0, device=DEV)
+    row, col = (v.float() for v in lse_pair_reference(a, b, s))
+    g_row, g_col = torch.randn(m, device=DEV), torch.randn(n, device=DEV)
+    out = torch.full((m, c), float("nan"), device=DEV)
+    ds = launch.grad_rows(a, b, s, row, col, g_row, g_col, out, False, True, cfg, "ieee")
+    ref_a, _, ref_ds = lse_grad_reference(a, b, s, g_row, g_col)
+    assert _rel(out, ref_a) < 1e-5
+    assert abs(ds.item() - ref_ds.item()) <= 1e-5 * (abs(ref_ds.item()) + (s * 0 + 1).item())
+
+
+@pytest.mark.parametrize("m,n,c", [(37, 130, 200), (1, 37, 16)])
+def test_backward_protocol_accumulates(m, n, c):
+    a, b = _feats(m, c), _feats(n, c)
+    s = torch.tensor(7.0, device=DEV)
+    ops = TritonTileOps(poison=True)
+    row, col = (v.float() for v in lse_pair_reference(a, b, s))
+    g_row, g_col = torch.rand(m, device=DEV), torch.rand(n, device=DEV)
+    base_a, base_b = torch.randn(m, c, device=DEV), torch.randn(n, c, device=DEV)
+    dimg, dtxt, ds = ops.backward(a, b, s, row, col, g_row, g_col, base_a.clone(), base_b.clone())
+    ref_a, ref_b, ref_ds = lse_grad_reference(a, b, s, g_row, g_col)
+    assert dimg.dtype == dtxt.dtype == ds.dtype == torch.float32 and ds.dim() == 0
+    assert _rel(dimg - base_a, ref_a) < 1e-5 and _rel(dtxt - base_b, ref_b) < 1e-5
+    assert abs(ds.item() - ref_ds.item()) < 1e-5 * max(1.0, abs(ref_ds.item()))
+
+
+@pytest.mark.parametrize("case", ["peaked", "flat", "large_norm"])
+def test_extreme_logits(case):
+    """Peaked: s=100, near-duplicate rows; flat: s=1; large norms: logits ~ 1e3 (no overflow)."""
+    b, c = 37, 16
+    img = _feats(b, c)
+    if case == "peaked":
+        img[1:5] = img[0] + 1e-3 * torch.randn(4, c, device=DEV)
+    txt = img + 0.05 * _feats(b, c)
+    norm, s = {"peaked": (1.0, 100.0), "flat": (1.0, 1.0), "large_norm": (30.0, 2.0)}[case]
+    img, txt = img * norm, txt * norm
+    scale = torch.tensor(s, device=DEV)
+    ops = TritonTileOps(poison=True)
+    row, col = ops.forward(img, txt, scale)
+    ref_row, ref_col = lse_pair_reference(img, txt, scale)
+    assert torch.isfinite(row).all() and torch.isfinite(col).all()
+    tol = 1e-6 * float(ref_row.abs().max())
+    torch.testing.assert_close(row.double(), ref_row, rtol=1e-6, atol=max(tol, 2e-6))
+    g = torch.full((b,), 0.5 / b, device=DEV)
+    dimg, dtxt, ds = ops.backward(img, txt, scale, ref_row.float(), ref_col.float(), g, g)
+    ref_a, ref_b, ref_ds = lse_grad_reference(img, txt, scale, g, g)
+    # fp32 logits of magnitude L carry ~L * 6e-8 absolute error, which exp() turns relative.
+    bound = 2e-5 * max(1.0, float(ref_row.abs().max()))
+    assert _rel(dimg, ref_a) < bound and _rel(dtxt, ref_b) < bound
+    assert abs(ds.item() - ref_ds.item()) < bound * max(1.0, abs(ref_ds.item()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_no_worse_than_vanilla(dtype):
+    """bf16/fp16 inputs: loss and gradients at least as close to float64 as vanilla's."""
+    b, c = 130, 200
+    img64, txt64 = _feats(b, c, torch.float64), _feats(b, c, torch.float64)
+    scale = torch.tensor(30.0, device=DEV, dtype=torch.float64)
+    img, txt = img64.to(dtype), txt64.to(dtype)
+    errs = {}
+    for name, fn in (("ours", clip_loss_triton), ("vanilla", _vanilla)):
+        i, t, s = (x.detach().clone().requires_grad_() for x in (img, txt, scale.float()))
+        loss = fn(i, t, s)
+        loss.backward()
+        i64, t64, s64 = (x.detach().double().requires_grad_() for x in (img, txt, scale))
+        ref = clip_loss_reference(i64, t64, s64)
+        ref.backward()
+        errs[name] = [abs(loss.item() - ref.item()) / abs(ref.item()), _rel(i.grad, i64.grad),
+                      _rel(t.grad, t64.grad), abs(s.grad.item() - s64.grad.item()) / abs(s64.grad.item())]
+    assert i.grad.dtype == dtype
+    for ours, van in zip(errs["ours"], errs["vanilla"]):
+        assert ours <= 1.25 * van + 1e-4, errs
+
+
+def _vanilla(img, txt, scale):
+    """open_clip's ClipLoss in the input dtype. On CPU (whose 16-bit GEMM may be missing)
+    each product is emulated as a GPU GEMM does it: fp32 accumulation, output rounded."""
+    dt = img.dtype
+    if img.is_cuda or dt == torch.float32:
+        logits = scale.to(dt) * img @ txt.T
+    else:
+        logits = ((scale.to(dt) * img).float() @ txt.float().T).to(dt)
+    labels = torch.arange(img.shape[0], device=img.device)
+    ce = torch.nn.functional.cross_entropy
+    return (0.5 * (ce(logits, labels) + ce(logits.T, labels))).float()
+
+
+@pytest.mark.parametrize("need", [(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (0, 1, 1)])
+def test_autograd_function_requires_grad_combinations(need):
+    b, c = 37, 16
+    base = [_feats(b, c), _feats(b, c), torch.tensor(14.0, device=DEV)]
+    ours = [x.clone().requires_grad_(bool(r)) for x, r in zip(base, need)]
+    ref = [x.double().clone().requires_grad_(bool(r)) for x, r in zip(base, need)]
+    loss = clip_loss_triton(*ours)
+    ref_loss = clip_loss_reference(*ref)
+    assert abs(loss.item() - ref_loss.item()) < 1e-5 * abs(ref_loss.item())
+    loss.backward()
+    ref_loss.backward()
+    for x, r in zip(ours, ref):
+        if r.requires_grad:
+            assert _rel(x.grad, r.grad) < 1e-5
+        else:
+            assert x.grad is None
+
+
+def test_fp32_precision_option():
+    with pytest.raises(ValueError, match="fp32_precision"):
+        TritonTileOps("fp16")
+    a = _feats(37, 16)
+    s = torch.tensor(3.0, device=DEV)
+    row, _ = TritonTileOps("tf32").forward(a, a, s)  # runs; tf32 only changes GPU dots
+    assert torch.isfinite(row).all()

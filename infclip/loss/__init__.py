@@ -7,6 +7,8 @@ exactly open_clip's ``ClipLoss`` value.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -58,8 +60,9 @@ def tile_ops(impl: str, device: torch.device, *, fp32_precision: str = "ieee"):
     if impl == "torch":
         return TorchTileOps()
     if impl == "triton":
-        if device.type != "cuda":
-            raise ValueError(f"impl='triton' needs CUDA tensors, got {device}; use impl='torch' or 'auto'")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {device}; "
+                             "use impl='torch' or 'auto'")
         from infclip.kernels.clip import TritonTileOps
 
         return TritonTileOps(fp32_precision=fp32_precision)

@@ -10,52 +10,21 @@ W times too large here. Ranks run this file as a script, like tests/loss/test_ri
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
-import time
-from datetime import timedelta
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
-LAUNCH_TIMEOUT_S = 150
+sys.path.insert(0, str(Path(__file__).parent))
+from _gloo_launch import init_rank, launch  # noqa: E402
+
 D_IMG, D_TXT, C, M = 11, 7, 13, 5  # input dims, embedding dim (not a power of 2), rows per rank
 STEPS, LR = 2, 0.5
 
 
-def launch(case: str, world: int, tmp_path: Path, timeout: float = LAUNCH_TIMEOUT_S) -> None:
-    """Runs ``python this_file case`` on ``world`` gloo ranks; fails on error or timeout."""
-    env = dict(os.environ, WORLD_SIZE=str(world), OMP_NUM_THREADS="1", INIT=f"file://{tmp_path}/store")
-    logs = [tmp_path / f"rank{r}.log" for r in range(world)]
-    procs = [
-        subprocess.Popen([sys.executable, __file__, case], env={**env, "RANK": str(r)},
-                         stdout=log.open("w"), stderr=subprocess.STDOUT)
-        for r, log in enumerate(logs)
-    ]
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{case}: ranks still running after {timeout} s (deadlock?)\n" + _tails(logs))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode != 0 for p in procs):
-        pytest.fail(f"{case}: rank exit codes {[p.returncode for p in procs]}\n" + _tails(logs))
-
-
-def _tails(logs: list[Path]) -> str:
-    return "\n".join(f"--- {log.name} ---\n{log.read_text()[-4000:]}" for log in logs)
-
-
 def test_ddp_step_matches_single_process_w4_w3_and_subgroup(tmp_path):
-    launch("ddp", 4, tmp_path)
+    launch(__file__, "ddp", 4, tmp_path)
 
 
 # -- ranks (child side) ---------------------------------------------------------------------
@@ -134,9 +103,7 @@ def case_ddp():
     """DDP on all 4 ranks, on ranks {0, 1, 2} and on the non-contiguous subgroup {1, 3}."""
     import torch.distributed as dist
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    rank, _ = init_rank()
     groups = [(members, dist.new_group(members)) for members in ([0, 1, 2, 3], [0, 1, 2], [1, 3])]
     for members, group in groups:
         if rank not in members:

@@ -8,57 +8,25 @@ Ground truth: the full b x b matrix in float64 on every rank (the data are seede
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-LAUNCH_TIMEOUT_S = 150
+sys.path.insert(0, str(Path(__file__).parent))
+from _gloo_launch import init_rank, launch  # noqa: E402
+
 C = 37  # feature dim, not a power of two
 
 
-# -- launcher (parent side) -----------------------------------------------------------------
-
-
-def launch(case: str, world: int, tmp_path: Path, timeout: float = LAUNCH_TIMEOUT_S) -> None:
-    """Runs ``python this_file case`` on ``world`` gloo ranks; fails on error or timeout."""
-    env = dict(os.environ, WORLD_SIZE=str(world), OMP_NUM_THREADS="1", INIT=f"file://{tmp_path}/store")
-    logs = [tmp_path / f"rank{r}.log" for r in range(world)]
-    procs = [
-        subprocess.Popen([sys.executable, __file__, case], env={**env, "RANK": str(r)},
-                         stdout=log.open("w"), stderr=subprocess.STDOUT)
-        for r, log in enumerate(logs)
-    ]
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{case}: ranks still running after {timeout} s (deadlock?)\n" + _tails(logs))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if any(p.returncode != 0 for p in procs):
-        pytest.fail(f"{case}: rank exit codes {[p.returncode for p in procs]}\n" + _tails(logs))
-
-
-def _tails(logs: list[Path]) -> str:
-    return "\n".join(f"--- {log.name} ---\n{log.read_text()[-4000:]}" for log in logs)
-
-
 def test_ring_matches_single_process_w2_w3_w4_and_subgroups(tmp_path):
-    launch("equivalence", 4, tmp_path)
+    launch(__file__, "equivalence", 4, tmp_path)
 
 
 def test_ring_errors_and_slow_ranks(tmp_path):
-    launch("robustness", 3, tmp_path)
+    launch(__file__, "robustness", 3, tmp_path)
 
 
 @pytest.mark.parametrize("world, m, tile", [(1, 5, 1024), (3, 7, 3), (4, 6, 4)])
@@ -80,15 +48,6 @@ def test_loopback_ring_equals_w_copies_of_the_batch(world, m, tile):
 
 
 # -- ranks (child side) ---------------------------------------------------------------------
-
-
-def _init():
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    return rank, world
 
 
 def global_batch(world: int, m: int, seed: int, *, peaked: bool = False):
@@ -167,7 +126,7 @@ def case_equivalence():
     """W = 2, 3, 4 (prefix groups) and the non-contiguous subgroup {1, 3}; odd m, C = 37."""
     import torch.distributed as dist
 
-    rank, _ = _init()
+    rank, _ = init_rank()
     groups = [(members, dist.new_group(members)) for members in ([0, 1], [0, 1, 2], [0, 1, 2, 3], [1, 3])]
     for members, group in groups:
         if rank not in members:
@@ -208,7 +167,7 @@ def case_robustness():
 
     from infclip.loss import _tiled_loss, clip_loss
 
-    rank, world = _init()
+    rank, world = init_rank()
     group = dist.group.WORLD
     img, txt, scale = global_batch(world, 4, seed=1)
     m_bad = 4 + (rank == 1)  # rank 1 has one extra row

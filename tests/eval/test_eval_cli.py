@@ -1,0 +1,103 @@
+"""``python -m infclip.eval`` on a run folder written in the trainer's checkpoint layout."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from infclip.eval import EvalConfig, EvalConfigError, run_evals
+from infclip.eval.cli import resolve_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _save(run_dir, step, model):
+    folder = run_dir / "checkpoints" / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    torch.save(model.state_dict(), folder / "model.pt")
+    return folder / "model.pt"
+
+
+def test_resolve_checkpoint_forms(tmp_path, micro):
+    run = tmp_path / "run"
+    _save(run, 5, micro[0])
+    latest = _save(run, 12, micro[0])
+    (run / "checkpoints" / ".step_00000020.tmp").mkdir()  # an unfinished save is ignored
+    assert resolve_checkpoint(str(run)) == str(latest)
+    assert resolve_checkpoint(str(latest.parent)) == str(latest)
+    assert resolve_checkpoint(str(latest)) == str(latest)
+    assert resolve_checkpoint("laion2b_s34b_b79k") == "laion2b_s34b_b79k"  # an open_clip tag
+    assert resolve_checkpoint("none") is None
+    with pytest.raises(EvalConfigError, match="checkpoint=.*does not exist"):
+        resolve_checkpoint(str(tmp_path / "missing" / "model.pt"))
+    with pytest.raises(EvalConfigError, match="no model.pt"):
+        resolve_checkpoint(str(tmp_path))
+
+
+def test_eval_command_on_a_run_folder(tmp_path, synthetic, micro):
+    model, tokenizer, preprocess = micro
+    run = tmp_path / "run"
+    torch.manual_seed(1)
+    other = type(model)(**_micro_cfg())  # different weights at the older step
+    _save(run, 5, other)
+    path = _save(run, 10, model)
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "infclip.eval", f"checkpoint={run}", "model=infclip-micro",
+           f"synthetic_root={synthetic.root}", "eval.workers=0", "eval.batch_size=16", f"output={out}",
+           "+task.synthetic_retrieval.max_samples=12"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "synthetic_zeroshot" in proc.stdout and "i2t_r1" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["resolved"] == str(path) and result["step"] == 10
+    tasks = synthetic.eval_tasks()
+    tasks[1].max_samples = 12
+    expected = run_evals(model, tokenizer, preprocess, EvalConfig(tasks=tasks, workers=0), step=0, final=True,
+                         device="cpu")
+    strip = lambda m: {k: v for k, v in m.items() if not k.endswith("seconds")}  # noqa: E731
+    assert strip(result["metrics"]) == pytest.approx(strip(expected), abs=1e-9)
+
+
+def _compose(overrides):
+    from hydra import compose, initialize_config_dir
+
+    from infclip.eval import cli
+
+    cli.register()
+    with initialize_config_dir(config_dir=str(cli.CONFIG_DIR), version_base=None):
+        return compose(config_name="eval", overrides=overrides)
+
+
+def test_every_preset_composes_into_a_valid_task(synthetic):
+    from infclip.eval.cli import CONFIG_DIR, build_eval_config
+
+    names = sorted(p.stem for p in (CONFIG_DIR / "eval_task").glob("*.yaml"))
+    assert {"imagenet", "imagenet_v2", "imagenet_r", "imagenet_a", "imagenet_o", "objectnet", "coco",
+            "flickr30k", "synthetic_zeroshot", "synthetic_retrieval"} <= set(names)
+    cfg = _compose(["checkpoint=none", f"tasks=[{','.join(names)}]", "data_root=/d",
+                    f"synthetic_root={synthetic.root}", "+task.coco.split=val"])
+    tasks = {t.name: t for t in build_eval_config(cfg).tasks}
+    assert tasks["imagenet"].root == "/d/imagenet/val" and tasks["imagenet"].classnames == "imagenet"
+    assert tasks["coco"].kind == "retrieval" and tasks["coco"].split == "val"  # the override applied
+    assert tasks["synthetic_zeroshot"].root == f"{synthetic.root}/eval/zeroshot"
+    assert tasks["flickr30k"].annotations == "/d/flickr30k/dataset_flickr30k.json"
+
+
+def test_unknown_task_and_stray_override_are_rejected():
+    from infclip.eval.cli import build_eval_config
+
+    with pytest.raises(EvalConfigError, match="unknown task 'imagenet-1k'.*imagenet"):
+        build_eval_config(_compose(["checkpoint=none", "tasks=[imagenet-1k]"]))
+    with pytest.raises(EvalConfigError, match="task.coco overrides a task that is not in tasks"):
+        build_eval_config(_compose(["checkpoint=none", "tasks=[imagenet]", "+task.coco.split=val"]))
+
+
+def _micro_cfg():
+    import open_clip
+
+    cfg = open_clip.get_model_config("infclip-micro")
+    return {"embed_dim": cfg["embed_dim"], "vision_cfg": cfg["vision_cfg"], "text_cfg": cfg["text_cfg"]}

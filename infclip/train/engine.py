@@ -10,9 +10,13 @@ One step on each rank, with b/W local samples split into K micro-batches:
 3. **Replay** (with grad): re-encode each micro-batch under its recorded RNG state (dropout,
    drop-path, patch dropout replay bit for bit) and back-propagate its cached embedding
    gradients. ``no_sync`` on all but the last micro-batch, so DDP all-reduces once. The
-   logit scale (the only parameter outside the towers) gets its gradient exactly once:
-   its cached gradient is back-propagated through the last replay's ``logit_scale.exp()``
-   output, inside the DDP-synchronized backward.
+   logit scale (and the SigLIP logit bias, the only parameters outside the towers) gets
+   its gradient exactly once: its cached gradient is back-propagated through the last
+   replay's own ``logit_scale.exp()`` (``logit_bias``) output, inside the DDP-synchronized
+   backward.
+
+The loss is called as ``loss_fn(img, txt, logit_scale.exp())``, or with ``logit_bias`` as a
+fourth argument when the model has one (SigLIP).
 
 GPU memory: inputs (b/W samples, or 2 micro-batches with offload; see ``offload``)
 + embeddings and their gradients, O(b/W c) + max(loss working set, one micro-batch's
@@ -134,10 +138,10 @@ class StepEngine:
         clock = _Clock(self.device, self.measure_timings)
         batches = self.stager.stream(inputs, self.s.local, [(0, ("images", "tokens"))])
         m = self._prepare(next(batches))
-        img, txt, scale = self._encode(self.model, m)
+        img, txt, extras = self._encode(self.model, m)
         clock.lap("cache_pass")
         img, txt = _same_dtype(img, txt)
-        loss = self.loss_fn(img, txt, scale)
+        loss = self.loss_fn(img, txt, *extras)
         clock.lap("loss")
         self._scaled(loss).backward()
         _drain(batches)  # the stager marks the input buffers free only after the backward
@@ -158,11 +162,11 @@ class StepEngine:
             img_c.append(_cache(img, m.img_emb, self.s.cache_dtype))
             txt_c.append(_cache(txt, m.txt_emb, self.s.cache_dtype))
         clock.lap("cache_pass")
-        loss, g_img, g_txt, g_scale = self._loss_grads(torch.cat(img_c), torch.cat(txt_c))
+        loss, g_img, g_txt, g_extras = self._loss_grads(torch.cat(img_c), torch.cat(txt_c))
         del img_c, txt_c
         clock.lap("loss")
         for k in range(k_n):  # pass 2: replay with grad, back-propagate the cached gradients
-            self._replay(k, next(batches), micros[k], rngs[k], g_img, g_txt, g_scale)
+            self._replay(k, next(batches), micros[k], rngs[k], g_img, g_txt, g_extras)
             micros[k] = None  # release cached trunk features as we go
         _drain(batches)
         clock.lap("replay")
@@ -189,29 +193,38 @@ class StepEngine:
                     setattr(m, f"{side}_in", tower.trunk(x))
         return m
 
-    def _encode(self, net: nn.Module, m: _Micro) -> tuple[Optional[Tensor], Optional[Tensor], Tensor]:
-        """The model's own forward (through DDP when ``net`` is the wrapper) on the tower inputs."""
+    def _encode(self, net: nn.Module, m: _Micro) -> tuple[Optional[Tensor], Optional[Tensor], list]:
+        """The model's own forward (through DDP when ``net`` is the wrapper) on the tower inputs.
+
+        Returns (image emb, text emb, [logit_scale.exp()] or [logit_scale.exp(), logit_bias]).
+        """
         with self._autocast(), self.plan.head_only():
             out = net(image=m.img_in, text=m.txt_in)
         if isinstance(out, dict):
-            img, txt, scale = out["image_features"], out["text_features"], out["logit_scale"]
+            img, txt = out["image_features"], out["text_features"]
+            extras = [out["logit_scale"]] + ([out["logit_bias"]] if "logit_bias" in out else [])
         else:
-            img, txt, scale = out[0], out[1], out[2]
-        return (m.img_emb if img is None else img), (m.txt_emb if txt is None else txt), scale
+            img, txt, extras = out[0], out[1], list(out[2:])
+        return (m.img_emb if img is None else img), (m.txt_emb if txt is None else txt), extras
 
     def _loss_grads(self, img: Tensor, txt: Tensor):
-        """One loss call on all local embeddings -> (loss, d img, d txt, d scale), scaled."""
+        """One loss call on all local embeddings -> (loss, d img, d txt, [d extras]), scaled."""
         img.requires_grad_(self.plan.image.mode != "frozen")
         txt.requires_grad_(self.plan.text.mode != "frozen")
-        # The loss sees s = exp(logit_scale) as a leaf; its gradient is pushed through the
-        # last replay's own exp(logit_scale) output, so logit_scale.grad = dL/ds * s.
-        s = self.core.logit_scale.detach().exp().reshape(()).requires_grad_(self.core.logit_scale.requires_grad)
-        loss = self.loss_fn(img, txt, s)
-        wrt = [t for t in (img, txt, s) if t.requires_grad]
+        # The loss sees s = exp(logit_scale) (and the bias) as leaves; their gradients are
+        # pushed through the last replay's own outputs, so logit_scale.grad = dL/ds * s.
+        extras = [self.core.logit_scale.detach().exp().reshape(())]
+        if getattr(self.core, "logit_bias", None) is not None:
+            extras.append(self.core.logit_bias.detach().reshape(()))
+        for leaf, param in zip(extras, (self.core.logit_scale, getattr(self.core, "logit_bias", None))):
+            leaf.requires_grad_(param.requires_grad)
+        loss = self.loss_fn(img, txt, *extras)
+        wrt = [t for t in (img, txt, *extras) if t.requires_grad]
         grads = iter(torch.autograd.grad(self._scaled(loss), wrt) if wrt else ())
-        return loss, *(next(grads) if t.requires_grad else None for t in (img, txt, s))
+        g_img, g_txt, *g_extras = (next(grads) if t.requires_grad else None for t in (img, txt, *extras))
+        return loss, g_img, g_txt, g_extras
 
-    def _replay(self, k: int, batch: dict, m: _Micro, rng, g_img, g_txt, g_scale) -> None:
+    def _replay(self, k: int, batch: dict, m: _Micro, rng, g_img, g_txt, g_extras) -> None:
         """Re-encode micro-batch ``k`` under its pass-1 RNG state and back-propagate."""
         if self.plan.image.mode == "train":
             m.img_in = self.normalizer(batch["images"])
@@ -222,15 +235,16 @@ class StepEngine:
         sync = nullcontext() if (last or not self._ddp) else self.model.no_sync()
         rows = slice(k * self.s.micro, (k + 1) * self.s.micro)
         with sync, _replayed_rng(self.device, rng):
-            img, txt, scale = self._encode(self.model, m)
+            img, txt, extras = self._encode(self.model, m)
             outs, grads = [], []
             for emb, g, fresh in ((img, g_img, m.img_emb is None), (txt, g_txt, m.txt_emb is None)):
                 if g is not None and fresh:
                     outs.append(emb)
                     grads.append(g[rows].to(emb.dtype))
-            if last and g_scale is not None:
-                outs.append(scale)
-                grads.append(g_scale.reshape(scale.shape).to(scale.dtype))
+            for out, g in zip(extras, g_extras):
+                if last and g is not None:  # once per step, inside the synchronized backward
+                    outs.append(out)
+                    grads.append(g.reshape(out.shape).to(out.dtype))
             if outs:
                 torch.autograd.backward(outs, grads)
 

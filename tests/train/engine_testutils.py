@@ -24,7 +24,8 @@ def add_dropout(model: nn.Module, p: float) -> nn.Module:
     return model
 
 
-def tiny_clip(seed: int = 0, dropout: float = 0.2, patch_dropout: float = 0.25, timm: bool = False) -> nn.Module:
+def tiny_clip(seed: int = 0, dropout: float = 0.2, patch_dropout: float = 0.25, timm: bool = False,
+              **clip_kw) -> nn.Module:
     torch.manual_seed(seed)
     if timm:
         vision = dict(timm_model_name="test_resnet", timm_model_pretrained=False, image_size=IMG,
@@ -32,7 +33,7 @@ def tiny_clip(seed: int = 0, dropout: float = 0.2, patch_dropout: float = 0.25, 
     else:
         vision = dict(image_size=IMG, patch_size=8, width=64, layers=2, head_width=32, patch_dropout=patch_dropout)
     text = dict(context_length=CTX, vocab_size=VOCAB, width=64, heads=2, layers=2)
-    model = open_clip.CLIP(embed_dim=32, vision_cfg=vision, text_cfg=text)
+    model = open_clip.CLIP(embed_dim=32, vision_cfg=vision, text_cfg=text, **clip_kw)
     return add_dropout(model, dropout) if dropout else model
 
 
@@ -63,16 +64,17 @@ def engine_for(cfg: TrainConfig, model: nn.Module, *, scaler=None, group=None, w
                         scaler=scaler, group=group, world_size=world)
 
 
-def reference_grads(model: nn.Module, images, tokens, micro: int) -> tuple[torch.Tensor, dict]:
+def reference_grads(model: nn.Module, images, tokens, micro: int, loss_fn=None) -> tuple[torch.Tensor, dict]:
     """The full-batch step by definition: forward every micro-batch WITH grad (the same RNG
     draws, in the same order, as the engine's cache pass), one loss on the concatenated
     embeddings, one backward. Returns (loss, {name: grad})."""
     imgs, txts = [], []
     for k in range(0, images.shape[0], micro):
-        img, txt, scale = model(image=normalize(images[k:k + micro]), text=tokens[k:k + micro])
+        img, txt, *extras = model(image=normalize(images[k:k + micro]), text=tokens[k:k + micro])
         imgs.append(img)
         txts.append(txt)
-    loss = clip_loss(torch.cat(imgs), torch.cat(txts), scale, impl="torch")
+    loss_fn = loss_fn or functools.partial(clip_loss, impl="torch")
+    loss = loss_fn(torch.cat(imgs), torch.cat(txts), *extras)
     loss.backward()
     return loss.detach(), grads_of(model)
 

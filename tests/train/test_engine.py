@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -115,6 +116,24 @@ def test_bf16_cache_close_to_fp32():
     for name in grads[0]:
         ref = grads[0][name]
         assert (grads[1][name] - ref).norm() <= 0.05 * ref.norm() + 1e-6, name
+
+
+def test_siglip_bias_gets_its_gradient_once_and_matches_reference():
+    """A model with logit_bias: the loss gets (img, txt, scale, bias); both scalars exact."""
+    from infclip.loss import siglip_loss
+
+    loss_fn = functools.partial(siglip_loss, impl="torch")
+    model = tiny_clip(init_logit_bias=-10.0).train()
+    ref = copy.deepcopy(model)
+    images, tokens = batch(LOCAL)
+    torch.manual_seed(9)
+    _, ref_grads = reference_grads(ref, images, tokens, 2, loss_fn=loss_fn)
+    calls = []
+    model.logit_bias.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    torch.manual_seed(9)
+    engine_for(config(LOCAL, 2), model, loss_fn=loss_fn).step(images, tokens)
+    assert calls == [1]
+    assert_grads_close(grads_of(model), ref_grads)
 
 
 def test_grad_cache_off_with_micro_batches_is_rejected():

@@ -1,0 +1,81 @@
+"""Runs the real train.py on a micro config as a child process, for kill/signal tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Deterministic on CPU: micro model, tiny synthetic data, two micro-batches per step (the
+# gradient cache and its RNG replay are on), one loader worker (its position is resumed).
+MICRO = [
+    "model.name=infclip-micro", "data.synthetic_train=256", "data.synthetic_eval=64",
+    "data.synthetic_image_size=32", "data.workers=1", "data.loader_batch=16",
+    "batch.global_size=32", "batch.micro_size=16", "logging.every_n_steps=1",
+    "logging.wandb_mode=disabled", "logging.progress=false", "eval.tasks=[]", "device=cpu",
+]
+
+
+def train_cmd(data_root: Path, run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), f"data.synthetic_root={data_root}",
+            f"run_dir={run_dir}", *MICRO, *overrides]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "INFCLIP_"))}
+    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, env: Optional[dict] = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def start(cmd: list[str], cwd: Path, log: Path, env: Optional[dict] = None) -> subprocess.Popen:
+    """Starts a training process writing stdout+stderr to ``log``."""
+    return subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line still being written
+            pass
+    return out
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    return [r for r in records(run_dir) if "loss" in r]
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 240) -> int:
+    """Polls metrics.jsonl until ``step`` is logged; returns the newest logged step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logged = [r["step"] for r in step_records(run_dir)]
+        if logged and max(logged) >= step:
+            return max(logged)
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited ({proc.returncode}) before step {step}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"step {step} not reached in {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def losses_by_step(run_dir: Path) -> dict[int, list[float]]:
+    """Every logged loss of every step (a step re-run after a resume appears twice)."""
+    out: dict[int, list[float]] = {}
+    for r in step_records(run_dir):
+        out.setdefault(r["step"], []).append(r["loss"])
+    return out

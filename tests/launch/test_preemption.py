@@ -1,0 +1,115 @@
+"""Kill, preempt and resume the real train.py: the resumed losses equal an uninterrupted run's.
+
+One uninterrupted reference run (module fixture); then a SIGKILL at a random step followed
+by resume=auto; SIGUSR1 under a (fake) Slurm job: checkpoint, exit 0, ``scontrol requeue``,
+then resume; SIGTERM (a user's scancel): checkpoint, exit 0, no requeue.
+"""
+
+import os
+import random
+import signal
+import stat
+
+import pytest
+import torch
+from launch_testutils import (
+    losses_by_step, records, run, start, step_records, train_cmd, wait_for_step, child_env,
+)
+
+from infclip.train import checkpoint as ckpt
+
+STEPS = 10
+COMMON = [f"steps={STEPS}", "checkpoint.every_n_steps=2", "checkpoint.keep_last=2"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("synthetic")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_root):
+    """Losses of an uninterrupted run, one per step."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run(train_cmd(data_root, tmp / "run", *COMMON), cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ref = losses_by_step(tmp / "run")
+    assert sorted(ref) == list(range(1, STEPS + 1)) and all(len(v) == 1 for v in ref.values())
+    return {s: v[0] for s, v in ref.items()}
+
+
+def assert_same_losses(run_dir, reference):
+    """Every logged loss (re-run steps included) equals the uninterrupted run's, exactly."""
+    got = losses_by_step(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    for step, values in got.items():
+        assert all(v == reference[step] for v in values), (step, values, reference[step])
+
+
+def test_sigkill_at_random_step_then_resume_matches_uninterrupted(tmp_path, data_root, reference):
+    run_dir, log = tmp_path / "run", tmp_path / "first.log"
+    kill_at = random.Random().randint(2, STEPS - 2)
+    print(f"SIGKILL after step {kill_at} is logged")
+    proc = start(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path, log=log)
+    wait_for_step(proc, run_dir, kill_at, log)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    before = (run_dir / "metrics.jsonl").read_text()
+    # the kill may land mid-step or mid-checkpoint: resume=auto takes the newest complete one
+    latest = ckpt.Checkpointer(run_dir, 2, 0, lambda: None).latest_loadable(world_size=1)
+
+    second = run(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    if latest is not None:
+        assert f"resumed from {latest}" in second.stdout
+    after = (run_dir / "metrics.jsonl").read_text()
+    assert after.startswith(before.rstrip("\n"))  # same run dir, metrics appended, not overwritten
+    assert sum(r.get("event") == "start" for r in records(run_dir)) == 2
+    assert_same_losses(run_dir, reference)
+    assert [p.name for p in ckpt.list_checkpoints(run_dir)][-1] == f"step_{STEPS:08d}"
+
+
+def _fake_scontrol(tmp_path):
+    calls = tmp_path / "scontrol_calls.txt"
+    script = tmp_path / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script, calls
+
+
+def _signal_mid_run(tmp_path, data_root, sig, env):
+    """Sends ``sig`` after step 3; returns (returncode, log text, last logged step)."""
+    run_dir, log = tmp_path / "run", tmp_path / "first.log"
+    proc = start(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path, log=log, env=env)
+    wait_for_step(proc, run_dir, 3, log)
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=120)
+    return rc, log.read_text(), max(r["step"] for r in step_records(run_dir))
+
+
+def test_sigusr1_under_slurm_checkpoints_exits_0_requeues_and_resumes(tmp_path, data_root, reference):
+    scontrol, calls = _fake_scontrol(tmp_path)
+    env = child_env(SLURM_JOB_ID="4242", INFCLIP_SCONTROL=str(scontrol))
+    rc, out, last = _signal_mid_run(tmp_path, data_root, signal.SIGUSR1, env)
+    assert rc == 0, out[-3000:]
+    assert last < STEPS and "stopped by signal" in out
+    assert ckpt.list_checkpoints(tmp_path / "run")[-1].name == f"step_{last:08d}"  # the step it stopped at
+    assert calls.read_text().split() == ["requeue", "4242"]
+    # the requeued job starts again with the same command: it resumes and matches
+    second = run(train_cmd(data_root, tmp_path / "run", *COMMON), cwd=tmp_path)
+    assert second.returncode == 0 and f"step_{last:08d} at step {last}" in second.stdout, second.stdout[-2000:]
+    assert_same_losses(tmp_path / "run", reference)
+
+
+def test_sigterm_checkpoints_and_exits_0_without_requeue(tmp_path, data_root, reference):
+    scontrol, calls = _fake_scontrol(tmp_path)
+    env = child_env(SLURM_JOB_ID="4242", INFCLIP_SCONTROL=str(scontrol))
+    rc, out, last = _signal_mid_run(tmp_path, data_root, signal.SIGTERM, env)
+    assert rc == 0, out[-3000:]
+    path = ckpt.list_checkpoints(tmp_path / "run")[-1]
+    assert path.name == f"step_{last:08d}" and last < STEPS
+    model, train_state, _ = ckpt.load(path, rank=0)
+    assert train_state["step"] == last and "logit_scale" in model
+    assert not calls.exists()  # SIGTERM is a cancel (or Slurm's own preemption): never requeue
+    for step in range(1, last + 1):
+        assert losses_by_step(tmp_path / "run")[step] == [reference[step]]

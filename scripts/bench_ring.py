@@ -31,12 +31,13 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-METHODS = ("ring", "loopback", "local", "inf_cl")
+METHODS = ("ring", "loopback", "inf_cl", "local")
 
 
 @dataclass
@@ -49,7 +50,8 @@ class BenchConfig:
     warmup: int = 1
     reps: int = 3
     infcl_max_b: int = 262144  # inf_cl takes ~62 s a step at 1M on 4 H200 (ANCHORS.md)
-    local_mem_frac: float = 0.92  # skip `local` when 4 (b/W) b bytes/elt exceeds this share
+    local_mem_frac: float = 1.0  # skip `local` when its 4 (b/W) x b logit-sized buffers exceed this share of GPU memory
+    timeout_s: int = 240  # process-group timeout: a deadlock fails the run
     peak_tflops: float = 799.0  # H200 bf16 dense matmul rate (ANCHORS.md)
     out: str = "bench_ring.json"
 
@@ -69,7 +71,7 @@ def parse() -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for f in ("sizes", "methods"):
         p.add_argument(f"--{f}", nargs="+", default=getattr(d, f), type=int if f == "sizes" else str)
-    for f in ("dim", "warmup", "reps", "infcl_max_b"):
+    for f in ("dim", "warmup", "reps", "infcl_max_b", "timeout_s"):
         p.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(d, f))
     for f in ("local_mem_frac", "peak_tflops"):
         p.add_argument(f"--{f.replace('_', '-')}", type=float, default=getattr(d, f))
@@ -80,13 +82,17 @@ def parse() -> BenchConfig:
 
 
 def init(cfg: BenchConfig) -> torch.device:
+    """NCCL with a high-priority communication stream, so P2P kernels get SMs mid-tile."""
+    timeout = timedelta(seconds=cfg.timeout_s)  # a hung rank aborts the run, not the lease
     if cfg.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=dev)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        dist.init_process_group("nccl", device_id=dev, pg_options=opts, timeout=timeout)
         return dev
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
 
 
@@ -166,9 +172,15 @@ def measure(name: str, b: int, cfg: BenchConfig, dev: torch.device) -> Row:
         return Row(b, name, note=note)
     img, txt, ls = features(b, cfg, dev)
     fn = method_fn(name, dev)
-    for _ in range(cfg.warmup):
-        run_once(fn, img, txt, ls, dev)
-    runs = [run_once(fn, img, txt, ls, dev) for _ in range(cfg.reps)]
+    try:
+        for _ in range(cfg.warmup):
+            run_once(fn, img, txt, ls, dev)
+        runs = [run_once(fn, img, txt, ls, dev) for _ in range(cfg.reps)]
+    except torch.OutOfMemoryError:  # symmetric across ranks: every rank holds the same shapes
+        del img, txt, ls, fn
+        torch.cuda.empty_cache()
+        dist.barrier()
+        return Row(b, name, note="OOM")
     ms = statistics.median(r[0] for r in runs)
     stats = torch.tensor([ms, max(r[1] for r in runs)], dtype=torch.float64, device=dev)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -203,8 +215,8 @@ def verify(cfg: BenchConfig, dev: torch.device, m: int = 3000) -> dict[str, floa
 
 def table(rows: list[Row], cfg: BenchConfig) -> str:
     world = dist.get_world_size()
-    head = (f"| b | floor ms | {' | '.join(cfg.methods)} | ring / loopback |\n"
-            f"|---|---|{'---|' * len(cfg.methods)}---|")
+    head = (f"| b | floor ms | {' | '.join(cfg.methods)} | ring / loopback | ring TFLOP/s |\n"
+            f"|---|---|{'---|' * len(cfg.methods)}---|---|")
     lines = [head]
     for b in cfg.sizes:
         by = {r.method: r for r in rows if r.b == b}
@@ -213,7 +225,8 @@ def table(rows: list[Row], cfg: BenchConfig) -> str:
                  for m in cfg.methods]
         ring, loop = by.get("ring"), by.get("loopback")
         ratio = f"{ring.ms / loop.ms:.3f}" if ring and loop and ring.ms and loop.ms else "-"
-        lines.append(f"| {b:,} | {floor:.1f} | {' | '.join(cells)} | {ratio} |")
+        tflops = f"{floor / ring.ms * cfg.peak_tflops:.0f}" if ring and ring.ms else "-"
+        lines.append(f"| {b:,} | {floor:.1f} | {' | '.join(cells)} | {ratio} | {tflops} |")
     return "\n".join(lines)
 
 
@@ -223,11 +236,12 @@ def main() -> None:
     check = verify(cfg, dev)
     if dist.get_rank() == 0:
         print(json.dumps({"verify_fp32_ring_vs_local_rel_err": check}), flush=True)
+    bad = [b for b in cfg.sizes if b % dist.get_world_size()]
+    if bad:
+        raise ValueError(f"global batches {bad} are not divisible by the world size {dist.get_world_size()}")
     rows = []
-    for b in cfg.sizes:
-        if b % dist.get_world_size():
-            raise ValueError(f"global batch {b} is not divisible by the world size {dist.get_world_size()}")
-        for name in cfg.methods:
+    for name in cfg.methods:  # method-major: the memory-hungry baselines can go last
+        for b in cfg.sizes:
             rows.append(measure(name, b, cfg, dev))
             if dist.get_rank() == 0:
                 print(json.dumps(asdict(rows[-1])), flush=True)

@@ -132,3 +132,14 @@ def test_shards_that_never_yield_raise_a_clear_error(tmp_path):
     data = _build(str(tmp_path / "x" / "{00000..00001}.tar"), 0, 4)
     with pytest.raises(RuntimeError, match="gave no sample"):
         next(data.batches())
+
+
+def test_failing_pipe_command_is_counted_not_fatal(tmp_path):
+    os.makedirs(tmp_path / "p")
+    write_tar(f"{tmp_path}/p/00000.tar", good(1) + good(2))
+    spec = f"pipe:cat {tmp_path}/p/00000.tar::pipe:cat {tmp_path}/p/does-not-exist.tar"
+    seed = next(s for s in range(200) if epoch_shards(_build(spec, s, 2).spec, 0, 0, 1)[-1].endswith("00000.tar"))
+    data = _build(spec, seed, 2)
+    it = data.batches()
+    assert sorted(ids(next(it)[1])[0] for _ in range(2)) == [1, 2]
+    assert data.skip_counts() == {"unreadable_shard": 1}

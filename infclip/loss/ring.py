@@ -128,7 +128,7 @@ def check_equal_shapes(img: Tensor, txt: Tensor, scale: Tensor, group) -> None:
     mine = torch.cat([shape.to(img.device), scale.detach().to(torch.float64).reshape(1)])
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
-    rows = [e.tolist() for e in every]
+    rows = torch.stack(every).tolist()  # one host sync
     if any(r[:3] != rows[0][:3] for r in rows):
         shapes = ", ".join(f"rank {i}: ({int(r[0])}, {int(r[1])}) {_DTYPES[int(r[2])]}" for i, r in enumerate(rows))
         raise ValueError(

@@ -64,6 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--time-budget-s", type=float, default=1e9, help="skip rows predicted to overrun")
     p.add_argument("--out", default=os.environ.get("OUT", ".bench"), help="folder for memory.csv/.md")
+    p.add_argument("--check", action="store_true", help="first: tiny model, offload on vs off, same grads?")
     return p.parse_args(argv)
 
 
@@ -100,6 +101,7 @@ def build_model(ctx: Ctx):
 
 def host_batch(n: int, size: int, ctx_len: int, vocab: int, pinned: bool, block: int):
     """Synthetic uint8 images / int64 tokens in host memory: a random block tiled n/block times."""
+    pinned = pinned and torch.cuda.is_available()
     images = torch.empty((n, 3, size, size), dtype=torch.uint8, pin_memory=pinned)
     tile = torch.randint(0, 256, (min(block, n), 3, size, size), dtype=torch.uint8)
     for s in range(0, n, tile.shape[0]):
@@ -282,9 +284,26 @@ def plot(csv_path: Path, png: Path) -> None:
     fig.savefig(png, dpi=120)
 
 
+def check_offload(ctx: Ctx) -> float:
+    """Tiny model, 4 micro-batches: max |grad difference| between offload on and off."""
+    tiny = argparse.Namespace(**{**vars(ctx.args), "model": "tiny", "micro": 4, "lock_image": False})
+    tctx = Ctx(tiny, ctx.device, ctx.rank, 1, None)
+    grads = []
+    for offload in (False, True):
+        model, size, ctx_len, vocab = build_model(tctx)
+        engine = build_engine(make_cfg(tctx, 16, offload), model, device=ctx.device,
+                              normalizer=lambda x: x.float() / 255.0, loss_fn=clip_loss)
+        torch.manual_seed(1)
+        engine.step(*host_batch(16, size, ctx_len, vocab, ctx.device.type == "cuda", 16))
+        grads.append(torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+    return float((grads[0] - grads[1]).abs().max())
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     ctx = setup(args)
+    if args.check and ctx.rank == 0:
+        print(f"offload on vs off, tiny model: max |grad diff| = {check_offload(ctx):.3g}", flush=True)
     run(ctx)
     if ctx.rank == 0:
         try:

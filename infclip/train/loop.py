@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import math
 import os
 import signal
@@ -106,9 +107,12 @@ def _multirun_subdir() -> Optional[str]:
         if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
             return None
         job = HydraConfig.get().job
-        return job.override_dirname or str(job.num)
     except ImportError:
         return None
+    sub = (job.override_dirname or f"job{job.num}").replace("/", "_")  # one path component
+    if len(sub) > 120:  # keep it readable and within file-name limits, still unique
+        sub = f"{sub[:100]}-{hashlib.sha1(sub.encode()).hexdigest()[:10]}"
+    return sub
 
 
 # ----------------------------------------------------------------------------- build

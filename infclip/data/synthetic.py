@@ -340,7 +340,10 @@ def ensure_synthetic(cfg: DataConfig) -> SyntheticDataset:
     with _file_lock(root + ".lock"):
         if os.path.exists(os.path.join(root, "manifest.json")):
             return load(root)  # another process generated it while we waited
-        tmp = os.path.join(parent, f".{os.path.basename(root)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        prefix = f".{os.path.basename(root)}.tmp-"
+        for stale in (n for n in os.listdir(parent) if n.startswith(prefix)):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)  # an interrupted run's
+        tmp = os.path.join(parent, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             generate(tmp, cfg.synthetic_train, cfg.synthetic_eval, cfg.synthetic_image_size,
                      cfg.synthetic_seed)

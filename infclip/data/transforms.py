@@ -74,12 +74,3 @@ class Normalizer(torch.nn.Module):
         out = images.to(torch.float32) * self.scale + self.shift
         return out.to(dtype)
 
-
-def preprocess_cfg_of(model: torch.nn.Module) -> dict:
-    """image_size/mean/std of an open_clip model (from ``model.visual.preprocess_cfg``)."""
-    cfg = dict(getattr(getattr(model, "visual", model), "preprocess_cfg", {}) or {})
-    size = cfg.get("size", getattr(getattr(model, "visual", None), "image_size", None))
-    if isinstance(size, (tuple, list)):
-        size = size[-1]
-    return {"image_size": size, "mean": tuple(cfg.get("mean", OPENAI_DATASET_MEAN)),
-            "std": tuple(cfg.get("std", OPENAI_DATASET_STD))}

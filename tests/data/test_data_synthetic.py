@@ -125,3 +125,21 @@ def test_default_root_depends_on_parameters(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     a, b = default_root(DataConfig()), default_root(DataConfig(synthetic_seed=1))
     assert a != b and a.startswith(str(tmp_path / "infclip" / "synthetic-"))
+
+
+def test_interrupted_generation_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
+    import infclip.data.synthetic as syn
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    cfg = _small(tmp_path)
+    monkeypatch.setattr(syn, "write_eval", boom)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_synthetic(cfg)
+    assert not os.path.exists(cfg.synthetic_root)
+    os.makedirs(tmp_path / ".syn.tmp-999-dead")  # a killed run's leftover
+    monkeypatch.undo()
+    ds = ensure_synthetic(cfg)
+    assert os.path.exists(os.path.join(ds.root, "manifest.json"))
+    assert sorted(os.listdir(tmp_path)) == ["syn", "syn.lock"]

@@ -158,7 +158,7 @@ class StepEngine:
                 m = self._prepare(next(batches))
                 rngs.append(_rng_state(self.device))
                 img, txt, _ = self._encode(self.core, m)
-            micros.append(m)
+            micros.append(self._keep_for_replay(m))
             img_c.append(_cache(img, m.img_emb, self.s.cache_dtype))
             txt_c.append(_cache(txt, m.txt_emb, self.s.cache_dtype))
         clock.lap("cache_pass")
@@ -191,6 +191,14 @@ class StepEngine:
                     setattr(m, f"{side}_in", None)
                 elif tower.mode == "split":
                     setattr(m, f"{side}_in", tower.trunk(x))
+        return m
+
+    def _keep_for_replay(self, m: _Micro) -> _Micro:
+        """Drop raw inputs of towers that pass 2 re-stages (only trunk features stay cached)."""
+        if self.plan.image.mode == "train":
+            m.img_in = None  # normalized float images: never held beyond their micro-batch
+        if self.plan.text.mode == "train":
+            m.txt_in = None
         return m
 
     def _encode(self, net: nn.Module, m: _Micro) -> tuple[Optional[Tensor], Optional[Tensor], list]:

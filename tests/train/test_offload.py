@@ -74,3 +74,29 @@ def test_cuda_offload_matches_resident():
         engine.step(images.pin_memory(), tokens.pin_memory())
         results.append(grads_of(model))
     assert_grads_close(*results, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_no_normalized_images_survive_their_micro_batch(offload):
+    """The leak a 1M batch cannot afford: at the loss (between the passes) no
+    float image batch from the cache pass may still be alive."""
+    import weakref
+
+    alive_at_loss = []
+    refs: list = []
+
+    def tracking_normalize(x):
+        out = normalize(x)
+        refs.append(weakref.ref(out))
+        return out
+
+    def tracking_loss(img, txt, scale):
+        alive_at_loss.append(sum(r() is not None for r in refs))
+        return clip_loss(img, txt, scale, impl="torch")
+
+    model = tiny_clip().train()
+    engine = build_engine(config(LOCAL, MICRO, offload=offload), model, device=torch.device("cpu"),
+                          normalizer=tracking_normalize, loss_fn=tracking_loss)
+    engine.step(*batch(LOCAL))
+    assert len(refs) == 2 * (LOCAL // MICRO)  # normalized once per pass per micro-batch
+    assert alive_at_loss == [0]

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,6 +46,9 @@ class MetricsLogger:
         another), and the same facts in the wandb run config."""
         if not self.enabled:
             return
+        with open(self.path, "a+b") as f:  # a record cut short by a kill must not swallow ours
+            if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+                f.write(b"\n")
         with open(self.path, "a") as f:
             f.write(json.dumps({"event": "start", "time": time.time(), **info}, default=_json_default) + "\n")
         if self._wandb is not None:
@@ -110,7 +114,7 @@ def _init_wandb(run_dir: Path, cfg: Any, config_dict: dict):
     id_file = run_dir / "wandb_id.txt"
     run_id: Optional[str] = id_file.read_text().strip() if id_file.exists() else None
     if run_id is None:
-        run_id = wandb.util.generate_id()
+        run_id = uuid.uuid4().hex[:12]  # wandb.util.generate_id is gone from recent wandb
         id_file.write_text(run_id)
     return wandb.init(
         project=cfg.wandb_project, entity=cfg.wandb_entity, mode=cfg.wandb_mode, id=run_id,

@@ -82,26 +82,43 @@ class TorchMaskedLSEOps:
         return da, db, ds
 
 
-class _MaskedRowLSE(torch.autograd.Function):
-    """row_lse (2n,) over all other global rows; saves O(n) beyond the features."""
+class _NTXentRows(torch.autograd.Function):
+    """Per-row losses lse_i - x_{i,pos(i)} (2n,); saves O(n) beyond the features.
+
+    The positive term lives inside the Function so that both gradient parts are summed in
+    fp32 and rounded to the feature dtype once (they nearly cancel late in training).
+    """
 
     @staticmethod
     def forward(ctx, f, scale, ops, group):
         lse = ops.forward(f, f, scale, True) if group is None else _ring_forward(f, scale, ops, group)
         ctx.save_for_backward(f, scale, lse)
         ctx.ops, ctx.group = ops, group
-        return lse
+        f32, p32 = _with_positives(f, lse.dtype)
+        return lse - scale.to(lse.dtype) * (f32 * p32).sum(-1)
 
     @staticmethod
     def backward(ctx, g_row):
         f, scale, lse = ctx.saved_tensors
-        g_row = g_row.contiguous()
+        g_row = g_row.to(lse.dtype).contiguous()
         if ctx.group is None:
             d_rows, d_cols, ds = ctx.ops.backward(f, f, scale, lse, g_row, True)
         else:
             d_rows, d_cols, ds = _ring_backward(f, scale, lse, g_row, ctx.ops, ctx.group)
-        df = (d_rows + d_cols).to(f.dtype) if ctx.needs_input_grad[0] else None
+        # -x_pos_i = -s <f_i, f_p(i)>, p an involution: d/df_k = -s (g_k + g_p(k)) f_p(k).
+        f32, p32 = _with_positives(f, lse.dtype)
+        n = f.shape[0] // 2
+        d_rows += d_cols
+        d_rows -= scale.to(lse.dtype) * (g_row + g_row.roll(n))[:, None] * p32
+        ds = ds - (g_row * (f32 * p32).sum(-1)).sum()
+        df = d_rows.to(f.dtype) if ctx.needs_input_grad[0] else None
         return df, (ds.to(scale.dtype) if ctx.needs_input_grad[1] else None), None, None
+
+
+def _with_positives(f: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(f, f[pos]) in the accumulation dtype; row i's positive is row (i + n) mod 2n."""
+    f32 = f.to(acc)
+    return f32, f32.roll(f.shape[0] // 2, dims=0)
 
 
 def _ring_forward(f: Tensor, scale: Tensor, ops, group) -> Tensor:
@@ -196,9 +213,6 @@ def nt_xent_loss(features: Tensor, temperature, *, impl: str = "auto", group=Non
         if distributed:
             raise ValueError("impl='vanilla' for nt_xent_loss runs on one process; use impl='auto' with a group")
         return nt_xent_reference(features, scale)
-    lse = _MaskedRowLSE.apply(features, scale, TorchMaskedLSEOps(), group if distributed else None)
-    acc = lse.dtype
-    pos = features.roll(features.shape[0] // 2, dims=0)  # row i's positive feature
-    x_pos = scale.to(acc) * (features.to(acc) * pos.to(acc)).sum(-1)
-    loss = (lse - x_pos).mean()
+    rows = _NTXentRows.apply(features, scale, TorchMaskedLSEOps(), group if distributed else None)
+    loss = rows.mean()
     return loss if loss.dtype == torch.float64 else loss.float()

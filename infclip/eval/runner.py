@@ -13,6 +13,7 @@ from dataclasses import astuple
 from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 
 import torch
+from omegaconf import OmegaConf
 
 from infclip.eval.config import EvalConfig, EvalTaskConfig, validate_eval
 from infclip.eval.data import load_retrieval, load_zeroshot
@@ -55,13 +56,19 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _load(task: EvalTaskConfig, index: int, transform: Callable):
-    key = (astuple(task), id(transform))
-    if key not in _DATA_CACHE:
+    """Open a task's dataset, reusing it across hook calls (key: the task and the transform
+    object itself -- not its id, which a dead object's successor may reuse)."""
+    loader = load_zeroshot if task.kind == "zeroshot" else load_retrieval
+    try:
+        key = (astuple(task), transform)
+        cached = _DATA_CACHE.get(key)
+    except TypeError:  # an unhashable callable: no caching
+        return loader(task, transform, index)
+    if cached is None:
         if len(_DATA_CACHE) > 32:
             _DATA_CACHE.clear()
-        loader = load_zeroshot if task.kind == "zeroshot" else load_retrieval
-        _DATA_CACHE[key] = loader(task, transform, index)
-    return _DATA_CACHE[key]
+        cached = _DATA_CACHE[key] = loader(task, transform, index)
+    return cached
 
 
 def run_task(model, tokenizer, preprocess, task: EvalTaskConfig, index: int, cfg: EvalConfig,
@@ -87,6 +94,8 @@ def run_evals(model, tokenizer, preprocess, cfg: EvalConfig, *, step: int, final
     only rank 0 evaluates and the other ranks return {} at once. ``autocast``: zero-argument
     context factory (e.g. ``make_autocast("bf16", device)``); None runs in fp32.
     """
+    if OmegaConf.is_config(cfg):  # a Hydra node straight from the trainer's config
+        cfg = OmegaConf.to_object(cfg)
     tasks = due_tasks(cfg, step, final)
     if not tasks or (not cfg.all_ranks and rank != 0):
         return {}

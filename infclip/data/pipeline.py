@@ -9,6 +9,7 @@ seeding that makes the resume position exact.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -108,6 +109,8 @@ class TrainData:
             self.plan = EpochPlan(epoch=self.plan.epoch + 1, cursors=[0] * max(self.workers, 1))
 
     def _loader(self) -> DataLoader:
+        if self.workers:  # HF tokenizers warn (and may deadlock) when used across fork()
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         plan = EpochPlan(self.plan.epoch, self.plan.batch, list(self.plan.cursors))
         dataset = BatchStream(self.spec, self.transform, self.tokenizer, plan, self.workers)
         # An explicit generator: creating the loader must not draw from the trainer's torch RNG

@@ -230,6 +230,33 @@ def table(rows: list[Row], cfg: BenchConfig) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[Row], cfg: BenchConfig, path: str, title: str) -> None:
+    """Per-rank ms and peak GB against b, log-log, with the floor; needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    world = dist.get_world_size()
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    for name in cfg.methods:
+        pts = [(r.b, r.ms, r.gb) for r in rows if r.method == name and r.ms is not None]
+        if pts:
+            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+            mem = [p for p in pts if math.isfinite(p[2]) and p[2] > 0]  # no GB on CPU
+            if mem:
+                ax_m.plot([p[0] for p in mem], [p[2] for p in mem], "o-", label=name)
+    floor = [8 * b * b * cfg.dim / world / (cfg.peak_tflops * 1e12) * 1e3 for b in cfg.sizes]
+    ax_t.plot(cfg.sizes, floor, "k--", label="floor 8b²c/W")
+    for ax, label in ((ax_t, "ms per rank (fwd + bwd)"), (ax_m, "peak extra GB per rank")):
+        ax.set(xscale="log", yscale="log" if ax.has_data() else "linear", xlabel="global batch b", ylabel=label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     cfg = parse()
     dev = init(cfg)
@@ -253,6 +280,10 @@ def main() -> None:
         with open(cfg.out, "w") as f:
             json.dump({"config": asdict(cfg), "env": env, "verify": check, "rows": [asdict(r) for r in rows],
                        "table": text}, f, indent=1)
+        try:
+            plot(rows, cfg, cfg.out.removesuffix(".json") + ".png", f"{env['world']} x {env['device']}")
+        except Exception as e:  # noqa: BLE001 -- the table and JSON are already written
+            print(f"no plot: {e!r}", flush=True)
     dist.destroy_process_group()
 
 

@@ -3,6 +3,15 @@
 With x_ij = s * <I_i, T_j> over the global batch, each rank's loss is the mean over its
 local rows i of 1/2 [(LSE_j x_ij - x_ii) + (LSE_j x_ji - x_ii)]; on one process that is
 exactly open_clip's ``ClipLoss`` value.
+
+Across ranks (``group`` with world size > 1, equal local batch sizes): impl "auto" /
+"torch" / "triton" run the overlapped ring of ``infclip.loss.ring`` (no rank ever holds
+more than its own (b/W, c) features plus two travelling blocks); "vanilla" / "local" are
+open_clip's all-gather-with-grad baselines. Each rank gets d(sum of all ranks' losses)/d
+(its features) and its own share of the logit-scale gradient (no all-reduce), so DDP's
+gradient average is exactly the single-process step on the global batch.
+``global_mean_loss(loss, group)`` returns the detached global-batch loss for logging
+(one scalar all-reduce).
 """
 
 from __future__ import annotations

@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Smoke-test fault tolerance on a machine (GPU or CPU): torchrun a short run, kill it
+mid-run, let it resume, and compare its losses with an uninterrupted run.
+
+    python scripts/slurm/resume_check.py --nproc 2 --mode worker --out /tmp/rc -- model.name=infclip-tiny
+
+--mode worker  SIGKILL one training process; torchrun (--max_restarts=1) restarts all
+               ranks, which resume from the last checkpoint (resume=auto).
+--mode all     SIGKILL torchrun and every worker (a lost node / job); start the same
+               command again, which resumes.
+
+Prints one line per step (reference loss, resumed run's losses, difference) and a verdict.
+On CPU (gloo) the losses must be equal bit for bit; on GPU, kernels may be nondeterministic,
+so the difference is reported against --tol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def torchrun(nproc: int, run_dir: Path, overrides: list[str], max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            f"--max_restarts={max_restarts}", str(REPO / "train.py"), f"run_dir={run_dir}", *overrides]
+
+
+def losses(run_dir: Path) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in r and "step" in r:
+            out.setdefault(r["step"], []).append(r["loss"])
+    return out
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        text = (task / "children").read_text().split()
+        kids += [int(k) for k in text]
+    return kids
+
+
+def wait_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not losses(run_dir) or max(losses(run_dir)) < step:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"run ended ({proc.returncode}) or timed out before step {step}")
+        time.sleep(0.05)
+
+
+def killed_run(args: argparse.Namespace, run_dir: Path, overrides: list[str], log) -> float:
+    """Runs, kills at --kill-at, resumes; returns the wall time of the recovery."""
+    restarts = 1 if args.mode == "worker" else 0
+    proc = subprocess.Popen(torchrun(args.nproc, run_dir, overrides, restarts), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=REPO)
+    wait_step(proc, run_dir, args.kill_at, args.timeout)
+    t0 = time.monotonic()
+    if args.mode == "worker":
+        victim = max(children(proc.pid))
+        print(f"killing worker pid {victim} after step {max(losses(run_dir))}", flush=True)
+        os.kill(victim, signal.SIGKILL)
+        rc = proc.wait(timeout=args.timeout)
+    else:
+        print(f"killing torchrun and its workers after step {max(losses(run_dir))}", flush=True)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        rc = subprocess.run(torchrun(args.nproc, run_dir, overrides), stdout=log, stderr=subprocess.STDOUT,
+                            cwd=REPO, timeout=args.timeout).returncode
+    if rc != 0:
+        raise SystemExit(f"the resumed run failed with exit code {rc}; see {log.name}")
+    return time.monotonic() - t0
+
+
+def compare(ref: dict[int, list[float]], got: dict[int, list[float]], tol: float) -> bool:
+    worst = 0.0
+    print(f"{'step':>5} {'reference':>12} {'killed+resumed (every logged value)':>40} {'max |diff|':>11}")
+    for step in sorted(ref):
+        vals = got.get(step, [])
+        diff = max((abs(v - ref[step][0]) for v in vals), default=float("inf"))
+        worst = max(worst, diff)
+        print(f"{step:>5} {ref[step][0]:>12.6f} {', '.join(f'{v:.6f}' for v in vals):>40} {diff:>11.2e}")
+    ok = sorted(got) == sorted(ref) and worst <= tol
+    print(f"steps {sorted(got) == sorted(ref) and 'complete' or 'MISSING'}; worst |diff| {worst:.3e} "
+          f"(tol {tol:g}) -> {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--mode", choices=("worker", "all"), default="worker")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--kill-at", type=int, default=15, help="kill once this step is logged")
+    p.add_argument("--tol", type=float, default=0.0, help="allowed |loss difference| (0: bit-exact)")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    common = [f"steps={args.steps}", f"checkpoint.every_n_steps={args.ckpt_every}", "logging.every_n_steps=1",
+              "logging.progress=false", *args.overrides]
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "reference.log", "w") as log:
+        t0 = time.monotonic()
+        subprocess.run(torchrun(args.nproc, args.out / "ref", common), stdout=log, stderr=subprocess.STDOUT,
+                       cwd=REPO, timeout=args.timeout, check=True)
+        print(f"reference run: {time.monotonic() - t0:.1f} s", flush=True)
+    with open(args.out / "killed.log", "w") as log:
+        took = killed_run(args, args.out / "killed", common, log)
+    resumed = [line for line in (args.out / "killed.log").read_text().splitlines() if "resumed from" in line]
+    print(f"recovery to the end: {took:.1f} s; {resumed[-1].strip() if resumed else 'NO RESUME LINE'}")
+    return 0 if compare(losses(args.out / "ref"), losses(args.out / "killed"), args.tol) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

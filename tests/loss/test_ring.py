@@ -29,6 +29,11 @@ def test_ring_errors_and_slow_ranks(tmp_path):
     launch(__file__, "robustness", 3, tmp_path)
 
 
+def test_ring_with_triton_tiles_interpreted(tmp_path):
+    """The ring with ``TritonTileOps`` (the CUDA path's tiles) on CPU via TRITON_INTERPRET=1."""
+    launch(__file__, "triton_interpret", 2, tmp_path)
+
+
 @pytest.mark.parametrize("world, m, tile", [(1, 5, 1024), (3, 7, 3), (4, 6, 4)])
 def test_loopback_ring_equals_w_copies_of_the_batch(world, m, tile):
     """One process, no communication: the ring schedule on W identical ranks (float64)."""
@@ -187,9 +192,27 @@ def case_robustness():
     dist.barrier()
 
 
+def case_triton_interpret():
+    """Same checks as ``case_equivalence`` with Triton tiles (interpreted: small shapes)."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported in this process
+    import torch.distributed as dist
+
+    from infclip.loss import clip_loss
+
+    init_rank()
+    img, txt, scale = global_batch(2, 33, seed=3)
+    fn = lambda i, t, s, g: clip_loss(i, t, s, impl="triton", group=g)  # noqa: E731
+    run_case(fn, img, txt, scale, dist.group.WORLD, "triton tiles (interpreted)")
+    dist.barrier()
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
-    {"equivalence": case_equivalence, "robustness": case_robustness}[sys.argv[1]]()
+    cases = {"equivalence": case_equivalence, "robustness": case_robustness,
+             "triton_interpret": case_triton_interpret}
+    cases[sys.argv[1]]()
     import torch.distributed as dist
 
     dist.destroy_process_group()

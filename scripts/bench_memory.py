@@ -38,7 +38,7 @@ from infclip.config import TrainConfig  # noqa: E402
 from infclip.loss import clip_loss  # noqa: E402
 from infclip.train.engine import build_engine  # noqa: E402
 
-IMPL = {"ours": "auto", "vanilla": "vanilla", "local": "local"}
+IMPL = {"ours": "auto", "ours_torch": "torch", "vanilla": "vanilla", "local": "local"}
 FIELDS = ["model", "gpus", "global_batch", "per_rank", "micro", "loss", "offload", "status",
           "peak_gb", "static_gb", "step_s", "samples_per_s", "cache_pass_s", "loss_s", "replay_s", "device"]
 
@@ -221,16 +221,31 @@ def run(ctx: Ctx) -> list[dict]:
         if time.perf_counter() - t_start + 1.2 * predicted > ctx.args.time_budget_s:
             rows.append({**base, "status": f"skipped (time budget; predicted {predicted:.0f} s)"})
         else:
-            try:
-                res = bench.row(loss, offload, g)
-                rate = res["samples_per_s"]
-            except torch.cuda.OutOfMemoryError:
-                res = {"status": "out of memory"}
+            res = _guarded(bench, loss, offload, g)
+            if res["status"].startswith("error") and loss == "ours":  # e.g. no Triton: PyTorch tiles
+                print(f"ours (Triton) failed: {res['status']}; retrying with impl=torch", flush=True)
+                base["loss"] = "ours_torch"
+                res = _guarded(bench, "ours_torch", offload, g)
+            rate = res.get("samples_per_s", rate)
             rows.append({**base, **res})
         if ctx.rank == 0:
             print(_fmt(rows[-1]), flush=True)
             write_csv(rows, Path(ctx.args.out))
     return rows
+
+
+def _guarded(bench: Bench, loss: str, offload: bool, g: int) -> dict:
+    """One row; out-of-memory and other failures become the row's status, the sweep goes on."""
+    try:
+        return bench.row(loss, offload, g)
+    except torch.cuda.OutOfMemoryError:
+        return {"status": "out of memory"}
+    except Exception as e:  # noqa: BLE001 -- a benchmark row must not end the sweep
+        return {"status": f"error: {type(e).__name__}: {str(e)[:200]}"}
+    finally:
+        bench.opt.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _device_name(ctx: Ctx) -> str:

@@ -32,7 +32,10 @@ class _LSEPair(torch.autograd.Function):
         g_row = torch.zeros_like(row_lse) if g_row is None else g_row.to(row_lse.dtype).contiguous()
         g_col = torch.zeros_like(col_lse) if g_col is None else g_col.to(col_lse.dtype).contiguous()
         if ctx.group is None:
-            dimg, dtxt, dscale = ctx.ops.backward(img, txt, scale, row_lse, col_lse, g_row, g_col)
+            # Backends that can write fresh gradients in the input dtype (Triton) do so: no
+            # fp32 (b, c) buffers, so the extra memory stays O(b).
+            kw = {"out_dtype": img.dtype} if getattr(ctx.ops, "writes_out_dtype", False) else {}
+            dimg, dtxt, dscale = ctx.ops.backward(img, txt, scale, row_lse, col_lse, g_row, g_col, **kw)
         else:
             from infclip.loss import ring
 

@@ -95,6 +95,67 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, row_part_ptr, col_part_ptr,
 
 
 @triton.jit
+def _lse_fwd_flat_kernel(a_ptr, b_ptr, scale_ptr, row_part_ptr, col_part_ptr,
+                         M, N, K, stride_a, stride_b, col_start, col_stop, cols_per_split,
+                         stride_cp,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         EVEN_K: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``_lse_fwd_kernel`` with the (column tile, K chunk) loops flattened into one loop, so
+    the software pipeline keeps loading the next tile's operands during the epilogue."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    s2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
+    row0 = pid_m * BM
+    r = tl.arange(0, BM)
+    row_ok = row0 + r < M
+    r_ld = tl.minimum(r, M - 1 - row0)
+    a_blk = a_ptr + row0.to(tl.int64) * stride_a
+    cn = tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    stride_b64 = stride_b.to(tl.int64)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    lo = col_start + pid_s * cols_per_split
+    hi = tl.minimum(lo + cols_per_split, col_stop)
+    k_tiles = tl.cdiv(K, BK)
+    n_steps = tl.cdiv(hi - lo, BN) * k_tiles
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for it in range(0, n_steps):
+        jt = it // k_tiles
+        kt = it - jt * k_tiles
+        j0 = lo + jt * BN
+        c_ld = tl.minimum(cn, N - 1 - j0)
+        kk = kt * BK + ks
+        a_ptrs = a_blk + r_ld[:, None] * stride_a + kk[None, :]
+        b_ptrs = b_ptr + j0 * stride_b64 + c_ld[:, None] * stride_b + kk[None, :]
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
+            b = tl.load(b_ptrs, mask=kk[None, :] < K, other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        if kt == k_tiles - 1:
+            # -- compute tile --: same epilogue as _lse_fwd_kernel.
+            x = acc * s2
+            col_ok = j0 + cn < hi
+            xr = tl.where(col_ok[None, :], x, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(xr, 1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(xr - m_new[:, None]), 1)
+            m_i = m_new
+            xc = tl.where(row_ok[:, None], x, float("-inf"))
+            cm = tl.max(xc, 0)
+            cl = tl.sum(tl.exp2(xc - cm[None, :]), 0)
+            cp_ptrs = col_part_ptr + pid_m * stride_cp + (j0 - col_start) + cn
+            tl.store(cp_ptrs, (cm + tl.log2(cl)) * LN2, mask=col_ok)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+    tl.store(row_part_ptr + pid_s * M + row0 + r, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
+
+
+@triton.jit
 def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_ptr, g_b_ptr,
                  out_ptr, ds_ptr, M, N, K, stride_a, stride_b, stride_o,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
@@ -157,6 +218,84 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_p
     if COMPUTE_DS:  # sum_ij dX_ij <A_i, B_j> = (gnorm / s2) * sum_ij p_ij x_ij
         ds = tl.sum(tl.where(row_ok, ds_row, 0.0), 0) * (gn / s2)
         ds = tl.where(pid_c == 0, ds, 0.0)  # every feature chunk saw all logits: count once
+        tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_c, ds)
+    o_ptrs = out_ptr + row0.to(tl.int64) * stride_o + r[:, None] * stride_o + d[None, :]
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    res = acc * s
+    if ACCUM:
+        res += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _grad_flat_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_ptr, g_b_ptr,
+                      out_ptr, ds_ptr, M, N, K, stride_a, stride_b, stride_o,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
+                      EVEN_K: tl.constexpr, ACCUM: tl.constexpr, COMPUTE_DS: tl.constexpr,
+                      PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``_grad_kernel`` (streamed logits) with the (column tile, K chunk) loops flattened
+    into one software-pipelined loop; the dA update runs at each tile's last K chunk."""
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    s = tl.load(scale_ptr).to(tl.float32)
+    s2 = s * LOG2E
+    gn = tl.load(gnorm_ptr).to(tl.float32)
+    row0 = pid_m * BM
+    r = tl.arange(0, BM)
+    row_ok = row0 + r < M
+    r_ld = tl.minimum(r, M - 1 - row0)
+    a_blk = a_ptr + row0.to(tl.int64) * stride_a
+    lse_a = tl.load(lse_a_ptr + row0 + r_ld).to(tl.float32) * LOG2E
+    g_a = tl.where(row_ok, tl.load(g_a_ptr + row0 + r_ld).to(tl.float32) / gn, 0.0)
+    d = pid_c * DC + tl.arange(0, DC)
+    d_ok = d < K
+    cn = tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    stride_b64 = stride_b.to(tl.int64)
+    acc = tl.zeros((BM, DC), dtype=tl.float32)
+    ds_row = tl.zeros((BM,), dtype=tl.float32)
+    x = tl.zeros((BM, BN), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BK)
+    for it in range(0, tl.cdiv(N, BN) * k_tiles):
+        jt = it // k_tiles
+        kt = it - jt * k_tiles
+        j0 = jt * BN
+        c_ld = tl.minimum(cn, N - 1 - j0)
+        b_blk = b_ptr + j0 * stride_b64
+        kk = kt * BK + ks
+        a_ptrs = a_blk + r_ld[:, None] * stride_a + kk[None, :]
+        b_ptrs = b_blk + c_ld[:, None] * stride_b + kk[None, :]
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=kk[None, :] < K, other=0.0)
+            b = tl.load(b_ptrs, mask=kk[None, :] < K, other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        x = tl.dot(a, tl.trans(b), x, input_precision=PREC)
+        if kt == k_tiles - 1:
+            # -- compute tile --: dX (scaled by 1/gnorm), then the dA update.
+            x = x * s2
+            col_ok = j0 + cn < N
+            lse_b = tl.load(lse_b_ptr + j0 + c_ld).to(tl.float32) * LOG2E
+            g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32) / gn
+            p = g_a[:, None] * tl.exp2(x - lse_a[:, None]) + g_b[None, :] * tl.exp2(x - lse_b[None, :])
+            p = tl.where(col_ok[None, :], p, 0.0)
+            if COMPUTE_DS:
+                ds_row += tl.sum(p * x, 1)
+            t = tl.load(b_blk + c_ld[:, None] * stride_b + d[None, :], mask=d_ok[None, :], other=0.0)
+            p = p.to(b_ptr.dtype.element_ty)
+            if DOT_F32:
+                p = p.to(tl.float32)
+                t = t.to(tl.float32)
+            acc = tl.dot(p, t, acc, input_precision=PREC)
+            x = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = acc * gn
+    if COMPUTE_DS:
+        ds = tl.sum(tl.where(row_ok, ds_row, 0.0), 0) * (gn / s2)
+        ds = tl.where(pid_c == 0, ds, 0.0)
         tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_c, ds)
     o_ptrs = out_ptr + row0.to(tl.int64) * stride_o + r[:, None] * stride_o + d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]

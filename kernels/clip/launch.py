@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kernels import _grad_kernel, _lse_fwd_kernel
+from .kernels import _grad_flat_kernel, _grad_kernel, _lse_fwd_flat_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
-TUNE_ROWS = 32768  # tuning runs on at most this many rows/columns (same config class)
+TUNE_ROWS = 65536  # tuning runs on at most this many rows/columns (same config class)
 SMEM_BYTES = 220 << 10  # usable shared memory per block on Hopper, minus slack
 
 
@@ -35,6 +35,7 @@ class FwdConfig:
     BK: int
     num_warps: int = 4
     num_stages: int = 3
+    flat: bool = False  # one flattened (column tile x K chunk) loop: pipelined across tiles
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class BwdConfig:
     resident: bool
     num_warps: int = 4
     num_stages: int = 3
+    flat: bool = False  # streamed only: one flattened (column tile x K chunk) loop
 
 
 def _dot_f32(t: Tensor) -> bool:
@@ -63,19 +65,16 @@ def _pow2(x: int) -> int:
 
 
 def fwd_candidates(k: int, esize: int) -> list[FwdConfig]:
-    """Forward configs worth timing; the first is the default when not tuning."""
+    """Forward configs worth timing; the first is the default when not tuning.
+
+    Kept from sweeps on an H200 at b = 64k (bf16, c = 512 / 768 / 1024): 256x128 tiles with
+    8 warps ran at 330-385 TFLOP/s; 128x256, 128x128, 4 warps, BK=128, 16 warps and the
+    flattened loop were 5-35 % slower; 256x256 does not compile (registers)."""
     if interpreting():
         return [FwdConfig(32, 32, 32)]
-    if esize == 4:  # fp32: smaller K chunks keep the pipelined operands in shared memory
-        return [FwdConfig(128, 128, 32, 8, 3), FwdConfig(64, 128, 32, 4, 3), FwdConfig(128, 64, 32, 4, 3)]
-    # 16-bit: GEMM-like shapes; 128x256 halves L2 traffic per FLOP vs 128x128.
-    return [
-        FwdConfig(128, 128, 64, 8, 3),
-        FwdConfig(128, 256, 64, 8, 3),
-        FwdConfig(256, 128, 64, 8, 3),
-        FwdConfig(128, 128, 64, 4, 4),
-        FwdConfig(128, 128, 128, 8, 3),
-    ]
+    if esize == 4:  # fp32: half the K chunk keeps the pipelined operands in shared memory
+        return [FwdConfig(128, 128, 32, 8, 3), FwdConfig(64, 128, 32, 4, 3)]
+    return [FwdConfig(256, 128, 64, 8, 3), FwdConfig(256, 128, 32, 8, 4), FwdConfig(128, 128, 64, 8, 3)]
 
 
 def _bwd_smem(c: BwdConfig, k: int, esize: int) -> int:
@@ -85,22 +84,25 @@ def _bwd_smem(c: BwdConfig, k: int, esize: int) -> int:
 
 
 def bwd_candidates(k: int, esize: int) -> list[BwdConfig]:
-    """Backward configs that fit shared memory and registers for feature dim ``k``."""
+    """Backward configs that fit shared memory and registers for feature dim ``k``.
+
+    The (BM, DC) fp32 accumulator lives in registers, so BM = 64 with DC = 512 (8 warps)
+    is the largest tile; wider K goes in DC = 512 chunks (logits recomputed per chunk).
+    Sweeps on an H200 (b = 64k, bf16): streamed 64x128 (BK 64, 3-4 stages) 240 TFLOP/s at
+    c = 512; the resident row block 206-217; 64x64, BK 32/128, 16 warps, DC = 256 and the
+    flattened loop were slower."""
     kp = _pow2(k)
     if interpreting():
         if kp <= 256:
             return [BwdConfig(32, 32, 32, kp, True)]
         return [BwdConfig(32, 32, 32, 128, False)]
-    cands = []
-    if kp <= 512:
-        # Resident row block: B tile loaded once for both products; acc (64, kp) in regs.
-        cands += [BwdConfig(64, 64, 64, kp, True, 8, 2), BwdConfig(64, 32, 64, kp, True, 8, 3),
-                  BwdConfig(64, 64, 64, kp, True, 4, 2)]
-    dc = min(kp, 512)
-    cands += [BwdConfig(64, 64, 64, dc, False, 8, 3), BwdConfig(64, 128, 64, dc, False, 8, 3),
-              BwdConfig(128, 64, 64, min(kp, 256), False, 8, 3)]
     if esize == 4:
         cands = [BwdConfig(64, 64, 32, min(kp, 256), False, 8, 2), BwdConfig(64, 32, 32, min(kp, 128), False, 4, 2)]
+    else:
+        dc = min(kp, 512)
+        cands = [BwdConfig(64, 128, 64, dc, False, 8, 3), BwdConfig(64, 128, 64, dc, False, 8, 4)]
+        if kp <= 512:
+            cands.append(BwdConfig(64, 64, 64, kp, True, 8, 2))
     return [c for c in cands if _bwd_smem(c, k, esize) <= SMEM_BYTES]
 
 
@@ -126,7 +128,8 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
         splits = triton_cdiv(length, per)
         row_part = alloc(splits, m, device=a.device, dtype=torch.float32)
         col_part = alloc(nrb, length, device=a.device, dtype=torch.float32)
-        _lse_fwd_kernel[(nrb, splits)](
+        kernel = _lse_fwd_flat_kernel if cfg.flat else _lse_fwd_kernel
+        kernel[(nrb, splits)](
             a, b, scale, row_part, col_part, m, n, k, a.stride(0), b.stride(0), c0, c1, per, length,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=k % cfg.BK == 0, PREC=prec,
             DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -148,14 +151,15 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     gnorm = torch.maximum(g_a.abs().max(), g_b.abs().max()).float().clamp_min(1e-30)
     nrb, ncb = triton_cdiv(m, cfg.BM), triton_cdiv(k, cfg.DC)
     ds_part = torch.empty(nrb * ncb if compute_ds else 1, device=a.device, dtype=torch.float32)
-    _grad_kernel[(nrb, ncb)](
-        a, b, scale, gnorm, lse_a, lse_b, g_a, g_b, out, ds_part, m, n, k,
-        a.stride(0), b.stride(0), out.stride(0),
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DC=cfg.DC, EVEN_K=k % cfg.BK == 0,
-        RESIDENT=cfg.resident, ACCUM=accumulate, COMPUTE_DS=compute_ds, PREC=prec,
-        DOT_F32=_dot_f32(a),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    args = (a, b, scale, gnorm, lse_a, lse_b, g_a, g_b, out, ds_part, m, n, k,
+            a.stride(0), b.stride(0), out.stride(0))
+    meta = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DC=cfg.DC, EVEN_K=k % cfg.BK == 0, ACCUM=accumulate,
+                COMPUTE_DS=compute_ds, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    if cfg.flat:
+        _grad_flat_kernel[(nrb, ncb)](*args, **meta)
+    else:
+        _grad_kernel[(nrb, ncb)](*args, RESIDENT=cfg.resident, **meta)
     return ds_part.sum() if compute_ds else None
 
 

@@ -30,6 +30,7 @@ class TritonTileOps:
     """
 
     name = "triton"
+    writes_out_dtype = True  # backward(..., out_dtype=img.dtype) writes fresh grads directly
 
     def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False):
         if fp32_precision not in PRECISIONS:

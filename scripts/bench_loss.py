@@ -1,0 +1,266 @@
+"""Benchmark of the CLIP loss on one GPU: time, extra memory and effective TFLOP/s vs batch.
+
+Measures, in one run: vanilla (bf16, fp32), open_clip local, the published ``inf-cl==1.2.1``
+package, and ours (Triton bf16; the PyTorch tiled path at small b), for every
+(feature dim c, batch b). Forward + backward of the symmetric loss with a learnable logit
+scale (scale = logit_scale.exp(), logit_scale = ln(1/0.07)), L2-normalized random features,
+median of ``--reps`` timed runs after one warm-up (the warm-up also compiles and tunes).
+Extra memory = torch.cuda.max_memory_allocated() during one step minus what the inputs
+held (so it includes the feature gradients), as in ../shared/ANCHORS.md.
+
+Useful work is counted as 8 b^2 c FLOPs (forward 2, backward 6); "% peak" divides the
+effective rate by this GPU's dense bf16 matmul rate, measured here on 8192^3 products.
+
+    python scripts/bench_loss.py --out bench_out        # CSV + PNG in bench_out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+# H200 anchors, c = 512 (../shared/ANCHORS.md): b -> ms.
+ANCHOR_VANILLA_BF16_MS = {8192: 2.1, 16384: 6.6, 32768: 26.9, 65536: 112.0, 131072: 465.0}
+ANCHOR_INFCL_MS = {8192: 15.8, 16384: 60.0, 32768: 235.0, 65536: 948.0, 131072: 3826.0, 262144: 15320.0}
+
+# impl -> (input dtype, largest b tried, c values); None = every c.
+IMPLS = {
+    "vanilla_bf16": (torch.bfloat16, 131072, None),
+    "vanilla_fp32": (torch.float32, 65536, None),
+    "local_bf16": (torch.bfloat16, 65536, (512,)),
+    "inf_cl": (torch.bfloat16, 131072, None),
+    "triton_bf16": (torch.bfloat16, 1 << 20, None),
+    "triton_fp32_tf32": (torch.float32, 65536, (512,)),
+    "torch_bf16": (torch.bfloat16, 16384, (512,)),
+}
+
+
+@dataclass
+class Row:
+    impl: str
+    c: int
+    b: int
+    status: str
+    ms: float = float("nan")
+    extra_gb: float = float("nan")
+    tflops: float = float("nan")
+    pct_peak: float = float("nan")
+    x_vs_vanilla_anchor: float = float("nan")
+    x_vs_infcl_anchor: float = float("nan")
+    loss: float = float("nan")
+
+
+def matmul_peak_tflops(n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    ms = _time_ms(lambda: a @ b, reps)
+    return 2 * n**3 / ms / 1e9
+
+
+def _time_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _init_single_rank_group() -> None:
+    """inf_cl all-reduces the scale gradient unconditionally: it needs a (1-rank) group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        dist.init_process_group("nccl", rank=0, world_size=1)
+
+
+def loss_fn(impl: str):
+    """(img, txt, scale) -> scalar loss for ``impl``."""
+    from infclip.loss import clip_loss
+
+    if impl.startswith("vanilla"):
+        return lambda i, t, s: clip_loss(i, t, s, impl="vanilla")
+    if impl.startswith("local"):
+        return lambda i, t, s: clip_loss(i, t, s, impl="local")
+    if impl.startswith("torch"):
+        return lambda i, t, s: clip_loss(i, t, s, impl="torch")
+    if impl == "triton_fp32_tf32":
+        return lambda i, t, s: clip_loss(i, t, s, impl="triton", fp32_precision="tf32")
+    if impl.startswith("triton"):
+        return lambda i, t, s: clip_loss(i, t, s, impl="triton")
+    if impl == "inf_cl":
+        from inf_cl import cal_inf_loss
+
+        _init_single_rank_group()
+        return lambda i, t, s: 0.5 * (cal_inf_loss(i, t, scale=s) + cal_inf_loss(t, i, scale=s))
+    raise ValueError(impl)
+
+
+def _inputs(b: int, c: int, dtype: torch.dtype):
+    gen = torch.Generator(device="cuda").manual_seed(b + c)
+    img = torch.nn.functional.normalize(torch.randn(b, c, device="cuda", generator=gen), dim=-1)
+    txt = torch.nn.functional.normalize(torch.randn(b, c, device="cuda", generator=gen), dim=-1)
+    logit_scale = torch.tensor(math.log(1 / 0.07), device="cuda", requires_grad=True)
+    return img.to(dtype).requires_grad_(), txt.to(dtype).requires_grad_(), logit_scale
+
+
+def measure(impl: str, b: int, c: int, reps: int, peak: float) -> Row:
+    """One (impl, b, c) point: ms (median), extra peak GB, effective TFLOP/s."""
+    fn = loss_fn(impl)
+    img, txt, logit_scale = _inputs(b, c, IMPLS[impl][0])
+    state = {}
+
+    def step():
+        for x in (img, txt, logit_scale):
+            x.grad = None
+        loss = fn(img, txt, logit_scale.exp())
+        loss.backward()
+        state["loss"] = loss.detach()
+
+    step()  # warm-up: compile, tune
+    for x in (img, txt, logit_scale):
+        x.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - base) / 1e9
+    ms = _time_ms(step, reps)
+    tflops = 8 * b * b * c / ms / 1e9
+    row = Row(impl, c, b, "ok", ms, extra, tflops, 100 * tflops / peak, loss=float(state["loss"]))
+    if c == 512 and b in ANCHOR_VANILLA_BF16_MS:
+        row.x_vs_vanilla_anchor = ANCHOR_VANILLA_BF16_MS[b] / ms
+    if c == 512 and b in ANCHOR_INFCL_MS:
+        row.x_vs_infcl_anchor = ANCHOR_INFCL_MS[b] / ms
+    return row
+
+
+def _skip_reason(impl: str, b: int, c: int, last_ms: dict, max_s: float) -> str | None:
+    dtype, b_max, dims = IMPLS[impl]
+    if dims is not None and c not in dims:
+        return "not run"
+    if b > b_max:
+        return f"skipped (b > {b_max})"
+    prev = last_ms.get((impl, c))
+    if prev is not None:
+        runs = 3 if b >= 262144 else 2 + reps  # warm-up + peak-memory run + timed runs
+        est_s = prev[1] * (b / prev[0]) ** 2 / 1e3 * runs  # time grows as b^2
+        if est_s > max_s:
+            return f"skipped (too slow: ~{est_s:.0f} s)"
+    if impl.startswith(("vanilla", "local")):
+        need = (7.6 if dtype == torch.bfloat16 else 15.2) * b * b / 1e9  # logits + grads + softmax
+        free = torch.cuda.mem_get_info()[0] / 1e9
+        if need > 0.98 * free:
+            return f"skipped (out of memory: ~{need:.0f} GB)"
+    return None
+
+
+def run_all(batches, dims, impls, reps, max_s, peak, csv_path) -> list[Row]:
+    """Every (c, impl, b) point; the CSV is rewritten after each one (a cut-off run keeps its rows)."""
+    rows, last_ms = [], {}
+    for c in dims:
+        for impl in impls:
+            for b in batches:
+                reason = _skip_reason(impl, b, c, last_ms, max_s)
+                if reason == "not run":
+                    break
+                if reason is None:
+                    try:
+                        row = measure(impl, b, c, reps if b < 262144 else 1, peak)
+                        last_ms[(impl, c)] = (b, row.ms)
+                    except torch.cuda.OutOfMemoryError:
+                        row = Row(impl, c, b, "out of memory")
+                    torch.cuda.empty_cache()
+                else:
+                    row = Row(impl, c, b, reason)
+                rows.append(row)
+                write_csv(rows, csv_path)
+                print(_fmt(row), flush=True)
+    return rows
+
+
+def _fmt(r: Row) -> str:
+    if r.status != "ok":
+        return f"{r.impl:18s} c={r.c:4d} b={r.b:8d}  {r.status}"
+    return (f"{r.impl:18s} c={r.c:4d} b={r.b:8d}  {r.ms:10.2f} ms  {r.extra_gb:8.3f} GB  "
+            f"{r.tflops:6.0f} TFLOP/s  {r.pct_peak:5.1f}% peak  loss {r.loss:.4f}")
+
+
+def write_csv(rows: list[Row], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        w.writeheader()
+        for r in rows:
+            w.writerow(asdict(r))
+
+
+def plot(rows: list[Row], path: str, dims) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(dims), figsize=(5 * len(dims), 8), squeeze=False)
+    for col, c in enumerate(dims):
+        for impl in IMPLS:
+            pts = [r for r in rows if r.impl == impl and r.c == c and r.status == "ok"]
+            if not pts:
+                continue
+            bs = [r.b for r in pts]
+            axes[0][col].plot(bs, [r.ms for r in pts], "o-", label=impl)
+            axes[1][col].plot(bs, [r.extra_gb for r in pts], "o-", label=impl)
+        for ax, ylabel in zip((axes[0][col], axes[1][col]), ("time fwd+bwd (ms)", "extra memory (GB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch size b")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"c = {c}")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][col].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="8192,16384,32768,65536,131072,262144,1048576")
+    p.add_argument("--dims", default="512,768,1024")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--max-s", type=float, default=90.0, help="skip a point estimated to take longer")
+    p.add_argument("--commit", default=None, help="commit to report (default: git rev-parse --short HEAD)")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    batches = [int(x) for x in args.batches.split(",")]
+    dims = [int(x) for x in args.dims.split(",")]
+    impls = [x for x in args.impls.split(",") if x]
+    peak = matmul_peak_tflops()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                           text=True).stdout.strip()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  commit {commit or '?'}")
+    print(f"measured bf16 matmul (8192^3): {peak:.0f} TFLOP/s", flush=True)
+    t0 = time.time()
+    rows = run_all(batches, dims, impls, args.reps, args.max_s, peak, os.path.join(args.out, "bench_loss.csv"))
+    plot(rows, os.path.join(args.out, "bench_loss.png"), dims)
+    print(f"done in {time.time() - t0:.0f} s; wrote {args.out}/bench_loss.csv and bench_loss.png")
+
+
+if __name__ == "__main__":
+    main()

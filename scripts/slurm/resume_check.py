@@ -66,7 +66,7 @@ def killed_run(args: argparse.Namespace, run_dir: Path, overrides: list[str], lo
     """Runs, kills at --kill-at, resumes; returns the wall time of the recovery."""
     restarts = 1 if args.mode == "worker" else 0
     proc = subprocess.Popen(torchrun(args.nproc, run_dir, overrides, restarts), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=REPO)
+                            cwd=REPO)
     wait_step(proc, run_dir, args.kill_at, args.timeout)
     t0 = time.monotonic()
     if args.mode == "worker":
@@ -76,7 +76,8 @@ def killed_run(args: argparse.Namespace, run_dir: Path, overrides: list[str], lo
         rc = proc.wait(timeout=args.timeout)
     else:
         print(f"killing torchrun and its workers after step {max(losses(run_dir))}", flush=True)
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in [*children(proc.pid), proc.pid]:  # workers run in sessions of their own
+            os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=60)
         rc = subprocess.run(torchrun(args.nproc, run_dir, overrides), stdout=log, stderr=subprocess.STDOUT,
                             cwd=REPO, timeout=args.timeout).returncode

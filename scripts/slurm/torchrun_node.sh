@@ -29,8 +29,19 @@ if [[ "${DRY_RUN:-0}" == "1" ]]; then
   echo
   exit 0
 fi
-# torchrun must outlive Slurm's warning signal (its default action would kill it and
-# orphan the workers); ignoring it here is inherited, and the training processes install
-# their own SIGUSR1 handler (finish the step, checkpoint, exit 0, requeue).
-trap '' USR1
-exec "${cmd[@]}"
+# torchrun must outlive Slurm's warning signal (USR1's default action would kill it and
+# orphan the workers), so it starts with USR1 ignored. Its workers run in sessions of their
+# own, so depending on Slurm's proctrack plugin a signal to the job step may not reach them:
+# this shell forwards USR1 to them itself (they finish the step, checkpoint, exit 0, and
+# rank 0 requeues), and SIGTERM to torchrun (which passes it on and waits
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT before SIGKILL). A worker handles USR1 more than once fine.
+(trap '' USR1; exec "${cmd[@]}") &
+TORCHRUN_PID=$!
+trap 'pkill -USR1 -P "$TORCHRUN_PID" || true' USR1
+trap 'kill -TERM "$TORCHRUN_PID" 2>/dev/null || true' TERM
+rc=0
+while true; do  # `wait` returns early when a trapped signal arrives
+  wait "$TORCHRUN_PID" && rc=0 || rc=$?
+  kill -0 "$TORCHRUN_PID" 2>/dev/null || break
+done
+exit "$rc"

@@ -187,3 +187,34 @@ def test_hydra_launcher_config_fields_belong_to_the_plugin():
     assert set(cfg.keys()) - {"defaults"} <= plugin_fields
     assert cfg.tasks_per_node == cfg.gpus_per_node  # one process per GPU: the trainer reads Slurm's ranks
     assert cfg.additional_parameters.requeue is True and cfg.signal_delay_s > 0
+
+
+def test_node_script_forwards_usr1_to_workers_in_their_own_session(tmp_path):
+    """torchrun starts workers with start_new_session=True: a signal to the step's process
+    group may miss them, so torchrun_node.sh forwards USR1 to torchrun's children itself,
+    while torchrun (USR1 ignored) survives and exits with its workers' status."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    worker = ("import signal, sys, time, pathlib\n"
+              "d = pathlib.Path(sys.argv[1])\n"
+              "signal.signal(signal.SIGUSR1, lambda *a: ((d / 'got_usr1').write_text('yes'), sys.exit(0)))\n"
+              "(d / 'ready').write_text('1')\n"
+              "time.sleep(30)\n"
+              "sys.exit(3)\n")
+    (d / "worker.py").write_text(worker)
+    (d / "torchrun").write_text(
+        f"#!{sys.executable}\n"
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '{d / 'worker.py'}', '{d}'], start_new_session=True)\n"
+        "sys.exit(p.wait())\n")
+    (d / "torchrun").chmod(0o755)
+    env = _clean_env(PATH=f"{d}:{os.environ['PATH']}", NNODES="1", GPUS_PER_NODE="1", MASTER_ADDR="h",
+                     MASTER_PORT="1", SLURM_NODEID="0", INFCLIP_REPO=str(ROOT))
+    proc = subprocess.Popen(["bash", str(SLURM / "torchrun_node.sh"), "steps=1"], env=env, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not (d / "ready").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGUSR1)  # what Slurm does: the step's process group, not the workers
+    assert proc.wait(timeout=30) == 0  # torchrun survived and returned the worker's clean exit
+    assert (d / "got_usr1").read_text() == "yes"

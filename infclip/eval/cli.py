@@ -68,9 +68,8 @@ def resolve_checkpoint(spec: str) -> Optional[str]:
     if path.is_file():
         return str(path)
     if path.is_dir():
-        for candidate in (path / "model.pt", ):
-            if candidate.is_file():
-                return str(candidate)
+        if (path / "model.pt").is_file():
+            return str(path / "model.pt")
         for folder in (path / "checkpoints", path):
             step = _latest_step_dir(folder) if folder.is_dir() else None
             if step is not None:
@@ -165,7 +164,8 @@ def format_table(metrics: dict[str, float]) -> str:
         if name.endswith("_chance") or name.startswith("num_") or name == "seconds":
             continue
         chance = metrics.get(f"{key}_chance")
-        lines.append(f"{task:<24} {name:<24} {100 * value:9.2f} " + (f"{100 * chance:9.2f}" if chance is not None else ""))
+        chance_text = f"{100 * chance:9.2f}" if chance is not None else ""
+        lines.append(f"{task:<24} {name:<24} {100 * value:9.2f} {chance_text}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,5 @@
 """Oracle models on tiny datasets of every supported layout, and the error messages."""
 
-import json
-import os
 import random
 
 import numpy as np
@@ -164,3 +162,13 @@ def test_invalid_task_config_is_rejected():
         evaluate(OracleModel(), bad)
     with pytest.raises(EvalConfigError, match="unique"):
         evaluate(OracleModel(), zs_task("a"), zs_task("b"))
+
+
+def test_hydra_node_config_and_brace_templates(tmp_path):
+    """An OmegaConf EvalConfig node (as Hydra builds it) works; "{}" templates work like "{c}"."""
+    from omegaconf import OmegaConf
+
+    write_wds(str(tmp_path), [i % 10 for i in range(12)], CLASSES, templates=["{} photo", "art of {c}"])
+    node = OmegaConf.structured(EvalConfig(tasks=[zs_task(tmp_path)], workers=0))
+    m = run_evals(OracleModel(), number_tokenizer, to_tensor, node, step=0, final=True, device="cpu")
+    assert m["eval/zs/top1"] == 1.0

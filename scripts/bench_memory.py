@@ -40,7 +40,8 @@ from infclip.train.engine import build_engine  # noqa: E402
 
 IMPL = {"ours": "auto", "ours_torch": "torch", "vanilla": "vanilla", "local": "local"}
 FIELDS = ["model", "gpus", "global_batch", "per_rank", "micro", "loss", "offload", "status",
-          "peak_gb", "static_gb", "step_s", "samples_per_s", "cache_pass_s", "loss_s", "replay_s", "device"]
+          "peak_gb", "static_gb", "cache_pass_gb", "loss_gb", "replay_gb", "step_s", "samples_per_s",
+          "cache_pass_s", "loss_s", "replay_s", "device"]
 
 
 @dataclass
@@ -163,13 +164,16 @@ class Bench:
             self.warm.add((loss, offload))
         images, tokens = host_batch(local, self.size, self.ctx_len, self.vocab, offload, micro)
         engine = self.engine(loss, global_size, offload)
+        engine.measure_memory = True  # peak per phase: cache pass, loss, replay
         _sync(ctx)
         static = _mem(ctx)
         t0 = time.perf_counter()
         out = self.one_step(engine, images, tokens)
         _sync(ctx)
         step = _max(ctx, time.perf_counter() - t0)
-        return {"status": "ok", "peak_gb": _peak_gb(ctx), "static_gb": _max(ctx, static) / 1e9,
+        phases = {f"{k}_gb": _max(ctx, float(v)) / 1e9 for k, v in engine.last_phase_peaks.items()}
+        peak = max([_peak_gb(ctx), *phases.values()])  # the engine resets the peak per phase
+        return {"status": "ok", "peak_gb": peak, "static_gb": _max(ctx, static) / 1e9, **phases,
                 "step_s": step, "samples_per_s": global_size / step,
                 **{f"{k}_s": _max(ctx, v) for k, v in out.timings.items()}}
 
@@ -267,17 +271,23 @@ def write_csv(rows: list[dict], out: Path) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| model | GPUs | global batch | micro | loss | offload | peak GB/rank | static GB | step s | samples/s |\n"
-    head += "|---|---|---|---|---|---|---|---|---|---|\n"
+    head = ("| model | GPUs | global batch | micro | loss | offload | peak GB/rank | static GB | "
+            "peak in cache pass / loss / replay GB | step s | samples/s |\n")
+    head += "|---|---|---|---|---|---|---|---|---|---|---|\n"
     for r in rows:
         if r.get("status") != "ok":
             head += (f"| {r['model']} | {r['gpus']} | {r['global_batch']:,} | {r['micro']} | {r['loss']} | "
-                     f"{r['offload']} | {r['status']} | | | |\n")
+                     f"{r['offload']} | {r['status']} | | | | |\n")
             continue
         head += (f"| {r['model']} | {r['gpus']} | {r['global_batch']:,} | {r['micro']} | {r['loss']} | "
-                 f"{r['offload']} | {r['peak_gb']:.2f} | {r['static_gb']:.2f} | {r['step_s']:.1f} | "
+                 f"{r['offload']} | {r['peak_gb']:.2f} | {r['static_gb']:.2f} | {_phases(r)} | {r['step_s']:.1f} | "
                  f"{r['samples_per_s']:.0f} |\n")
     return head
+
+
+def _phases(r: dict) -> str:
+    keys = ("cache_pass_gb", "loss_gb", "replay_gb")
+    return " / ".join(f"{r[k]:.2f}" if isinstance(r.get(k), float) else "-" for k in keys)
 
 
 def plot(csv_path: Path, png: Path) -> None:

@@ -116,6 +116,8 @@ class StepEngine:
         self.plan = plan or LockPlan()
         self.stager = InputStager(self.device, settings.offload)
         self.measure_timings = True  # synchronize CUDA at phase boundaries to time them
+        self.measure_memory = False  # CUDA: peak bytes per phase into last_phase_peaks (resets peak stats)
+        self.last_phase_peaks: dict[str, int] = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
 
     # ------------------------------------------------------------------------- step
@@ -135,7 +137,7 @@ class StepEngine:
 
     def _plain_step(self, inputs: dict) -> tuple[Tensor, dict]:
         """Ordinary training: one forward with grad on the whole local batch, one backward."""
-        clock = _Clock(self.device, self.measure_timings)
+        clock = self._clock()
         batches = self.stager.stream(inputs, self.s.local, [(0, ("images", "tokens"))])
         m = self._prepare(next(batches))
         img, txt, extras = self._encode(self.model, m)
@@ -149,7 +151,7 @@ class StepEngine:
         return loss, clock.laps
 
     def _cached_step(self, inputs: dict) -> tuple[Tensor, dict]:
-        clock = _Clock(self.device, self.measure_timings)
+        clock = self._clock()
         k_n = self.s.num_micro
         batches = self.stager.stream(inputs, self.s.micro, self._schedule())
         micros, rngs, img_c, txt_c = [], [], [], []
@@ -256,6 +258,10 @@ class StepEngine:
             if outs:
                 torch.autograd.backward(outs, grads)
 
+    def _clock(self) -> "_Clock":
+        self.last_phase_peaks = {}
+        return _Clock(self.device, self.measure_timings, self.last_phase_peaks if self.measure_memory else None)
+
     def _scaled(self, loss: Tensor) -> Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
@@ -309,12 +315,16 @@ def _replayed_rng(device: torch.device, state):
 
 
 class _Clock:
-    """Phase timer; synchronizes CUDA at each lap only when ``sync`` (measuring)."""
+    """Phase timer; synchronizes CUDA at each lap only when ``sync`` (measuring). With a
+    ``peaks`` dict (CUDA), also records each phase's peak allocated bytes."""
 
-    def __init__(self, device: torch.device, sync: bool):
-        self.sync = sync and device.type == "cuda"
+    def __init__(self, device: torch.device, sync: bool, peaks: Optional[dict] = None):
+        self.peaks = peaks if device.type == "cuda" else None
+        self.sync = (sync or self.peaks is not None) and device.type == "cuda"
         self.device = device
         self.laps: dict[str, float] = {}
+        if self.peaks is not None:
+            torch.cuda.reset_peak_memory_stats(device)
         self._t = self._now()
 
     def _now(self) -> float:
@@ -325,4 +335,7 @@ class _Clock:
     def lap(self, name: str) -> None:
         t = self._now()
         self.laps[name] = t - self._t
+        if self.peaks is not None:
+            self.peaks[name] = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._t = t

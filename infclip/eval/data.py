@@ -121,6 +121,8 @@ def wds_samples(task: EvalTaskConfig, index: Optional[int] = None) -> tuple[list
     """Image refs and integer labels of a clip_benchmark wds split, in shard order."""
     refs, labels = [], []
     for path in _shard_paths(task, index):
+        if task.max_samples is not None and len(refs) >= task.max_samples:
+            break  # no need to scan the remaining shards
         for ref, label in scan_tar(path):
             refs.append(ref)
             labels.append(label)

@@ -172,3 +172,9 @@ def test_hydra_node_config_and_brace_templates(tmp_path):
     node = OmegaConf.structured(EvalConfig(tasks=[zs_task(tmp_path)], workers=0))
     m = run_evals(OracleModel(), number_tokenizer, to_tensor, node, step=0, final=True, device="cpu")
     assert m["eval/zs/top1"] == 1.0
+
+
+def test_max_samples_takes_the_first_images(tmp_path):
+    write_wds(str(tmp_path), [i % 10 for i in range(23)], CLASSES, shard_size=4)
+    m = evaluate(OracleModel(), zs_task(tmp_path, max_samples=6))
+    assert m["eval/zs/num_samples"] == 6 and m["eval/zs/top1"] == 1.0

@@ -99,14 +99,14 @@ class TrainData:
         return self.spec.epoch_batches
 
     def batches(self) -> Iterator[Batch]:
-        """Yield (images, tokens) forever; epochs advance by themselves."""
-        while True:
-            for images, tokens, info in self._loader():
-                self.plan.batch += 1
-                self.plan.cursors[info["worker"]] = info["raw"]
-                self._skips.update(info["skips"])
-                yield images, tokens
-            self.plan = EpochPlan(epoch=self.plan.epoch + 1, cursors=[0] * max(self.workers, 1))
+        """Yield (images, tokens) forever; epochs advance by themselves. Call once per run."""
+        for images, tokens, info in self._loader():
+            if info["epoch"] != self.plan.epoch:  # the first batch of the next epoch
+                self.plan = EpochPlan(epoch=info["epoch"], cursors=[0] * max(self.workers, 1))
+            self.plan.batch += 1
+            self.plan.cursors[info["worker"]] = info["raw"]
+            self._skips.update(info["skips"])
+            yield images, tokens
 
     def _loader(self) -> DataLoader:
         if self.workers:  # HF tokenizers warn (and may deadlock) when used across fork()

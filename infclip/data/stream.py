@@ -206,9 +206,11 @@ def worker_quota(epoch_batches: int, worker: int, workers: int) -> int:
 
 
 class BatchStream(IterableDataset):
-    """Yields ``(images uint8 (B,3,H,W), tokens int64 (B,L), info)`` for one epoch of one worker.
+    """Yields ``(images uint8 (B,3,H,W), tokens int64 (B,L), info)`` forever, epoch after epoch.
 
-    ``info`` = {"worker", "raw" (cursor after this batch), "skips" (Counter delta)}.
+    ``info`` = {"epoch", "worker" (logical), "raw" (its cursor after this batch), "skips"
+    (Counter delta)}. One DataLoader serves the whole run, so workers are forked once and
+    prefetch across epoch boundaries.
     """
 
     def __init__(self, spec: StreamSpec, transform: Callable, tokenizer: Callable,
@@ -218,25 +220,37 @@ class BatchStream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
         info = get_worker_info()
-        # The DataLoader asks its workers round-robin starting with worker 0; loader batch k
-        # belongs to logical worker k % W, so a loader resumed at batch b starts with logical
-        # worker b % W: rotate.
-        worker = ((0 if info is None else info.id) + self.plan.batch) % self.workers
-        spec, plan, epoch = self.spec, self.plan, self.plan.epoch
-        done = worker_quota(plan.batch, worker, self.workers)
+        physical, W, E = (0 if info is None else info.id), self.workers, self.spec.epoch_batches
+        epoch, start, cursors = self.plan.epoch, self.plan.batch, self.plan.cursors
+        position = 0  # loader position of the epoch's first batch (relative to this loader)
+        while True:
+            # The DataLoader takes loader position q from physical worker q % W; in-epoch batch
+            # b = start + q - position belongs to logical worker b % W: constant for this worker.
+            logical = (start + physical - position) % W
+            cursor = cursors[logical] if logical < len(cursors) else 0
+            yield from self._epoch(epoch, logical, start, cursor)
+            position += E - start
+            epoch, start, cursors = epoch + 1, 0, []
+
+    def _epoch(self, epoch: int, worker: int, start: int, raw: int
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
+        """Logical worker ``worker``'s batches of ``epoch`` after in-epoch batch ``start``."""
+        spec = self.spec
+        done = worker_quota(start, worker, self.workers)
         todo = worker_quota(spec.epoch_batches, worker, self.workers) - done
+        if todo <= 0:
+            return
         counts: Counter = Counter()
         rng = random.Random(mix_seed("shuffle", spec.seed, epoch, spec.rank, worker))
         stream = shuffled(raw_stream(spec, epoch, worker, self.workers, counts), spec.shuffle_buffer, rng)
-        raw = plan.cursors[worker] if worker < len(plan.cursors) else 0
         for _ in range(raw):  # resume: replay the raw stream without decoding
             next(stream)
         counts.clear()  # skips before the cursor were counted by the run that consumed them
         for b in range(done, done + todo):
-            images, texts, raw = self._batch(stream, counts, raw, mix_seed("batch", spec.seed, epoch,
-                                                                           spec.rank, worker, b))
-            tokens = self.tokenizer(texts)
-            yield torch.stack(images), tokens, {"worker": worker, "raw": raw, "skips": dict(counts)}
+            seed = mix_seed("batch", spec.seed, epoch, spec.rank, worker, b)
+            images, texts, raw = self._batch(stream, counts, raw, seed)
+            info = {"epoch": epoch, "worker": worker, "raw": raw, "skips": dict(counts)}
+            yield torch.stack(images), self.tokenizer(texts), info
             counts.clear()
 
     def _batch(self, stream: Iterator[RawSample], counts: Counter, raw: int, seed: int

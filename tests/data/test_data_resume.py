@@ -14,7 +14,7 @@ AUGMENT = Compose([RandomResizedCrop(8, scale=(0.08, 1.0)), PILToTensor()])
 
 
 def _build(spec, **kw):
-    cfg = DataConfig(kind="wds", shards=spec, **{"loader_batch": 4, "workers": 2, "shuffle_buffer": 7, **kw})
+    cfg = DataConfig(kind="wds", shards=spec, **{"loader_batch": 5, "workers": 2, "shuffle_buffer": 7, **kw})
     return build_train_data(cfg, transform=AUGMENT, tokenizer=IdTokenizer(), rank=1, world_size=2, seed=5,
                             num_samples=8 * 12)
 
@@ -23,18 +23,19 @@ def _take(it, n):
     return [next(it) for _ in range(n)]
 
 
-@pytest.mark.parametrize("resampled", [False, True])
-def test_resume_reproduces_the_remaining_stream(shards, tmp_path, resampled):
+@pytest.mark.parametrize("resampled,split", [(False, 5), (True, 5), (False, 9), (True, 10)])
+def test_resume_reproduces_the_remaining_stream(shards, tmp_path, resampled, split):
     shards([12] * 8)
     spec = str(tmp_path / "shards" / "{00000..00007}.tar")
     data = _build(spec, resampled=resampled)
-    assert data.epoch_batches == 12
+    assert data.epoch_batches == 9  # odd: the worker round-robin shifts at every epoch boundary
     it = data.batches()
-    _take(it, 5)
+    _take(it, split)
     state = json.loads(json.dumps(data.state_dict()))  # plain, serializable
-    assert state["epoch"] == 0 and state["batch"] == 5
-    reference = _take(it, 15)  # crosses into epoch 1
-    assert data.state_dict()["epoch"] == 1
+    expected = (0, 9) if split == 9 else divmod(split, 9)  # at a boundary the epoch stays until its successor starts
+    assert (state["epoch"], state["batch"]) == expected
+    reference = _take(it, 15)  # crosses one or two epoch boundaries
+    assert data.state_dict()["epoch"] == (split + 15 - 1) // 9
 
     resumed = _build(spec, resampled=resampled)
     resumed.load_state_dict(state)
@@ -43,8 +44,8 @@ def test_resume_reproduces_the_remaining_stream(shards, tmp_path, resampled):
         assert torch.equal(rt, at) and torch.equal(ri, ai)  # same samples, same random crops
     assert resumed.state_dict() == data.state_dict()
 
-    fresh = _take(_build(spec, resampled=resampled).batches(), 20)
-    assert all(torch.equal(f[1], r[1]) for f, r in zip(fresh[5:], reference))  # == uninterrupted run
+    fresh = _take(_build(spec, resampled=resampled).batches(), split + 15)
+    assert all(torch.equal(f[1], r[1]) for f, r in zip(fresh[split:], reference))  # == uninterrupted run
 
 
 def test_resume_rejects_a_different_layout(shards, tmp_path):

@@ -93,3 +93,49 @@ class TorchTileOps:
             dimg[lo:hi] += s * (dx @ txt32)
             dtxt += s * (dx.T @ img32)
         return dimg, dtxt, dscale
+
+
+ROW_DOT_CHUNK = 1 << 22  # elements per chunk: fp32 temporaries of row_dot stay <= ~50 MB
+
+
+class _RowDot(torch.autograd.Function):
+    """d_i = <a_i, b_i> accumulated in fp32 (fp64 for fp64), chunked over rows.
+
+    ``(a.float() * b.float()).sum(-1)`` would hold two fp32 (b, c) copies (saved for backward
+    too); here temporaries are bounded by ROW_DOT_CHUNK elements and the backward writes
+    the gradients directly in the input dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        acc = _acc_dtype(a)
+        out = torch.empty(a.shape[0], dtype=acc, device=a.device)
+        for lo, hi in _row_chunks(a):
+            out[lo:hi] = (a[lo:hi].to(acc) * b[lo:hi].to(acc)).sum(-1)
+        ctx.save_for_backward(a, b)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad
+        ga = torch.empty_like(a) if need_a else None
+        gb = torch.empty_like(b) if need_b else None
+        for lo, hi in _row_chunks(a):
+            gc = g[lo:hi, None].to(_acc_dtype(a))
+            if need_a:
+                ga[lo:hi] = gc * b[lo:hi]
+            if need_b:
+                gb[lo:hi] = gc * a[lo:hi]
+        return ga, gb
+
+
+def _row_chunks(a: Tensor):
+    step = max(1, ROW_DOT_CHUNK // max(1, a.shape[1]))
+    for lo in range(0, a.shape[0], step):
+        yield lo, min(lo + step, a.shape[0])
+
+
+def row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """(m,) fp32 (fp64 for fp64) row-wise dot products <a_i, b_i>, O(chunk) extra memory."""
+    return _RowDot.apply(a, b)

@@ -303,3 +303,50 @@ def _grad_flat_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, 
     if ACCUM:
         res += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, g_a_ptr, g_b_ptr, p_ptr, ds_ptr,
+                     R, row_start, N, K, stride_a, stride_b, stride_p,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                     EVEN_K: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """P[i, j] = s * dX[row_start + i, j] for a strip of R rows, in the input dtype.
+
+    The strip path of the backward: a GEMM-shaped kernel (any BM, no register accumulator
+    over the feature dim) writes s * dX for R rows into a bounded scratch; cuBLAS then
+    forms dA[strip] = P @ B. Programs are ordered in groups of GROUP row tiles so that
+    column tiles of B are reused from L2. ds_part[program] = its share of
+    sum dX_ij <A_i, B_j>, from the fp32 values.
+    """
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(R, BM)
+    n_n = tl.cdiv(N, BN)
+    per_group = GROUP * n_n
+    first_m = (pid // per_group) * GROUP
+    group_m = tl.minimum(n_m - first_m, GROUP)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    s = tl.load(scale_ptr).to(tl.float32)
+    s2 = s * LOG2E
+    r0 = pid_m * BM
+    r = tl.arange(0, BM)
+    row_ok = r0 + r < R
+    r_ld = tl.minimum(r, R - 1 - r0)
+    a_blk = a_ptr + (row_start + r0).to(tl.int64) * stride_a
+    j0 = pid_n * BN
+    cn = tl.arange(0, BN)
+    col_ok = j0 + cn < N
+    c_ld = tl.minimum(cn, N - 1 - j0)
+    b_blk = b_ptr + j0.to(tl.int64) * stride_b
+    # -- compute tile --: base-2 logits, then s * dX.
+    x = _dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32) * s2
+    lse_a = tl.load(lse_a_ptr + row_start + r0 + r_ld).to(tl.float32) * LOG2E
+    g_a = tl.load(g_a_ptr + row_start + r0 + r_ld).to(tl.float32)
+    lse_b = tl.load(lse_b_ptr + j0 + c_ld).to(tl.float32) * LOG2E
+    g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32)
+    p = g_a[:, None] * tl.exp2(x - lse_a[:, None]) + g_b[None, :] * tl.exp2(x - lse_b[None, :])
+    ok = row_ok[:, None] & col_ok[None, :]
+    p = tl.where(ok, p, 0.0)
+    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * x, 1), 0) / s2)
+    p_ptrs = p_ptr + (r0 + r)[:, None].to(tl.int64) * stride_p + (j0 + cn)[None, :]
+    tl.store(p_ptrs, (p * s).to(p_ptr.dtype.element_ty), mask=ok)

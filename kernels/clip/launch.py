@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kernels import _grad_flat_kernel, _grad_kernel, _lse_fwd_flat_kernel, _lse_fwd_kernel
+from .kernels import _dx_strip_kernel, _grad_flat_kernel, _grad_kernel, _lse_fwd_flat_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
 TUNE_ROWS = 65536  # tuning runs on at most this many rows/columns (same config class)
@@ -104,6 +104,61 @@ def bwd_candidates(k: int, esize: int) -> list[BwdConfig]:
         if kp <= 512:
             cands.append(BwdConfig(64, 64, 64, kp, True, 8, 2))
     return [c for c in cands if _bwd_smem(c, k, esize) <= SMEM_BYTES]
+
+
+@dataclass(frozen=True)
+class StripConfig:
+    """Strip backward: P tiles of BM x BN (K in BK chunks), GROUP row tiles per L2 group."""
+
+    BM: int
+    BN: int
+    BK: int
+    GROUP: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+STRIP_BUDGET_BYTES = 48 << 20  # the strip path's scratch (s * dX for R rows), fixed, any b
+STRIP_MIN_ROWS = 384  # below this cuBLAS's (R, n) @ (n, c) product gets too skinny to pay
+
+
+def strip_rows(n: int, esize: int, budget: int | None = None) -> int:
+    """Rows per strip that fit the scratch budget (a multiple of 128 when >= 128)."""
+    rows = (STRIP_BUDGET_BYTES if budget is None else budget) // (esize * max(n, 1))
+    return rows // 128 * 128 if rows >= 128 else rows
+
+
+def strip_candidates(k: int, esize: int) -> list[StripConfig]:
+    if interpreting():
+        return [StripConfig(32, 32, 32, 2)]
+    if esize == 4:
+        return [StripConfig(128, 128, 32, 8, 8, 3)]
+    return [StripConfig(128, 256, 64, 8, 8, 3), StripConfig(128, 128, 64, 8, 8, 4), StripConfig(256, 128, 64, 8, 8, 3)]
+
+
+def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
+                     g_b: Tensor, out: Tensor, rows: int, cfg: StripConfig, prec: str,
+                     alloc=torch.empty) -> Tensor:
+    """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
+    dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype."""
+    m, k = a.shape
+    n = b.shape[0]
+    rows = max(1, min(rows, m))
+    scratch = alloc(rows, n, device=a.device, dtype=a.dtype)
+    ds_parts = []
+    for r0 in range(0, m, rows):
+        r = min(rows, m - r0)
+        grid = triton_cdiv(r, cfg.BM) * triton_cdiv(n, cfg.BN)
+        ds_part = torch.empty(grid, device=a.device, dtype=torch.float32)
+        _dx_strip_kernel[(grid,)](
+            a, b, scale, lse_a, lse_b, g_a, g_b, scratch, ds_part, r, r0, n, k,
+            a.stride(0), b.stride(0), scratch.stride(0),
+            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, EVEN_K=k % cfg.BK == 0, PREC=prec,
+            DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        torch.mm(scratch[:r], b, out=out[r0:r0 + r])
+        ds_parts.append(ds_part.sum())
+    return torch.stack(ds_parts).sum()
 
 
 def _target_programs(device: torch.device) -> int:

@@ -27,16 +27,23 @@ class TritonTileOps:
             "tf32x3" (near-fp32 on tensor cores) or "tf32". 16-bit inputs always use
             tensor cores with fp32 accumulation.
         poison: fill every buffer the kernels must write with NaN first (tests).
+        strips: backward path. "auto" takes the strip path (scratch s * dX for a strip of
+            rows, then cuBLAS) for fresh bf16 gradients when a strip of at least
+            ``launch.STRIP_MIN_ROWS`` rows fits the 48 MB scratch (b <= 64k); otherwise the
+            fused kernel (fp32 accumulator in registers). "always"/"never" force one.
     """
 
     name = "triton"
     writes_out_dtype = True  # backward(..., out_dtype=img.dtype) writes fresh grads directly
 
-    def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False):
+    def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto"):
         if fp32_precision not in PRECISIONS:
             raise ValueError(f"fp32_precision must be one of {sorted(PRECISIONS)}, got {fp32_precision!r}")
+        if strips not in ("auto", "always", "never"):
+            raise ValueError(f"strips must be 'auto', 'always' or 'never', got {strips!r}")
         self.fp32_precision = fp32_precision
         self.poison = poison
+        self.strips = strips
 
     def _prec(self, t: Tensor) -> str:
         return PRECISIONS[self.fp32_precision] if t.dtype == torch.float32 else "tf32"
@@ -70,11 +77,39 @@ class TritonTileOps:
         acc_i, acc_t = dimg is not None, dtxt is not None
         dimg = self._out(dimg, img, out_dtype)
         dtxt = self._out(dtxt, txt, out_dtype)
-        cfg_i = self._bwd_cfg(img, txt, prec, scale)
-        ds = launch.grad_rows(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, cfg_i, prec)
-        cfg_t = self._bwd_cfg(txt, img, prec, scale)
-        launch.grad_rows(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, cfg_t, prec)
+        ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec)
+        self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, prec)
         return dimg, dtxt, ds
+
+    def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec):
+        """out (+)= s * dX @ b for the rows of a; returns ds when ``compute_ds``."""
+        rows = launch.strip_rows(b.shape[0], a.element_size())
+        if self._use_strips(a, out, accumulate, rows):
+            cfg = self._strip_cfg(a, b, prec, scale, rows)
+            ds = launch.grad_rows_strips(a, b, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec,
+                                         alloc=self._alloc)
+            return ds if compute_ds else None
+        cfg = self._bwd_cfg(a, b, prec, scale)
+        return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec)
+
+    def _use_strips(self, a: Tensor, out: Tensor, accumulate: bool, rows: int) -> bool:
+        fits = not accumulate and out.dtype == a.dtype and out.is_contiguous() and rows >= 1
+        if self.strips == "always":
+            return fits
+        auto = a.is_cuda and a.dtype == torch.bfloat16 and rows >= launch.STRIP_MIN_ROWS
+        return self.strips == "auto" and fits and auto
+
+    def _strip_cfg(self, a: Tensor, b: Tensor, prec: str, scale: Tensor, rows: int):
+        def run(cfg, a_sub, b_sub):
+            ms, ns = a_sub.shape[0], b_sub.shape[0]
+            lse_a = torch.full((ms,), 30.0, device=a.device)
+            lse_b = torch.full((ns,), 30.0, device=a.device)
+            g_a, g_b = torch.ones(ms, device=a.device), torch.ones(ns, device=a.device)
+            out = torch.empty_like(a_sub)
+            launch.grad_rows_strips(a_sub, b_sub, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec)
+
+        cands = launch.strip_candidates(a.shape[1], a.element_size())
+        return launch.pick_config("strip", a, b, prec, cands, run)
 
     def _out(self, buf: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
         if buf is None:

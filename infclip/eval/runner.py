@@ -71,6 +71,20 @@ def _load(task: EvalTaskConfig, index: int, transform: Callable):
     return cached
 
 
+def check_tasks(cfg: EvalConfig) -> None:
+    """Validate the config and open every task's dataset (no model, no image decoded), so a
+    wrong path fails at startup rather than at the first evaluation step."""
+    if OmegaConf.is_config(cfg):
+        cfg = OmegaConf.to_object(cfg)
+    validate_eval(cfg)
+    for index, task in enumerate(cfg.tasks):
+        (load_zeroshot if task.kind == "zeroshot" else load_retrieval)(task, _identity, index)
+
+
+def _identity(x):
+    return x
+
+
 def run_task(model, tokenizer, preprocess, task: EvalTaskConfig, index: int, cfg: EvalConfig,
              rt: Runtime) -> dict[str, float]:
     """Metrics of one task (unprefixed keys), identical on every rank of ``rt``."""

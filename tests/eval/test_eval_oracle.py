@@ -7,7 +7,7 @@ import pytest
 import torch
 from evalutils import OracleModel, number_tokenizer, png, to_tensor, write_flat, write_karpathy, write_wds
 
-from infclip.eval import EvalConfig, EvalConfigError, EvalTaskConfig, due_tasks, run_evals
+from infclip.eval import EvalConfig, EvalConfigError, EvalTaskConfig, check_tasks, due_tasks, run_evals
 from infclip.eval.data import DataError
 
 CLASSES = [f"item {i}" for i in range(10)]
@@ -16,11 +16,12 @@ CLASSES = [f"item {i}" for i in range(10)]
 def evaluate(model, *tasks, **kw):
     cfg = EvalConfig(tasks=list(tasks), batch_size=kw.pop("batch_size", 7), workers=kw.pop("workers", 0),
                      chunk_size=kw.pop("chunk_size", 5))
-    return run_evals(model, number_tokenizer, to_tensor, cfg, step=0, final=True, device="cpu", **kw)
+    device = kw.pop("device", "cpu")
+    return run_evals(model, number_tokenizer, to_tensor, cfg, step=0, final=True, device=device, **kw)
 
 
 def zs_task(root, **kw):
-    return EvalTaskConfig(name="zs", kind="zeroshot", format="wds", root=str(root), **kw)
+    return EvalTaskConfig(**{"name": "zs", "kind": "zeroshot", "format": "wds", "root": str(root), **kw})
 
 
 def test_oracle_zeroshot_scores_100(tmp_path):
@@ -117,6 +118,10 @@ def test_rank0_only_mode_skips_other_ranks(tmp_path):
 def test_missing_root_names_key(tmp_path):
     with pytest.raises(DataError, match=r"eval\.tasks\[0\]\.root .*'zs'.*does not exist"):
         evaluate(OracleModel(), zs_task(tmp_path / "nope"))
+    write_wds(str(tmp_path / "ok"), [0, 1], CLASSES)
+    cfg = EvalConfig(tasks=[zs_task(tmp_path / "ok"), zs_task(tmp_path / "nope", name="zs2")])
+    with pytest.raises(DataError, match=r"eval\.tasks\[1\]\.root .*'zs2'"):
+        check_tasks(cfg)  # at startup, without a model
 
 
 def test_missing_annotation_file_names_key(tmp_path):
@@ -178,3 +183,17 @@ def test_max_samples_takes_the_first_images(tmp_path):
     write_wds(str(tmp_path), [i % 10 for i in range(23)], CLASSES, shard_size=4)
     m = evaluate(OracleModel(), zs_task(tmp_path, max_samples=6))
     assert m["eval/zs/num_samples"] == 6 and m["eval/zs/top1"] == 1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CPU counterpart: the tests above)")
+def test_cuda_bf16_oracle_keeps_cuda_rng(tmp_path):
+    from infclip.eval import make_autocast
+
+    write_wds(str(tmp_path / "zs"), [i % 10 for i in range(23)], CLASSES)
+    write_flat(str(tmp_path / "rt"), 12, caps=3)
+    rt = EvalTaskConfig(name="rt", kind="retrieval", format="flat", root=str(tmp_path / "rt"))
+    cuda_state = torch.cuda.get_rng_state()
+    m = evaluate(OracleModel().cuda(), zs_task(tmp_path / "zs"), rt, device="cuda",
+                 autocast=make_autocast("bf16", "cuda"))
+    assert m["eval/zs/top1"] == 1.0 and m["eval/rt/i2t_r1"] == 1.0 and m["eval/rt/t2i_r1"] == 1.0
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_state)

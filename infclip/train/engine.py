@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from infclip.config import ConfigError, micro_size
+from infclip.loss.ring import global_mean_loss
 from infclip.train.lit import LockPlan, lock_plan
 from infclip.train.offload import InputStager
 
@@ -273,9 +273,7 @@ class StepEngine:
     def _global_mean(self, loss: Tensor) -> Tensor:
         if self.group is None or self.world_size == 1:
             return loss
-        total = loss.clone()
-        dist.all_reduce(total, group=self.group)
-        return total / self.world_size
+        return global_mean_loss(loss, self.group)  # one all-reduce of a scalar
 
 
 # ----------------------------------------------------------------------------- helpers

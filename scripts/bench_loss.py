@@ -151,7 +151,7 @@ def measure(impl: str, b: int, c: int, reps: int, peak: float) -> Row:
     return row
 
 
-def _skip_reason(impl: str, b: int, c: int, last_ms: dict, max_s: float) -> str | None:
+def _skip_reason(impl: str, b: int, c: int, last_ms: dict, max_s: float, reps: int) -> str | None:
     dtype, b_max, dims = IMPLS[impl]
     if dims is not None and c not in dims:
         return "not run"
@@ -177,7 +177,7 @@ def run_all(batches, dims, impls, reps, max_s, peak, csv_path) -> list[Row]:
     for c in dims:
         for impl in impls:
             for b in batches:
-                reason = _skip_reason(impl, b, c, last_ms, max_s)
+                reason = _skip_reason(impl, b, c, last_ms, max_s, reps)
                 if reason == "not run":
                     break
                 if reason is None:

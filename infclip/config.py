@@ -39,6 +39,7 @@ class LossConfig:
     impl: str = "auto"  # "auto" | "vanilla" | "local" | "torch" | "triton"
     fp32_precision: str = "ieee"  # fp32 dot precision inside the tiled loss: "ieee" | "tf32"
     temperature: float = 0.1  # nt_xent only
+    grad_filter: float = 0.0  # clip only: skip backward blocks with softmax < eps/b (0 = off; infclip/loss/filtering.py)
 
 
 @dataclass
@@ -171,6 +172,11 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
     if cfg.data.kind == "wds" and not (cfg.data.shards or cfg.data.sources):
         raise ConfigError("data.kind=wds needs data.shards=/path/{00000..00099}.tar (or data.sources)")
+    if cfg.loss.grad_filter < 0 or (cfg.loss.grad_filter > 0 and (cfg.loss.kind, cfg.loss.impl) not in
+                                    (("clip", "auto"), ("clip", "torch"))):
+        raise ConfigError("loss.grad_filter must be >= 0 and needs loss.kind=clip with loss.impl=auto or torch")
+    if cfg.loss.kind != "clip" and cfg.loss.impl in ("local", "triton"):
+        raise ConfigError(f"loss.impl={cfg.loss.impl} is CLIP-only; use auto, torch or vanilla for {cfg.loss.kind}")
     if cfg.loss.kind == "clip" and cfg.loss.impl == "triton" and cfg.device == "cpu":
         raise ConfigError("loss.impl=triton needs CUDA; use loss.impl=auto or loss.impl=torch on CPU")
 

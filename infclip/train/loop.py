@@ -7,7 +7,6 @@ Objects are built from the config in ``build``; the loop itself parses no config
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import math
 import os
@@ -21,7 +20,6 @@ import torch
 from omegaconf import OmegaConf
 
 from infclip.config import validate
-from infclip.loss import clip_loss
 from infclip.model import BuiltModel, build_model, clamp_logit_scale
 from infclip.train import checkpoint as ckpt
 from infclip.train.distributed import DistInfo, any_rank, barrier, init_distributed, shutdown
@@ -155,11 +153,10 @@ def _wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
 
 
 def _loss_fn(cfg: Any, group: Any):
-    if cfg.loss.kind != "clip":
-        from infclip.loss import build_loss  # SigLIP / NT-Xent (their own issue)
+    """loss_fn(img, txt, logit_scale[, logit_bias]) for loss.kind (clip / siglip / nt_xent)."""
+    from infclip.loss import build_loss
 
-        return build_loss(cfg.loss, group=group)
-    return functools.partial(clip_loss, impl=cfg.loss.impl, group=group, fp32_precision=cfg.loss.fp32_precision)
+    return build_loss(cfg.loss, group=group)
 
 
 def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):

@@ -135,3 +135,4 @@ def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> Tensor:
 # Other objectives on the same tiled engine (issue 9). Imported last: they use the helpers above.
 from infclip.loss.siglip import siglip_loss  # noqa: E402
 from infclip.loss.nt_xent import nt_xent_loss  # noqa: E402
+from infclip.loss.build import build_loss  # noqa: E402

@@ -16,7 +16,8 @@ says) and returns a :class:`LockPlan` that tells the step engine how to run each
   Supported splits: open_clip ``VisionTransformer`` (any ``lock_image_unlocked_groups``:
   the trunk ends before the first unlocked group), a timm trunk with open_clip's
   projection head (``TimmModel``, fully locked trunk), a Hugging Face text encoder with a
-  locked transformer (``HFTextEncoder``: trunk = transformer + pooler, head = proj).
+  locked transformer (``HFTextEncoder``: trunk = transformer + pooler, head = proj), the
+  text tower of an open_clip ``CLIP`` (any ``lock_text_unlocked_layers``).
   Trunk features are (micro, tokens, width) for a ViT split inside the blocks, (micro,
   width) for a split at the projection.
 
@@ -30,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -41,7 +42,8 @@ class TowerPlan:
     mode: str = "train"  # "train" | "frozen" | "split"
     trunk: Optional[Callable[[Tensor], Tensor]] = None  # split: tower input -> trunk features
     head: Optional[Callable[[Tensor], Tensor]] = None  # split: trunk features -> embedding
-    module: Optional[nn.Module] = None  # split: the module whose forward the head replaces
+    module: Optional[nn.Module] = None  # split: the module whose method the head replaces
+    attr: str = "forward"  # split: that method ("encode_text" for CLIP's unpacked text tower)
     locked: list = field(default_factory=list)  # modules pinned in eval mode
 
 
@@ -60,12 +62,12 @@ class LockPlan:
         """
         towers = [t for t in (self.image, self.text) if t.mode == "split"]
         for t in towers:
-            object.__setattr__(t.module, "forward", t.head)
+            object.__setattr__(t.module, t.attr, t.head)
         try:
             yield
         finally:
             for t in towers:
-                object.__delattr__(t.module, "forward")
+                object.__delattr__(t.module, t.attr)
 
 
 # ----------------------------------------------------------------------------- public
@@ -165,9 +167,9 @@ def _vit_plan(v: nn.Module) -> TowerPlan:
     )
 
 
-def _blocks(blocks: Sequence[nn.Module], x: Tensor) -> Tensor:
+def _blocks(blocks: Sequence[nn.Module], x: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
     for blk in blocks:
-        x = blk(x, attn_mask=None)
+        x = blk(x, attn_mask=attn_mask)
     return x
 
 
@@ -199,7 +201,47 @@ def _text_plan(model: nn.Module) -> TowerPlan:
             "split", trunk=lambda t: _hf_trunk(text, t), head=lambda f: text.proj(f), module=text,
             locked=[text.transformer, text.pooler],
         )
+    if text is None and model.transformer.batch_first:
+        return _clip_text_plan(model)
     return _fallback(*[p for p in parts if isinstance(p, nn.Module)])
+
+
+def _clip_text_plan(model: nn.Module) -> TowerPlan:
+    """open_clip ``CLIP`` (text tower unpacked onto the model): split at the first unlocked
+    group of [embeddings, blocks..., ln_final, text_projection]. Trunk features are
+    (tokens after the locked blocks, token ids) -- the ids are needed for EOT pooling."""
+    blocks = model.transformer.resblocks
+    units = [[model.token_embedding, model.positional_embedding], *[[b] for b in blocks],
+             [model.ln_final], [model.text_projection]]
+    first = next(i for i, items in enumerate(units) if not frozen(_params(items)))
+    if first == 0:
+        return _fallback(model.token_embedding, model.transformer, model.ln_final)
+    cut = min(first - 1, len(blocks))  # blocks [0, cut) are locked
+    locked = [model.token_embedding, *blocks[:cut]] + ([model.ln_final] if first > len(blocks) + 1 else [])
+    return TowerPlan(
+        "split", trunk=lambda t: _clip_text_trunk(model, cut, t),
+        head=lambda f, normalize=False: _clip_text_head(model, cut, f, normalize),
+        module=model, attr="encode_text", locked=locked,
+    )
+
+
+def _clip_text_trunk(model: nn.Module, cut: int, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    cast = model.transformer.get_cast_dtype()
+    x = model.token_embedding(tokens).to(cast) + model.positional_embedding.to(cast)
+    return _blocks(model.transformer.resblocks[:cut], x, model.attn_mask), tokens
+
+
+def _clip_text_head(model: nn.Module, cut: int, feats: tuple, normalize: bool) -> Tensor:
+    """``CLIP.encode_text`` from block ``cut`` on."""
+    from open_clip.transformer import text_global_pool
+
+    x, tokens = feats
+    x = model.ln_final(_blocks(model.transformer.resblocks[cut:], x, model.attn_mask))
+    x = text_global_pool(x, tokens, model.text_pool_type, eos_token_id=getattr(model, "text_eos_id", None))
+    proj = model.text_projection
+    if proj is not None:
+        x = proj(x) if isinstance(proj, nn.Linear) else x @ proj
+    return F.normalize(x, dim=-1) if normalize else x
 
 
 def _hf_trunk(text: nn.Module, tokens: Tensor) -> Tensor:

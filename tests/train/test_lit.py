@@ -98,6 +98,23 @@ def test_timm_trunk_locked_head_trains():
     assert all(torch.equal(before[n], after[n]) for n in before), "BN statistics or weights moved"
 
 
+# text groups with 2 blocks: 1 = projection, 2 = + last block & ln_final, 3 = + first block
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_clip_text_tower_split_matches_reference_and_trunk_runs_once(layers):
+    model = tiny_clip()
+    cfg = config(LOCAL, MICRO, lock_text=True, lock_text_unlocked_layers=layers)
+    plan = apply_locks(model, cfg.model)
+    assert plan.text.mode == "split" and plan.text.attr == "encode_text"
+    _check_equivalence(model.train(), cfg)
+    model.zero_grad()
+    trunk_calls = _counter(model.token_embedding)
+    last_block = _counter(model.transformer.resblocks[-1])
+    _train_steps(model, cfg, steps=1)
+    assert len(trunk_calls) == K
+    assert len(last_block) == K * (2 if layers >= 2 else 1)
+    assert "encode_text" not in vars(model), "head_only must restore the model's own method"
+
+
 def test_text_tower_locked_runs_once():
     model = tiny_clip()
     cfg = config(LOCAL, MICRO, lock_text=True)

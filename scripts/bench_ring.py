@@ -128,14 +128,42 @@ def method_fn(name: str, dev: torch.device):
             return 0.5 * (cal_inf_loss(i, t, scale=s) + cal_inf_loss(t, i, scale=s))
 
         return infcl
-    raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
+    if name in OBJECTIVE_METHODS:
+        return objective_fn(name)
+    raise ValueError(f"unknown method {name!r}; choose from {METHODS + OBJECTIVE_METHODS}")
+
+
+# -- other objectives on the same ring (issue 9); opt in with --methods ... -----------------
+# siglip_ring       ``siglip_loss(impl="auto", group=WORLD)``: texts travel, O(b/W) memory
+# siglip_open_clip  open_clip ``SigLipLoss(dist_impl="bidir")``: keeps every block's logits
+# nt_xent_ring      ``nt_xent_loss(cat(img, txt), 0.1, group=WORLD)``: 2 b/W rows per rank
+# The floor column (8 b^2 c / W) is the CLIP/SigLIP work; NT-Xent on 2 b rows does 4x that.
+OBJECTIVE_METHODS = ("siglip_ring", "siglip_open_clip", "nt_xent_ring")
+
+
+def objective_fn(name: str):
+    """name -> fn(img, txt, log_scale) -> this rank's loss; SigLIP's bias is a fixed -10."""
+    from infclip.loss import nt_xent_loss, siglip_loss
+
+    if name == "siglip_ring":
+        return lambda i, t, ls: siglip_loss(i, t, ls.exp(), _bias(i), group=dist.group.WORLD)
+    if name == "siglip_open_clip":
+        from open_clip.loss import SigLipLoss
+
+        oc = SigLipLoss(rank=dist.get_rank(), world_size=dist.get_world_size(), dist_impl="bidir")
+        return lambda i, t, ls: oc(i, t, ls.exp().to(i.dtype), _bias(i).to(i.dtype))
+    return lambda i, t, ls: nt_xent_loss(torch.cat([i, t]), 0.1, group=dist.group.WORLD)
+
+
+def _bias(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(-10.0, device=x.device)
 
 
 def skip_reason(name: str, b: int, cfg: BenchConfig, dev: torch.device) -> str:
     world = dist.get_world_size()
     if name == "inf_cl" and (dev.type != "cuda" or b > cfg.infcl_max_b):
         return "not run (needs CUDA)" if dev.type != "cuda" else f"not run (b > {cfg.infcl_max_b})"
-    if name == "local" and dev.type == "cuda":
+    if name in ("local", "siglip_open_clip") and dev.type == "cuda":
         need = 4 * (b // world) * b * torch.finfo(DTYPES[cfg.dtype]).bits // 8
         have = torch.cuda.get_device_properties(dev).total_memory
         if need > cfg.local_mem_frac * have:

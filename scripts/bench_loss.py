@@ -41,6 +41,16 @@ IMPLS = {
     "triton_fp32_tf32": (torch.float32, 65536, (512,)),
     "torch_bf16": (torch.bfloat16, 16384, (512,)),
 }
+# Other objectives (issue 9), opt in with --impls: SigLIP (ours vs open_clip's SigLipLoss,
+# bias -10) and NT-Xent on b rows (cat of the first b/2 image and text rows, T = 0.1; ours vs
+# the naive full matrix). Both do the same 8 b^2 c useful FLOPs as the CLIP loss.
+OBJECTIVE_IMPLS = {
+    "siglip_open_clip_bf16": (torch.bfloat16, 65536, (512,)),
+    "siglip_torch_bf16": (torch.bfloat16, 65536, (512,)),
+    "nt_xent_vanilla_fp32": (torch.float32, 32768, (512,)),
+    "nt_xent_torch_fp32": (torch.float32, 65536, (512,)),
+}
+IMPLS.update(OBJECTIVE_IMPLS)
 
 
 @dataclass
@@ -93,6 +103,8 @@ def loss_fn(impl: str):
     """(img, txt, scale) -> scalar loss for ``impl``."""
     from infclip.loss import clip_loss
 
+    if impl in OBJECTIVE_IMPLS:
+        return objective_loss_fn(impl)
     if impl.startswith("vanilla"):
         return lambda i, t, s: clip_loss(i, t, s, impl="vanilla")
     if impl.startswith("local"):
@@ -109,6 +121,21 @@ def loss_fn(impl: str):
         _init_single_rank_group()
         return lambda i, t, s: 0.5 * (cal_inf_loss(i, t, scale=s) + cal_inf_loss(t, i, scale=s))
     raise ValueError(impl)
+
+
+def objective_loss_fn(impl: str):
+    """(img, txt, scale) -> scalar for the SigLIP / NT-Xent entries of OBJECTIVE_IMPLS."""
+    from infclip.loss import nt_xent_loss, siglip_loss
+
+    if impl.startswith("siglip"):
+        if "open_clip" in impl:
+            from open_clip.loss import SigLipLoss
+
+            oc = SigLipLoss()
+            return lambda i, t, s: oc(i, t, s.to(i.dtype), torch.tensor(-10.0, device=i.device, dtype=i.dtype))
+        return lambda i, t, s: siglip_loss(i, t, s, torch.tensor(-10.0, device=i.device), impl="torch")
+    kind = "vanilla" if "vanilla" in impl else "torch"
+    return lambda i, t, s: nt_xent_loss(torch.cat([i[: len(i) // 2], t[: len(t) // 2]]), 0.1, impl=kind)
 
 
 def _inputs(b: int, c: int, dtype: torch.dtype):
@@ -241,7 +268,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="8192,16384,32768,65536,131072,262144,1048576")
     p.add_argument("--dims", default="512,768,1024")
-    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--impls", default=",".join(k for k in IMPLS if k not in OBJECTIVE_IMPLS))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-s", type=float, default=90.0, help="skip a point estimated to take longer")
     p.add_argument("--commit", default=None, help="commit to report (default: git rev-parse --short HEAD)")

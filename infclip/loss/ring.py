@@ -27,9 +27,9 @@ compute stream for the data being sent; ``Work.wait()`` makes the compute stream
 the communication stream, without blocking the host. The whole ring is therefore queued
 without host synchronization and the transfer of step k+1's block overlaps step k's tile.
 
-Memory per rank beyond the inputs: two (m, c) text receive buffers, in backward three
-(m, c) accumulators (the partial being computed, the one arriving, the one leaving) and
-dI, plus O(m) vectors. Never O(b * c).
+Memory per rank beyond the inputs: two (m, c) text receive buffers; in backward two fp32
+(m, c) dT accumulators (the one arriving, the one leaving), the tile's fresh dI and dT (in
+the input dtype on Triton) and the fp32 dI sum, plus O(m) vectors. Never O(b * c).
 
 Gradient semantics. Every rank calls backward on its own loss L_r (the mean over its
 local rows). Feature gradients are d(sum_q L_q)/d(local features): the column terms
@@ -185,7 +185,8 @@ def _home(ring: Ring, acc: Tensor, out: Tensor) -> Tensor:
 
 
 class _Pool:
-    """Reusable (m, c) accumulator buffers, so the backward ring holds at most three."""
+    """Reusable (m, c) accumulator buffers: the backward ring holds two (one leaving, one
+    arriving) besides the fresh tile gradient."""
 
     def __init__(self, like: Tensor, dtype: torch.dtype):
         self.shape, self.dtype, self.device = like.shape, dtype, like.device
@@ -206,15 +207,16 @@ def ring_backward(
     """(dimg (m, c), dtxt (m, c), dscale 0-d) in the accumulation dtype (fp32, fp64 for fp64).
 
     dimg, dtxt: d(sum over all ranks' losses)/d(local features); dscale: this rank's part.
+    Each tile's gradients come fresh from ``ops`` (in the input dtype where the backend can
+    write it, which lets Triton take its bf16 strip path) and are summed here in fp32.
     """
     ring = Ring.of(group)
     acc = _acc_dtype(img)
     cur, meta = txt.contiguous(), torch.stack([col_lse, g_col.to(col_lse.dtype)])
     pool = _Pool(txt, acc)
-    dimg = torch.zeros(img.shape, dtype=acc, device=img.device)
-    dscale = torch.zeros((), dtype=acc, device=img.device)
+    dimg, dscale = None, torch.zeros((), dtype=acc, device=img.device)
     bufs: list[tuple[Tensor, Tensor]] = []
-    dt_out = None  # dT accumulator of the block computed at the previous step
+    dt_out = None  # finished dT accumulator of the block computed at the previous step
     for k in range(ring.world):
         sends, recvs, nxt, dt_in = [], [], None, None
         if k < ring.world - 1:
@@ -228,18 +230,25 @@ def ring_backward(
             sends += [dt_out]
             recvs += [dt_in]
         works = ring.post(sends, recvs)
-        # -- compute tile -- partial dT of block r-k into a fresh buffer; dI in place.
-        part = pool.take(zero=True)
-        _, _, ds = ops.backward(img, cur, scale, row_lse, meta[0], g_row, meta[1], dimg=dimg, dtxt=part)
+        # -- compute tile -- (I_r, T_{r-k}): dI summed in place, dT of block r-k fresh.
+        di, dt, ds = _tile_backward(ops, img, cur, scale, row_lse, meta, g_row)
+        dimg = di.to(acc) if dimg is None else dimg.add_(di)
         dscale += ds
         ring.wait(works)
-        if dt_in is not None:
-            part += dt_in
-            pool.give(dt_in, dt_out)
-        dt_out = part
+        if dt_in is None:
+            dt_out = dt if dt.dtype == acc else pool.take(zero=False).copy_(dt)
+        else:
+            pool.give(dt_out)
+            dt_out = dt_in.add_(dt)
         if nxt is not None:
             cur, meta = nxt
     return dimg, _home(ring, dt_out, pool.take(zero=False)), dscale
+
+
+def _tile_backward(ops, img, txt, scale, row_lse, meta, g_row) -> tuple[Tensor, Tensor, Tensor]:
+    """Fresh (dI, dT, ds) of one tile; in the input dtype where ``ops`` can write it."""
+    kw = {"out_dtype": img.dtype} if getattr(ops, "writes_out_dtype", False) else {}
+    return ops.backward(img, txt, scale, row_lse, meta[0], g_row, meta[1], **kw)
 
 
 def global_mean_loss(loss: Tensor, group=None) -> Tensor:

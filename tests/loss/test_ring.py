@@ -191,16 +191,22 @@ def case_robustness():
 
 
 def triton_interpreted(rank: int) -> None:
-    """``run_case`` with Triton tiles (interpreted, so small shapes) on the subgroup {0, 2}."""
+    """``run_case`` with Triton tiles (interpreted, so small shapes) on the subgroup {0, 2}:
+    the fused backward kernel and the strip path (scratch s * dX, then a matmul)."""
     import torch.distributed as dist
 
-    from infclip.loss import clip_loss
+    from infclip.kernels.clip import TritonTileOps
+    from infclip.loss import _tiled_loss, clip_loss
 
     group = dist.new_group([0, 2])
-    if rank in (0, 2):
-        img, txt, scale = global_batch(2, 33, seed=3)
-        fn = lambda i, t, s, g: clip_loss(i, t, s, impl="triton", group=g)  # noqa: E731
-        run_case(fn, img, txt, scale, group, "triton tiles (interpreted)")
+    if rank not in (0, 2):
+        return
+    img, txt, scale = global_batch(2, 33, seed=3)
+    fn = lambda i, t, s, g: clip_loss(i, t, s, impl="triton", group=g)  # noqa: E731
+    run_case(fn, img, txt, scale, group, "triton tiles (interpreted)")
+    strips = TritonTileOps(strips="always")
+    fn = lambda i, t, s, g: _tiled_loss(i, t, s, strips, g)  # noqa: E731
+    run_case(fn, img, txt, scale, group, "triton strip backward (interpreted)")
 
 
 if __name__ == "__main__":

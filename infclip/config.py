@@ -14,7 +14,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from infclip.data.config import DataConfig, SourceConfig
-from infclip.eval.config import EvalConfig, EvalTaskConfig
+from infclip.eval.config import EvalConfig, EvalTaskConfig, validate_eval
 
 
 @dataclass
@@ -179,6 +179,7 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"loss.impl={cfg.loss.impl} is CLIP-only; use auto, torch or vanilla for {cfg.loss.kind}")
     if cfg.loss.kind == "clip" and cfg.loss.impl == "triton" and cfg.device == "cpu":
         raise ConfigError("loss.impl=triton needs CUDA; use loss.impl=auto or loss.impl=torch on CPU")
+    validate_eval(cfg.eval)
 
 
 def _validate_batch(batch: BatchConfig, world_size: int) -> None:

@@ -20,6 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from infclip.config import validate
+from infclip.eval import check_tasks
 from infclip.model import BuiltModel, build_model, clamp_logit_scale
 from infclip.train import checkpoint as ckpt
 from infclip.train.distributed import DistInfo, any_rank, barrier, init_distributed, shutdown
@@ -127,6 +128,7 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
     apply_locks(built.model, cfg.model)
     model = _wrap_ddp(built.model, info)
     data, eval_cfg, normalizer = _build_data(cfg, info, built)
+    check_tasks(eval_cfg)  # open every eval dataset now: a wrong path fails before training
     optimizer = build_optimizer(built.model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps)
     scaler = torch.amp.GradScaler(info.device.type) if cfg.precision.amp == "fp16" else None

@@ -78,3 +78,9 @@ def test_bad_config_fails_before_model_work(tmp_path):
     assert proc.returncode != 0
     assert "batch.micro_size=100 must divide" in proc.stderr
     assert not run_dir.exists()
+
+
+def test_eval_task_errors_name_the_task_key():
+    cfg = _compose("eval.tasks.0.kind=bogus")
+    with pytest.raises(ValueError, match=r"eval.tasks\[0\].kind='bogus'"):
+        validate(cfg, 1)

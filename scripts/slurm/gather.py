@@ -125,7 +125,8 @@ def plot(rows: list[dict], path: Path) -> bool:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_dir", type=Path)
-    p.add_argument("--out", type=Path, default=None, help="CSV path (default: <sweep_dir>/sweep.csv); the plot goes beside it")
+    p.add_argument("--out", type=Path, default=None,
+                   help="CSV path (default: <sweep_dir>/sweep.csv); the plot goes beside it")
     args = p.parse_args(argv)
     dirs = run_dirs(args.sweep_dir)
     if not dirs:

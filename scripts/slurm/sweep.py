@@ -95,7 +95,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--sbatch", default="sbatch", help="sbatch executable")
-    p.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch option, e.g. --sbatch-arg=--partition=gpu")
+    p.add_argument("--sbatch-arg", action="append", default=[],
+                   help="extra sbatch option, e.g. --sbatch-arg=--partition=gpu")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch commands, submit nothing")
     p.add_argument("overrides", nargs="*", help="train.py overrides shared by all runs (after --)")
     args = p.parse_args(argv)

@@ -5,15 +5,13 @@ by resume=auto; SIGUSR1 under a (fake) Slurm job: checkpoint, exit 0, ``scontrol
 then resume; SIGTERM (a user's scancel): checkpoint, exit 0, no requeue.
 """
 
-import os
 import random
 import signal
 import stat
 
 import pytest
-import torch
 from launch_testutils import (
-    losses_by_step, records, run, start, step_records, train_cmd, wait_for_step, child_env,
+    child_env, losses_by_step, records, run, start, step_records, train_cmd, wait_for_step,
 )
 
 from infclip.train import checkpoint as ckpt

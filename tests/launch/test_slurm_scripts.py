@@ -4,7 +4,6 @@ train.sbatch against fake scontrol/srun/scancel/torchrun executables."""
 import os
 import shlex
 import signal
-import stat
 import subprocess
 import sys
 import time

@@ -9,7 +9,7 @@ which is open_clip's ``SigLipLoss`` on one rank and on W ranks (its per-rank val
 gradient of one tile is dX_ij = dL/dx_ij = -z_ij sigmoid(-z_ij x_ij) (= sigmoid(x_ij) - [i == j]),
 then dI = s dX T, dT = s dX^T I, ds = sum dX_ij <I_i, T_j>, dt = sum dX_ij.
 
-Tile-operation protocol (``TorchSigmoidOps``; a Triton backend would implement the same):
+Tile-operation protocol (``TorchSigmoidOps``; ``infclip.kernels.siglip.TritonSigmoidOps``):
     forward(img (m,c), txt (n,c), scale, bias, diag) -> row_loss (m,) fp32: sum over this
         block pair of -log sigmoid(z x); ``diag``: the positives lie on the block's diagonal
         (the block pair is (own images, own texts)); otherwise every pair is a negative.
@@ -29,13 +29,15 @@ global mean loss). open_clip's distributed ``SigLipLoss`` produces the same grad
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype
 
-IMPLS = ("auto", "vanilla", "torch")
+IMPLS = ("auto", "vanilla", "torch", "triton")
 
 
 class TorchSigmoidOps:
@@ -178,7 +180,8 @@ def siglip_loss(image_features: Tensor, text_features: Tensor, logit_scale, logi
             is a positive pair. Used as given (not normalized here), as open_clip does.
         logit_scale: s > 0, 0-d tensor or float (e.g. ``model.logit_scale.exp()``).
         logit_bias: t, 0-d tensor or float (``model.logit_bias``); may require grad.
-        impl: "auto" (tiled), "torch" (tiled, plain PyTorch) or "vanilla" (full matrix).
+        impl: "auto" (= "torch" for now), "torch" (tiled, plain PyTorch), "triton" (fused
+            kernels; CUDA, or CPU under TRITON_INTERPRET=1) or "vanilla" (full matrix).
         group: process group for the ring across ranks, or None.
     Returns:
         float32 scalar (float64 for float64 inputs): sum over the local images and all b
@@ -196,10 +199,23 @@ def siglip_loss(image_features: Tensor, text_features: Tensor, logit_scale, logi
         if distributed:
             return _distributed_reference(image_features, text_features, scale, bias, group)
         return siglip_reference(image_features, text_features, scale, bias)
-    rows = _SigmoidRows.apply(image_features, text_features, scale, bias, TorchSigmoidOps(),
+    rows = _SigmoidRows.apply(image_features, text_features, scale, bias, sigmoid_ops(impl, image_features),
                               group if distributed else None)
     loss = rows.sum() / image_features.shape[0]
     return loss if loss.dtype == torch.float64 else loss.float()
+
+
+def sigmoid_ops(impl: str, like: Tensor):
+    """SigLIP tile backend. "auto" stays on the PyTorch tiles until the Triton kernels have
+    been checked on a GPU (they are verified under Triton's interpreter only)."""
+    if impl in ("auto", "torch"):
+        return TorchSigmoidOps()
+    if like.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {like.device}; "
+                         "use impl='torch' or 'auto'")
+    from infclip.kernels.siglip import TritonSigmoidOps
+
+    return TritonSigmoidOps()
 
 
 def _distributed_reference(img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, group) -> Tensor:

@@ -23,7 +23,7 @@ from infclip.config import validate
 from infclip.eval import check_tasks
 from infclip.model import BuiltModel, build_model, clamp_logit_scale
 from infclip.train import checkpoint as ckpt
-from infclip.train.distributed import DistInfo, any_rank, barrier, init_distributed, shutdown
+from infclip.train.distributed import DistInfo, barrier, init_distributed, shutdown
 from infclip.train import slurm
 from infclip.train.logger import _BOOKKEEPING, MetricsLogger, gpu_memory_gb, run_info
 from infclip.train.optim import build_optimizer, build_scheduler
@@ -56,8 +56,9 @@ class State:
     samples: int = 0
     nonfinite_run: int = 0  # consecutive non-finite steps
     nonfinite_total: int = 0
-    stop_requested: bool = False
-    stop_signal: int = 0  # the signal that asked to stop (SIGUSR1: Slurm's warning -> requeue)
+    stop_requested: bool = False  # set only from the value all ranks agreed on (_agree_on_stop)
+    stop_signal: int = 0  # the agreed stop signal (SIGUSR1: Slurm's warning -> requeue)
+    signal_received: int = 0  # set by the handler on this rank; acted on after the next step
     saved_step: int = -1  # step of the newest checkpoint this process wrote or resumed from
     last_eval: dict = field(default_factory=dict)
 
@@ -310,10 +311,25 @@ def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: d
         _abort_if_nonfinite(cfg, parts, state, metrics["loss"])
     if _eval_due(parts.eval_cfg, step) and step != cfg.steps:
         state.last_eval = _evaluate(cfg, info, parts, step, final=False)
-    state.stop_requested = any_rank(state.stop_requested, info)
+    _agree_on_stop(state, info)
     every_ckpt = cfg.checkpoint.every_n_steps
     if state.stop_requested or (every_ckpt and step % every_ckpt == 0):
         _save(parts, state)
+
+
+def _agree_on_stop(state: State, info: DistInfo) -> None:
+    """All ranks stop after the same step, for the same reason: the largest signal number any
+    rank received (SIGTERM 15 over SIGUSR1 10), so rank 0 requeues only if no rank was told to
+    terminate, even when the warning reached only some ranks. The handler never sets
+    ``stop_requested`` itself: a signal landing after this all-reduce would otherwise make one
+    rank leave the loop while the others start the next step (and hang in its collectives)."""
+    agreed = state.signal_received
+    if info.distributed:
+        t = torch.tensor([agreed], device=info.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        agreed = int(t.item())
+    if agreed:
+        state.stop_requested, state.stop_signal = True, agreed
 
 
 def _eval_due(eval_cfg: Any, step: int) -> bool:
@@ -425,8 +441,7 @@ def _install_signal_handlers(state: State) -> None:
     """SIGTERM / SIGUSR1 (Slurm's warning): finish the current step, checkpoint, exit 0."""
 
     def handler(signum, frame):
-        state.stop_requested = True
-        state.stop_signal = signum
+        state.signal_received = max(state.signal_received, signum)
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, handler)

@@ -5,9 +5,13 @@ by resume=auto; SIGUSR1 under a (fake) Slurm job: checkpoint, exit 0, ``scontrol
 then resume; SIGTERM (a user's scancel): checkpoint, exit 0, no requeue.
 """
 
+import os
 import random
 import signal
 import stat
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from launch_testutils import (
@@ -111,3 +115,38 @@ def test_sigterm_checkpoints_and_exits_0_without_requeue(tmp_path, data_root, re
     assert not calls.exists()  # SIGTERM is a cancel (or Slurm's own preemption): never requeue
     for step in range(1, last + 1):
         assert losses_by_step(tmp_path / "run")[step] == [reference[step]]
+
+
+def _worker_pid(torchrun_pid, rank, timeout=120):
+    """The pid of torchrun's worker with RANK=rank (read from /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for task in Path(f"/proc/{torchrun_pid}/task").glob("*"):
+            for pid in (task / "children").read_text().split():
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if f"RANK={rank}".encode() in env:
+                    return int(pid)
+        time.sleep(0.1)
+    raise AssertionError(f"no worker with RANK={rank}")
+
+
+def test_usr1_to_one_rank_stops_every_rank_after_the_same_step_and_rank0_requeues(tmp_path, data_root):
+    """torchrun, 2 gloo ranks: the warning reaches rank 1 only; both ranks still stop after
+    the same step (the signal is all-reduced), write one complete checkpoint, exit 0, and
+    rank 0 (which got no signal itself) requeues the job exactly once."""
+    scontrol, calls = _fake_scontrol(tmp_path)
+    env = child_env(SLURM_JOB_ID="77", INFCLIP_SCONTROL=str(scontrol))
+    run_dir, log = tmp_path / "run", tmp_path / "ddp.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           *train_cmd(data_root, run_dir, *COMMON)[1:]]
+    proc = start(cmd, cwd=tmp_path, log=log, env=env)
+    rank1 = _worker_pid(proc.pid, 1)
+    wait_for_step(proc, run_dir, 2, log)
+    os.kill(rank1, signal.SIGUSR1)
+    assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+    last = max(r["step"] for r in step_records(run_dir))
+    assert last < STEPS and "stopped by signal" in log.read_text()
+    path = ckpt.list_checkpoints(run_dir)[-1]
+    assert path.name == f"step_{last:08d}"
+    assert ckpt.Checkpointer(run_dir, 2, 0, lambda: None).latest_loadable(world_size=2) == path
+    assert calls.read_text().split() == ["requeue", "77"]

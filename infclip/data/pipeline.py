@@ -87,7 +87,7 @@ class TrainData:
     tokenizer: Callable
     workers: int
     num_samples: int
-    pin_memory: bool = False
+    pin_memory: bool = False  # pin loader batches (only useful if they go to the GPU as they are)
 
     def __post_init__(self) -> None:
         self.plan = EpochPlan(cursors=[0] * max(self.workers, 1))
@@ -171,7 +171,8 @@ def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callabl
                       rank=rank, world_size=world_size, loader_batch=cfg.loader_batch,
                       epoch_batches=epoch_batches, shuffle_buffer=cfg.shuffle_buffer,
                       caption_key=cfg.caption_key, json_caption_key=cfg.json_caption_key)
-    return TrainData(spec, transform, tokenizer, workers, total, pin_memory=torch.cuda.is_available())
+    # No pinning here: the trainer copies loader batches into its own (pinned) step buffer.
+    return TrainData(spec, transform, tokenizer, workers, total, pin_memory=False)
 
 
 def _check_layout(cfg: DataConfig, sources: list[Source], urls: list[str], world_size: int,

@@ -31,6 +31,8 @@ filter yet.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -57,16 +59,20 @@ class FilteredTileOps(TorchTileOps):
         self.block = block
         self.kept = self.total = 0
 
-    def _keep(self, p: Tensor, q: Tensor) -> Tensor:
-        """Column indices of the blocks (of this row tile) with some P or Q entry >= threshold."""
-        n = p.shape[1]
+    def _keep(self, x: Tensor, row_lse: Tensor, col_lse: Tensor) -> Tensor:
+        """Column indices of the blocks (of this row tile) with some P or Q entry >= threshold.
+
+        Decided in log space (x - lse >= log thr), so dropped blocks cost no exp at all.
+        """
+        n = x.shape[1]
         nb = -(-n // self.block)
-        peak = torch.maximum(p.amax(0), q.amax(0))  # (n,) max over the tile's rows
-        pad = torch.full((nb * self.block - n,), -1.0, dtype=peak.dtype, device=peak.device)
-        keep = torch.cat([peak, pad]).view(nb, self.block).amax(1) >= self.threshold
+        peak = torch.maximum((x - row_lse[:, None]).amax(0), x.amax(0) - col_lse)  # (n,)
+        pad = torch.full((nb * self.block - n,), float("-inf"), dtype=peak.dtype, device=peak.device)
+        log_thr = math.log(self.threshold) if self.threshold > 0 else float("-inf")
+        keep = torch.cat([peak, pad]).view(nb, self.block).amax(1) >= log_thr
         self.kept += int(keep.sum())
         self.total += nb
-        cols = torch.arange(nb * self.block, device=p.device).view(nb, self.block)[keep].flatten()
+        cols = torch.arange(nb * self.block, device=x.device).view(nb, self.block)[keep].flatten()
         return cols[cols < n]
 
     def backward(self, img, txt, scale, row_lse, col_lse, g_row, g_col, dimg=None, dtxt=None):
@@ -83,18 +89,18 @@ class FilteredTileOps(TorchTileOps):
             img32 = img[lo:hi].to(acc)
             dot = img32 @ txt32.T
             x = s * dot
-            p = torch.exp(x - row_lse[lo:hi, None])
-            q = torch.exp(x - col_lse[None, :])
-            cols = self._keep(p, q)
+            cols = self._keep(x, row_lse[lo:hi], col_lse)
             if cols.numel() == 0:
                 continue
-            if cols.numel() < n:  # -- compute tile -- on the kept columns only
-                p, q, dot = p[:, cols], q[:, cols], dot[:, cols]
-            dx = g_row[lo:hi, None] * p + g_col[cols][None, :] * q
+            full = cols.numel() == n
+            if not full:  # -- compute tile -- on the kept columns only
+                x, dot = x[:, cols], dot[:, cols]
+            cl, gc, tk = (col_lse, g_col, txt32) if full else (col_lse[cols], g_col[cols], txt32[cols])
+            dx = g_row[lo:hi, None] * torch.exp(x - row_lse[lo:hi, None])
+            dx += gc[None, :] * torch.exp(x - cl[None, :])
             dscale += (dx * dot).sum()
-            t_kept = txt32 if cols.numel() == n else txt32[cols]
-            dimg[lo:hi] += s * (dx @ t_kept)
-            if cols.numel() == n:
+            dimg[lo:hi] += s * (dx @ tk)
+            if full:
                 dtxt += s * (dx.T @ img32)
             else:
                 dtxt.index_add_(0, cols, s * (dx.T @ img32))

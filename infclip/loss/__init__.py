@@ -114,6 +114,8 @@ def clip_loss(
     if impl in ("vanilla", "local"):
         return vanilla_loss(image_features, text_features, logit_scale)
     ops = tile_ops(impl, image_features.device, fp32_precision=fp32_precision)
+    if hasattr(ops, "fused_loss"):  # Triton: one autograd node, positive pairs in the kernels
+        return ops.fused_loss(image_features, text_features, logit_scale)
     return _tiled_loss(image_features, text_features, logit_scale, ops, None)
 
 

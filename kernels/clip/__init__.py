@@ -7,12 +7,13 @@
 - ``reference``: the math in plain PyTorch (float64).
 """
 
-from .function import TritonLSEPair, clip_loss_triton, lse_pair_triton
+from .function import TritonCLIPLoss, TritonLSEPair, clip_loss_triton, lse_pair_triton
 from .ops import TritonTileOps
 from .reference import clip_loss_reference, lse_grad_reference, lse_pair_reference
 
 __all__ = [
     "TritonTileOps",
+    "TritonCLIPLoss",
     "TritonLSEPair",
     "clip_loss_triton",
     "lse_pair_triton",

@@ -1,8 +1,9 @@
 """Standalone autograd entry point of the Triton kernels (no ``infclip`` imports).
 
-``clip_loss_triton(img, txt, scale)`` is the symmetric CLIP loss on one device. Its
-backward writes the feature gradients directly in the input dtype (no fp32 (b, c)
-buffers), so the extra memory is O(b) vectors plus the forward's bounded partials.
+``clip_loss_triton(img, txt, scale)`` is the symmetric CLIP loss on one device, one
+autograd node (``TritonCLIPLoss``). Its backward writes each feature gradient once,
+directly in the input dtype (no fp32 (b, c) buffers, no second gradient for the positive
+pairs), so the extra memory is O(b) vectors plus the bounded scratch/partial buffers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .ops import TritonTileOps
+from .reference import row_dot
 
 
 class TritonLSEPair(torch.autograd.Function):
@@ -40,8 +42,38 @@ def lse_pair_triton(img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps 
     return TritonLSEPair.apply(img, txt, scale, ops or TritonTileOps())
 
 
-def clip_loss_triton(img: Tensor, txt: Tensor, scale: Tensor, fp32_precision: str = "ieee") -> Tensor:
-    """fp32 mean over i of (row_lse_i + col_lse_i) / 2 - s <img_i, txt_i>."""
-    row_lse, col_lse = lse_pair_triton(img, txt, scale, TritonTileOps(fp32_precision))
-    diag = scale.float() * (img.float() * txt.float()).sum(-1)
-    return 0.5 * (row_lse.mean() + col_lse.mean()) - diag.mean()
+class TritonCLIPLoss(torch.autograd.Function):
+    """The whole symmetric CLIP loss of a square batch as one autograd node.
+
+    loss = mean_i [ (row_lse_i + col_lse_i) / 2 - s <img_i, txt_i> ]. The positive-pair
+    term's gradient is added by the backward kernels to each fp32 result row instead of
+    being a second gradient tensor that autograd must add: the feature gradients are
+    written once, in the input dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps) -> Tensor:
+        row_lse, col_lse = ops.forward(img, txt, scale)
+        diag = row_dot(img, txt)
+        ctx.save_for_backward(img, txt, scale, row_lse, col_lse)
+        ctx.ops = ops
+        return 0.5 * (row_lse.mean() + col_lse.mean()) - scale.float() * diag.mean()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        img, txt, scale, row_lse, col_lse = ctx.saved_tensors
+        b = img.shape[0]
+        g_lse = (0.5 / b * g.float()).expand(b).contiguous()
+        g_diag = (g.float() / b).expand(b).contiguous()
+        dimg, dtxt, ds = ctx.ops.backward(img, txt, scale, row_lse, col_lse, g_lse, g_lse,
+                                          out_dtype=img.dtype, g_diag=g_diag)
+        need = ctx.needs_input_grad
+        return (dimg if need[0] else None, dtxt if need[1] else None,
+                ds.to(scale.dtype) if need[2] else None, None)
+
+
+def clip_loss_triton(img: Tensor, txt: Tensor, scale: Tensor, fp32_precision: str = "ieee",
+                     ops: TritonTileOps | None = None) -> Tensor:
+    """fp32 mean over i of (row_lse_i + col_lse_i) / 2 - s <img_i, txt_i> (one process)."""
+    ops = ops or TritonTileOps(fp32_precision)
+    return TritonCLIPLoss.apply(img, txt, scale, ops)

@@ -157,10 +157,11 @@ def _lse_fwd_flat_kernel(a_ptr, b_ptr, scale_ptr, row_part_ptr, col_part_ptr,
 
 @triton.jit
 def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_ptr, g_b_ptr,
-                 out_ptr, ds_ptr, M, N, K, stride_a, stride_b, stride_o,
+                 g_d_ptr, out_ptr, ds_ptr, M, N, K, stride_a, stride_b, stride_o,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
                  EVEN_K: tl.constexpr, RESIDENT: tl.constexpr, ACCUM: tl.constexpr,
-                 COMPUTE_DS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                 COMPUTE_DS: tl.constexpr, HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
+                 DOT_F32: tl.constexpr):
     """out[rows, dcols] (+)= s * sum_j dX_ij B_j[dcols]; ds_part[program] = its share of ds.
 
     RESIDENT (needs DC >= K, one feature chunk): the (BM, K) block of A stays on chip and
@@ -168,6 +169,8 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_p
     streamed over K in BK chunks and the (BN, DC) slice of B is loaded for the update.
     g_a, g_b are divided by gnorm = max |g| so that dX is O(1) before its cast to the
     input dtype (fp16 would flush tiny gradients to zero); the result is multiplied back.
+    HAS_DIAG (square block pair): also the gradient of -sum_i g_d_i x_ii (the CLIP loss's
+    positive pairs), added to the fp32 result before its single rounding.
     """
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -222,6 +225,11 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_p
     o_ptrs = out_ptr + row0.to(tl.int64) * stride_o + r[:, None] * stride_o + d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]
     res = acc * s
+    if HAS_DIAG:  # - s * g_d_i * B_i (square block pair: B row i pairs with A row i), in fp32
+        g_d = tl.load(g_d_ptr + row0 + r_ld).to(tl.float32)
+        b_i = tl.load(b_ptr + row0.to(tl.int64) * stride_b + r_ld[:, None] * stride_b + d[None, :],
+                      mask=d_ok[None, :], other=0.0).to(tl.float32)
+        res -= (s * g_d)[:, None] * b_i
     if ACCUM:
         res += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -229,10 +237,10 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_p
 
 @triton.jit
 def _grad_flat_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_ptr, g_b_ptr,
-                      out_ptr, ds_ptr, M, N, K, stride_a, stride_b, stride_o,
+                      g_d_ptr, out_ptr, ds_ptr, M, N, K, stride_a, stride_b, stride_o,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
                       EVEN_K: tl.constexpr, ACCUM: tl.constexpr, COMPUTE_DS: tl.constexpr,
-                      PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                      HAS_DIAG: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """``_grad_kernel`` (streamed logits) with the (column tile, K chunk) loops flattened
     into one software-pipelined loop; the dA update runs at each tile's last K chunk."""
     pid_m = tl.program_id(0)
@@ -300,6 +308,11 @@ def _grad_flat_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, 
     o_ptrs = out_ptr + row0.to(tl.int64) * stride_o + r[:, None] * stride_o + d[None, :]
     o_mask = row_ok[:, None] & d_ok[None, :]
     res = acc * s
+    if HAS_DIAG:  # - s * g_d_i * B_i (square block pair: B row i pairs with A row i), in fp32
+        g_d = tl.load(g_d_ptr + row0 + r_ld).to(tl.float32)
+        b_i = tl.load(b_ptr + row0.to(tl.int64) * stride_b + r_ld[:, None] * stride_b + d[None, :],
+                      mask=d_ok[None, :], other=0.0).to(tl.float32)
+        res -= (s * g_d)[:, None] * b_i
     if ACCUM:
         res += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)

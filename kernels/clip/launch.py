@@ -138,9 +138,10 @@ def strip_candidates(k: int, esize: int) -> list[StripConfig]:
 
 def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
                      g_b: Tensor, out: Tensor, rows: int, cfg: StripConfig, prec: str,
-                     alloc=torch.empty) -> Tensor:
+                     alloc=torch.empty, g_d: Tensor | None = None) -> Tensor:
     """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
-    dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype."""
+    dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype. g_d: as in
+    ``grad_rows`` (applied to each strip after its product)."""
     m, k = a.shape
     n = b.shape[0]
     rows = max(1, min(rows, m))
@@ -157,6 +158,8 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
             DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         torch.mm(scratch[:r], b, out=out[r0:r0 + r])
+        if g_d is not None:  # positive pairs: out_i -= s * g_d_i * b_i (square block pair)
+            out[r0:r0 + r] -= ((scale * g_d[r0:r0 + r])[:, None] * b[r0:r0 + r].float()).to(out.dtype)
         ds_parts.append(ds_part.sum())
     return torch.stack(ds_parts).sum()
 
@@ -197,8 +200,11 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
 
 def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
               g_b: Tensor, out: Tensor, accumulate: bool, compute_ds: bool, cfg: BwdConfig,
-              prec: str) -> Tensor | None:
-    """out (+)= s * dX @ b for the rows of ``a``; returns ds (0-d fp32) if ``compute_ds``."""
+              prec: str, g_d: Tensor | None = None) -> Tensor | None:
+    """out (+)= s * dX @ b for the rows of ``a``; returns ds (0-d fp32) if ``compute_ds``.
+
+    g_d (square block pair only): out_i -= s * g_d_i * b_i, the positive-pair term of the
+    CLIP loss (its ds share is left to the caller)."""
     m, k = a.shape
     n = b.shape[0]
     if cfg.resident and cfg.DC < k:
@@ -206,10 +212,10 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     gnorm = torch.maximum(g_a.abs().max(), g_b.abs().max()).float().clamp_min(1e-30)
     nrb, ncb = triton_cdiv(m, cfg.BM), triton_cdiv(k, cfg.DC)
     ds_part = torch.empty(nrb * ncb if compute_ds else 1, device=a.device, dtype=torch.float32)
-    args = (a, b, scale, gnorm, lse_a, lse_b, g_a, g_b, out, ds_part, m, n, k,
-            a.stride(0), b.stride(0), out.stride(0))
+    args = (a, b, scale, gnorm, lse_a, lse_b, g_a, g_b, g_a if g_d is None else g_d, out, ds_part,
+            m, n, k, a.stride(0), b.stride(0), out.stride(0))
     meta = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DC=cfg.DC, EVEN_K=k % cfg.BK == 0, ACCUM=accumulate,
-                COMPUTE_DS=compute_ds, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
+                COMPUTE_DS=compute_ds, HAS_DIAG=g_d is not None, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
     if cfg.flat:
         _grad_flat_kernel[(nrb, ncb)](*args, **meta)

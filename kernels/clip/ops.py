@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import launch
+from .reference import row_dot
 
 PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
 
@@ -68,8 +69,11 @@ class TritonTileOps:
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
                  g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,
                  dtxt: Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                 ) -> tuple[Tensor, Tensor, Tensor]:
-        """(dimg, dtxt, dscale); fresh outputs are ``out_dtype`` (fp32 by the protocol)."""
+                 g_diag: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(dimg, dtxt, dscale); fresh outputs are ``out_dtype`` (fp32 by the protocol).
+
+        g_diag (m,) (square block pair of matching rows only): also the gradient of
+        -sum_i g_diag_i x_ii, added to each fp32 result row before its single rounding."""
         img, txt, scale = _prep(img, txt, scale)
         vecs = [v.float().contiguous() for v in (row_lse, col_lse, g_row, g_col)]
         row_lse, col_lse, g_row, g_col = vecs
@@ -77,20 +81,33 @@ class TritonTileOps:
         acc_i, acc_t = dimg is not None, dtxt is not None
         dimg = self._out(dimg, img, out_dtype)
         dtxt = self._out(dtxt, txt, out_dtype)
-        ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec)
-        self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, prec)
+        if g_diag is not None:
+            if img.shape[0] != txt.shape[0]:
+                raise ValueError(f"g_diag needs a square block pair, got {img.shape[0]} x {txt.shape[0]}")
+            g_diag = g_diag.float().contiguous()
+        ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec, g_diag)
+        self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, prec, g_diag)
+        if g_diag is not None:  # d/ds of -sum_i g_diag_i s <img_i, txt_i>
+            ds = ds - (g_diag * row_dot(img, txt)).sum()
         return dimg, dtxt, ds
 
-    def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec):
+    def fused_loss(self, img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
+        """The symmetric CLIP loss of a square batch as one autograd node (see function.py)."""
+        from .function import TritonCLIPLoss
+
+        return TritonCLIPLoss.apply(img, txt, scale, self)
+
+    def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec, g_d=None):
         """out (+)= s * dX @ b for the rows of a; returns ds when ``compute_ds``."""
         rows = launch.strip_rows(b.shape[0], a.element_size())
         if self._use_strips(a, out, accumulate, rows):
             cfg = self._strip_cfg(a, b, prec, scale, rows)
             ds = launch.grad_rows_strips(a, b, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec,
-                                         alloc=self._alloc)
+                                         alloc=self._alloc, g_d=g_d)
             return ds if compute_ds else None
         cfg = self._bwd_cfg(a, b, prec, scale)
-        return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec)
+        return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
+                                g_d)
 
     def _use_strips(self, a: Tensor, out: Tensor, accumulate: bool, rows: int) -> bool:
         fits = not accumulate and out.dtype == a.dtype and out.is_contiguous() and rows >= 1

@@ -35,3 +35,15 @@ def clip_loss_reference(img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
     row, col = lse_pair_reference(img, txt, scale)
     diag = scale.double() * (img.double() * txt.double()).sum(-1)
     return (0.5 * (row + col) - diag).mean()
+
+
+ROW_DOT_CHUNK = 1 << 22  # elements per chunk of row_dot's fp32 temporaries
+
+
+def row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """(m,) fp32 <a_i, b_i> (no autograd), chunked so that no fp32 (m, c) copy exists."""
+    out = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
+    step = max(1, ROW_DOT_CHUNK // max(1, a.shape[1]))
+    for lo in range(0, a.shape[0], step):
+        out[lo:lo + step] = (a[lo:lo + step].detach().float() * b[lo:lo + step].detach().float()).sum(-1)
+    return out

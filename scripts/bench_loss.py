@@ -244,14 +244,15 @@ def plot(rows: list[Row], path: str, dims) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(dims), figsize=(5 * len(dims), 8), squeeze=False)
+    colors = {impl: f"C{i}" for i, impl in enumerate(IMPLS)}  # same colour per impl in every panel
     for col, c in enumerate(dims):
         for impl in IMPLS:
             pts = [r for r in rows if r.impl == impl and r.c == c and r.status == "ok"]
             if not pts:
                 continue
             bs = [r.b for r in pts]
-            axes[0][col].plot(bs, [r.ms for r in pts], "o-", label=impl)
-            axes[1][col].plot(bs, [r.extra_gb for r in pts], "o-", label=impl)
+            axes[0][col].plot(bs, [r.ms for r in pts], "o-", color=colors[impl], label=impl)
+            axes[1][col].plot(bs, [r.extra_gb for r in pts], "o-", color=colors[impl], label=impl)
         for ax, ylabel in zip((axes[0][col], axes[1][col]), ("time fwd+bwd (ms)", "extra memory (GB)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -264,6 +265,18 @@ def plot(rows: list[Row], path: str, dims) -> None:
     fig.savefig(path, dpi=120)
 
 
+def read_csv(paths: list[str]) -> list[Row]:
+    """Rows of earlier runs; a later file's row replaces an earlier one for the same point."""
+    merged = {}
+    for path in paths:
+        with open(path) as f:
+            for d in csv.DictReader(f):
+                row = Row(d["impl"], int(d["c"]), int(d["b"]), d["status"],
+                          *(float(d[k]) for k in list(asdict(Row("", 0, 0, "")))[4:]))
+                merged[(row.impl, row.c, row.b)] = row
+    return list(merged.values())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="8192,16384,32768,65536,131072,262144,1048576")
@@ -273,8 +286,14 @@ def main() -> None:
     p.add_argument("--max-s", type=float, default=90.0, help="skip a point estimated to take longer")
     p.add_argument("--commit", default=None, help="commit to report (default: git rev-parse --short HEAD)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    p.add_argument("--replot", nargs="+", metavar="CSV", help="only merge these CSVs and plot them")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.replot:
+        rows = read_csv(args.replot)
+        write_csv(rows, os.path.join(args.out, "bench_loss.csv"))
+        plot(rows, os.path.join(args.out, "bench_loss.png"), sorted({r.c for r in rows}))
+        return
     batches = [int(x) for x in args.batches.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
     impls = [x for x in args.impls.split(",") if x]

@@ -4,10 +4,13 @@ mid-run, let it resume, and compare its losses with an uninterrupted run.
 
     python scripts/slurm/resume_check.py --nproc 2 --mode worker --out /tmp/rc -- model.name=infclip-tiny
 
---mode worker  SIGKILL one training process; torchrun (--max_restarts=1) restarts all
+--mode worker  SIGKILL one training process; torchrun (--max_restarts=3) restarts all
                ranks, which resume from the last checkpoint (resume=auto).
 --mode all     SIGKILL torchrun and every worker (a lost node / job); start the same
                command again, which resumes.
+--mode usr1    send SIGUSR1 (Slurm's warning) to one worker only: every rank stops after
+               the same step, checkpoints and exits 0; start the same command again.
+Several modes (--mode worker,usr1) share one reference run.
 
 Prints one line per step (reference loss, resumed run's losses, difference) and a verdict.
 On CPU (gloo) the losses must be equal bit for bit; on GPU, kernels may be nondeterministic,
@@ -62,14 +65,22 @@ def wait_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) 
         time.sleep(0.05)
 
 
-def killed_run(args: argparse.Namespace, run_dir: Path, overrides: list[str], log) -> float:
+def killed_run(args: argparse.Namespace, mode: str, run_dir: Path, overrides: list[str], log) -> float:
     """Runs, kills at --kill-at, resumes; returns the wall time of the recovery."""
-    restarts = 1 if args.mode == "worker" else 0
+    restarts = 3 if mode == "worker" else 0  # spare restarts: gloo's connect retries are short under load
     proc = subprocess.Popen(torchrun(args.nproc, run_dir, overrides, restarts), stdout=log, stderr=subprocess.STDOUT,
                             cwd=REPO)
     wait_step(proc, run_dir, args.kill_at, args.timeout)
     t0 = time.monotonic()
-    if args.mode == "worker":
+    if mode == "usr1":
+        print(f"SIGUSR1 to one worker after step {max(losses(run_dir))}", flush=True)
+        os.kill(max(children(proc.pid)), signal.SIGUSR1)
+        rc = proc.wait(timeout=args.timeout)
+        print(f"stopped: exit code {rc} after step {max(losses(run_dir))}", flush=True)
+        if rc == 0:
+            rc = subprocess.run(torchrun(args.nproc, run_dir, overrides), stdout=log, stderr=subprocess.STDOUT,
+                                cwd=REPO, timeout=args.timeout).returncode
+    elif mode == "worker":
         victim = max(children(proc.pid))
         print(f"killing worker pid {victim} after step {max(losses(run_dir))}", flush=True)
         os.kill(victim, signal.SIGKILL)
@@ -103,7 +114,7 @@ def compare(ref: dict[int, list[float]], got: dict[int, list[float]], tol: float
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--mode", choices=("worker", "all"), default="worker")
+    p.add_argument("--mode", default="worker", help="worker | all | usr1, or several: worker,usr1")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--kill-at", type=int, default=15, help="kill once this step is logged")
@@ -120,11 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(torchrun(args.nproc, args.out / "ref", common), stdout=log, stderr=subprocess.STDOUT,
                        cwd=REPO, timeout=args.timeout, check=True)
         print(f"reference run: {time.monotonic() - t0:.1f} s", flush=True)
-    with open(args.out / "killed.log", "w") as log:
-        took = killed_run(args, args.out / "killed", common, log)
-    resumed = [line for line in (args.out / "killed.log").read_text().splitlines() if "resumed from" in line]
-    print(f"recovery to the end: {took:.1f} s; {resumed[-1].strip() if resumed else 'NO RESUME LINE'}")
-    return 0 if compare(losses(args.out / "ref"), losses(args.out / "killed"), args.tol) else 1
+    ok = True
+    for mode in args.mode.split(","):
+        if mode not in ("worker", "all", "usr1"):
+            p.error(f"unknown mode {mode!r}")
+        with open(args.out / f"{mode}.log", "w") as log:
+            took = killed_run(args, mode, args.out / mode, common, log)
+        resumed = [line for line in (args.out / f"{mode}.log").read_text().splitlines() if "resumed from" in line]
+        print(f"[{mode}] recovery to the end: {took:.1f} s; {resumed[-1].strip() if resumed else 'NO RESUME LINE'}")
+        ok &= compare(losses(args.out / "ref"), losses(args.out / mode), args.tol)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

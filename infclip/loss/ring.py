@@ -146,33 +146,43 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _post_step(ring, k: int, blocks: list[Tensor], bufs: list, acc_out, new_acc):
+    """Posts the transfers of step k, before its tile runs.
+
+    ``blocks`` (the block of rank r-k) go to r+1 into the alternate receive buffers, except
+    at the last step; from step 1 on, ``acc_out`` (the accumulator finished at step k-1) goes
+    to r+1 and the accumulator of block r-k arrives from r-1 into ``new_acc()``.
+    Returns (works, the blocks of the next step or None, the arriving accumulator or None).
+    """
+    sends, recvs, nxt, acc_in = [], [], None, None
+    if k < ring.world - 1:
+        if len(bufs) < 2:
+            bufs.append([torch.empty_like(t) for t in blocks])
+        nxt = bufs[k % 2]
+        sends += blocks
+        recvs += nxt
+    if k > 0:
+        acc_in = new_acc()
+        sends.append(acc_out)
+        recvs.append(acc_in)
+    return ring.post(sends, recvs), nxt, acc_in
+
+
 def ring_forward(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> tuple[Tensor, Tensor]:
     """(row_lse (m,), col_lse (m,)) over the global batch; the caller's autograd saves them."""
     ring = Ring.of(group)
     if isinstance(ring, Ring):
         check_equal_shapes(img, txt, scale, ring.group)
-    txt = txt.contiguous()
-    bufs: list[Tensor] = []  # two alternating receive buffers for the travelling texts
-    cur, row_lse, acc = txt, None, None  # acc: column-LSE accumulator of the last block
+    blocks, bufs = [txt.contiguous()], []
+    row_lse, acc = None, None  # acc: column-LSE accumulator of the block of the last step
     for k in range(ring.world):
-        sends, recvs, nxt, acc_in = [], [], None, None
-        if k < ring.world - 1:
-            if len(bufs) < 2:
-                bufs.append(torch.empty_like(txt))
-            nxt = bufs[k % 2]
-            sends += [cur]
-            recvs += [nxt]
-        if k > 0:
-            acc_in = torch.empty_like(acc)
-            sends += [acc]
-            recvs += [acc_in]
-        works = ring.post(sends, recvs)
+        works, nxt, acc_in = _post_step(ring, k, blocks, bufs, acc, lambda: torch.empty_like(acc))
         # -- compute tile -- (I_r, T_{r-k}) while the next block and acc_in are in flight.
-        row_part, col_part = ops.forward(img, cur, scale)
+        row_part, col_part = ops.forward(img, blocks[0], scale)
         row_lse = row_part if row_lse is None else torch.logaddexp(row_lse, row_part)
         ring.wait(works)
         acc = col_part if acc_in is None else torch.logaddexp(acc_in, col_part)
-        cur = nxt
+        blocks = nxt
     return row_lse, _home(ring, acc, torch.empty_like(acc))
 
 
@@ -212,26 +222,14 @@ def ring_backward(
     """
     ring = Ring.of(group)
     acc = _acc_dtype(img)
-    cur, meta = txt.contiguous(), torch.stack([col_lse, g_col.to(col_lse.dtype)])
+    blocks, bufs = [txt.contiguous(), torch.stack([col_lse, g_col.to(col_lse.dtype)])], []
     pool = _Pool(txt, acc)
     dimg, dscale = None, torch.zeros((), dtype=acc, device=img.device)
-    bufs: list[tuple[Tensor, Tensor]] = []
-    dt_out = None  # finished dT accumulator of the block computed at the previous step
+    dt_out = None  # finished dT accumulator of the block of the previous step
     for k in range(ring.world):
-        sends, recvs, nxt, dt_in = [], [], None, None
-        if k < ring.world - 1:
-            if len(bufs) < 2:
-                bufs.append((torch.empty_like(cur), torch.empty_like(meta)))
-            nxt = bufs[k % 2]
-            sends += [cur, meta]
-            recvs += list(nxt)
-        if k > 0:
-            dt_in = pool.take(zero=False)
-            sends += [dt_out]
-            recvs += [dt_in]
-        works = ring.post(sends, recvs)
+        works, nxt, dt_in = _post_step(ring, k, blocks, bufs, dt_out, lambda: pool.take(zero=False))
         # -- compute tile -- (I_r, T_{r-k}): dI summed in place, dT of block r-k fresh.
-        di, dt, ds = _tile_backward(ops, img, cur, scale, row_lse, meta, g_row)
+        di, dt, ds = _tile_backward(ops, img, scale, row_lse, g_row, *blocks)
         dimg = di.to(acc) if dimg is None else dimg.add_(di)
         dscale += ds
         ring.wait(works)
@@ -240,13 +238,15 @@ def ring_backward(
         else:
             pool.give(dt_out)
             dt_out = dt_in.add_(dt)
-        if nxt is not None:
-            cur, meta = nxt
+        blocks = nxt
     return dimg, _home(ring, dt_out, pool.take(zero=False)), dscale
 
 
-def _tile_backward(ops, img, txt, scale, row_lse, meta, g_row) -> tuple[Tensor, Tensor, Tensor]:
-    """Fresh (dI, dT, ds) of one tile; in the input dtype where ``ops`` can write it."""
+def _tile_backward(ops, img, scale, row_lse, g_row, txt, meta) -> tuple[Tensor, Tensor, Tensor]:
+    """Fresh (dI, dT, ds) of one tile; in the input dtype where ``ops`` can write it.
+
+    ``meta`` (2, n): the text block's final column LSE and its upstream gradient g_col.
+    """
     kw = {"out_dtype": img.dtype} if getattr(ops, "writes_out_dtype", False) else {}
     return ops.backward(img, txt, scale, row_lse, meta[0], g_row, meta[1], **kw)
 

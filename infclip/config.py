@@ -175,8 +175,8 @@ def validate(cfg: Any, world_size: int) -> None:
     if cfg.loss.grad_filter < 0 or (cfg.loss.grad_filter > 0 and (cfg.loss.kind, cfg.loss.impl) not in
                                     (("clip", "auto"), ("clip", "torch"))):
         raise ConfigError("loss.grad_filter must be >= 0 and needs loss.kind=clip with loss.impl=auto or torch")
-    if cfg.loss.impl == "local" and cfg.loss.kind != "clip" or (cfg.loss.kind, cfg.loss.impl) == ("nt_xent", "triton"):
-        raise ConfigError(f"loss.impl={cfg.loss.impl} is not available for loss.kind={cfg.loss.kind}; use auto or torch")
+    if cfg.loss.impl == "local" and cfg.loss.kind != "clip":
+        raise ConfigError(f"loss.impl=local is CLIP-only; use auto, torch or triton for loss.kind={cfg.loss.kind}")
     if cfg.loss.kind == "clip" and cfg.loss.impl == "triton" and cfg.device == "cpu":
         raise ConfigError("loss.impl=triton needs CUDA; use loss.impl=auto or loss.impl=torch on CPU")
     validate_eval(cfg.eval)

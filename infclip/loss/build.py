@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 LossFn = Callable[..., Tensor]
-_TILED_ONLY = {"siglip": ("auto", "torch", "triton", "vanilla"), "nt_xent": ("auto", "torch", "vanilla")}
+_TILED_ONLY = {"siglip": ("auto", "torch", "triton", "vanilla"), "nt_xent": ("auto", "torch", "triton", "vanilla")}
 
 
 def build_loss(loss_cfg: Any, group=None) -> LossFn:

@@ -15,7 +15,7 @@ statistic travels); dL/dx_ij = g_i exp(x_ij - lse_i) (0 for j == i) and
 dF = s (dX + dX^T) F: the dX F part stays local, the dX^T F part of each travelling block
 goes home behind it (``infclip.loss.sweep``), as in the CLIP ring.
 
-Tile-operation protocol (``TorchMaskedLSEOps``):
+Tile-operation protocol (``TorchMaskedLSEOps``; ``infclip.kernels.nt_xent.TritonMaskedLSEOps``):
     forward(a (m,c), b (n,c), scale, mask_diag) -> row_lse (m,) fp32 over this block pair,
         excluding the pairs (i, i) when ``mask_diag`` (a and b are the same block).
     backward(a, b, scale, row_lse, g_row, mask_diag, da=None, db=None)
@@ -26,12 +26,14 @@ the losses)/d(local features); the temperature gradient is this rank's part.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
 from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype
 
-IMPLS = ("auto", "vanilla", "torch")
+IMPLS = ("auto", "vanilla", "torch", "triton")
 
 
 class TorchMaskedLSEOps:
@@ -151,6 +153,19 @@ def _ring_backward(f: Tensor, scale: Tensor, lse: Tensor, g_row: Tensor, ops, gr
     return d_rows, d_cols, ds
 
 
+def masked_ops(impl: str, like: Tensor):
+    """NT-Xent tile backend. "auto" stays on the PyTorch tiles until the Triton kernels have
+    been checked on a GPU (they are verified under Triton's interpreter only)."""
+    if impl in ("auto", "torch"):
+        return TorchMaskedLSEOps()
+    if like.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {like.device}; "
+                         "use impl='torch' or 'auto'")
+    from infclip.kernels.nt_xent import TritonMaskedLSEOps
+
+    return TritonMaskedLSEOps()
+
+
 def positives(rows: int, device=None) -> Tensor:
     """pos (rows,): index of each row's positive, i <-> i + rows/2."""
     n = rows // 2
@@ -197,7 +212,8 @@ def nt_xent_loss(features: Tensor, temperature, *, impl: str = "auto", group=Non
     Args:
         features: (2N, D) local rows [view 1 of samples 0..N-1; view 2 of the same samples].
         temperature: > 0, float or 0-d tensor (may require grad); logits = <f_i, f_j> / T.
-        impl: "auto" / "torch" (tiled) or "vanilla" (full matrix; on one process only).
+        impl: "auto" (= "torch" for now), "torch" (tiled), "triton" (fused kernels; CUDA, or
+            CPU under TRITON_INTERPRET=1) or "vanilla" (full matrix; one process only).
         group: process group for the ring across ranks, or None.
     Returns:
         float32 scalar (float64 for float64 features): mean over the 2N local rows.
@@ -213,6 +229,6 @@ def nt_xent_loss(features: Tensor, temperature, *, impl: str = "auto", group=Non
         if distributed:
             raise ValueError("impl='vanilla' for nt_xent_loss runs on one process; use impl='auto' with a group")
         return nt_xent_reference(features, scale)
-    rows = _NTXentRows.apply(features, scale, TorchMaskedLSEOps(), group if distributed else None)
+    rows = _NTXentRows.apply(features, scale, masked_ops(impl, features), group if distributed else None)
     loss = rows.mean()
     return loss if loss.dtype == torch.float64 else loss.float()

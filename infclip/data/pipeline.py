@@ -10,6 +10,7 @@ seeding that makes the resume position exact.
 from __future__ import annotations
 
 import os
+import signal
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -117,7 +118,7 @@ class TrainData:
         # (the workers' seeds come from mix_seed, not from the loader's base seed).
         return DataLoader(dataset, batch_size=None, num_workers=self.workers,
                           pin_memory=self.pin_memory, persistent_workers=False,
-                          prefetch_factor=2 if self.workers else None,
+                          prefetch_factor=2 if self.workers else None, worker_init_fn=_ignore_stop_signals,
                           generator=torch.Generator().manual_seed(self.spec.seed))
 
     def skip_counts(self) -> dict[str, int]:
@@ -146,6 +147,16 @@ class TrainData:
                 "data.num_samples, data.loader_batch) or start the data stream afresh")
         self.plan = EpochPlan(state["epoch"], state["batch"], list(state["cursors"]))
         self._skips = Counter(state.get("skips", {}))
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Slurm and torchrun signal every process of a job (cgroup / process group), so the
+    workers get the trainer's SIGTERM/SIGUSR1 too. By default they would die (torch re-raises
+    a SIGTERM that did not come from the parent), and the trainer's SIGCHLD check would then
+    abort it mid-step instead of letting it checkpoint. The trainer alone decides when to stop;
+    the workers exit with it (their parent watchdog) or by SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callable, rank: int,

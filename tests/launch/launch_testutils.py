@@ -38,8 +38,10 @@ def run(cmd: list[str], cwd: Path, env: Optional[dict] = None, timeout: float = 
 
 
 def start(cmd: list[str], cwd: Path, log: Path, env: Optional[dict] = None) -> subprocess.Popen:
-    """Starts a training process writing stdout+stderr to ``log``."""
-    return subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    """Starts a training process writing stdout+stderr to ``log``, in a process group of its
+    own (as under torchrun), so a test can signal it with its data-loader workers."""
+    return subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -80,11 +80,12 @@ def _fake_scontrol(tmp_path):
 
 
 def _signal_mid_run(tmp_path, data_root, sig, env):
-    """Sends ``sig`` after step 3; returns (returncode, log text, last logged step)."""
+    """Sends ``sig`` after step 3 to the whole process group, data-loader workers included
+    (as Slurm and torchrun do); returns (returncode, log text, last logged step)."""
     run_dir, log = tmp_path / "run", tmp_path / "first.log"
     proc = start(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path, log=log, env=env)
     wait_for_step(proc, run_dir, 3, log)
-    proc.send_signal(sig)
+    os.killpg(proc.pid, sig)
     rc = proc.wait(timeout=120)
     return rc, log.read_text(), max(r["step"] for r in step_records(run_dir))
 

@@ -117,6 +117,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     max_nonfinite: int = 5  # consecutive non-finite steps before aborting
     experiment: Optional[str] = None  # name of the preset this run came from (informational)
+    task: str = "clip"  # "clip" | "simclr" (image-only, two views, NT-Xent; infclip/train/simclr.py)
 
 
 def register_configs() -> None:
@@ -142,6 +143,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "logging.wandb_mode": ("online", "offline", "disabled"),
     "data.kind": ("synthetic", "wds"),
     "device": ("auto", "cpu", "cuda"),
+    "task": ("clip", "simclr"),
 }
 
 
@@ -175,6 +177,10 @@ def validate(cfg: Any, world_size: int) -> None:
     if cfg.loss.grad_filter < 0 or (cfg.loss.grad_filter > 0 and (cfg.loss.kind, cfg.loss.impl) not in
                                     (("clip", "auto"), ("clip", "torch"))):
         raise ConfigError("loss.grad_filter must be >= 0 and needs loss.kind=clip with loss.impl=auto or torch")
+    if cfg.task == "simclr" and (cfg.loss.kind != "nt_xent" or cfg.model.lock_image or cfg.model.lock_text
+                                 or len(cfg.eval.tasks)):
+        raise ConfigError("task=simclr trains an image tower alone: it needs +loss=nt_xent, no model.lock_* "
+                          "and eval.tasks=[] (see configs/experiment/simclr_quickstart.yaml)")
     if cfg.loss.impl == "local" and cfg.loss.kind != "clip":
         raise ConfigError(f"loss.impl=local is CLIP-only; use auto, torch or triton for loss.kind={cfg.loss.kind}")
     if cfg.loss.kind == "clip" and cfg.loss.impl == "triton" and cfg.device == "cpu":

@@ -126,6 +126,10 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     built = build_model(cfg.model, device=info.device)
+    if cfg.task == "simclr":  # image tower + projection head; the two views fill both slots
+        from infclip.train.simclr import wrap_model
+
+        built = wrap_model(built, cfg.loss.temperature)
     apply_locks(built.model, cfg.model)
     model = _wrap_ddp(built.model, info)
     data, eval_cfg, normalizer = _build_data(cfg, info, built)
@@ -231,6 +235,10 @@ def fit(cfg: Any, info: DistInfo, parts: Parts) -> dict:
 def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, batcher: "StepBatcher") -> dict:
     t0 = time.perf_counter()
     images, tokens = batcher.next()
+    if cfg.task == "simclr":  # two augmented views of each image replace (image, caption)
+        from infclip.train.simclr import step_seed, two_views
+
+        images, tokens = two_views(images, step_seed(cfg.seed, state.step, info.rank))
     t_data = time.perf_counter() - t0
     parts.model.train()
     out = parts.engine.step(images, tokens)

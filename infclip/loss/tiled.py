@@ -95,7 +95,7 @@ class TorchTileOps:
         return dimg, dtxt, dscale
 
 
-ROW_DOT_CHUNK = 1 << 22  # elements per chunk: fp32 temporaries of row_dot stay <= ~50 MB
+ROW_DOT_CHUNK = 1 << 20  # elements per chunk: fp32 temporaries of row_dot stay <= ~12 MB
 
 
 class _RowDot(torch.autograd.Function):

@@ -37,7 +37,7 @@ def clip_loss_reference(img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
     return (0.5 * (row + col) - diag).mean()
 
 
-ROW_DOT_CHUNK = 1 << 22  # elements per chunk of row_dot's fp32 temporaries
+ROW_DOT_CHUNK = 1 << 20  # elements per chunk of row_dot's fp32 temporaries (3 x 4 MB)
 
 
 def row_dot(a: Tensor, b: Tensor) -> Tensor:

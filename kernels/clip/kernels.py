@@ -17,6 +17,10 @@ while it sweeps all column tiles of B, recomputing each logits tile. dB is the s
 kernel with the roles of A and B swapped. Optionally it also writes the program's share
 of ds = sum_ij dX_ij <A_i, B_j>, summed from the fp32 dX before its cast.
 
+Strip backward (``_dx_strip_kernel``): a GEMM-shaped kernel writes P = s * dX for a strip
+of R rows (bounded scratch); cuBLAS then forms dA[strip] = P @ B. No register accumulator
+over the feature dim, so it can use 128x256 tiles.
+
 Out-of-range rows/columns are clamped to the last valid index for loading (no masks in
 the inner loop) and masked out of every reduction and store.
 """

@@ -6,6 +6,9 @@ Protocol (same as ``TorchTileOps``), with x_ij = s * <img_i, txt_j>:
     backward(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg=None, dtxt=None)
         -> (dimg (m, c), dtxt (n, c), dscale 0-d) fp32; row_lse/col_lse are the final
         (global) LSEs; accumulates into dimg/dtxt when given.
+    Extensions: ``out_dtype`` (fresh gradients written directly in, e.g., the input
+    dtype; ``writes_out_dtype`` advertises it) and ``g_diag`` (the positive-pair term of a
+    square block, used by ``fused_loss``).
 ``scale`` stays on the device (read by the kernels through a pointer: no host sync).
 """
 
@@ -21,7 +24,8 @@ PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
 
 
 class TritonTileOps:
-    """Fused Triton tile operations: one forward pass for both LSEs, two backward passes.
+    """Triton tile operations: one forward pass for both LSEs; per gradient direction either
+    the strip path (bf16, b <= 64k) or the fused kernel (accumulator in registers).
 
     Args:
         fp32_precision: dot precision for float32 inputs: "ieee" (default, full fp32),

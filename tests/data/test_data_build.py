@@ -11,7 +11,7 @@ import types
 from PIL import Image
 from torchvision.transforms import PILToTensor
 
-from conftest import jpeg
+from data_helpers import jpeg
 from infclip.data.build import BuildOptions, build_shards, read_table, rows_from
 from infclip.data.shards import count_samples, expand
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchvision.transforms import Compose, PILToTensor, Resize
 
-from conftest import IdTokenizer, ids
+from data_helpers import IdTokenizer, ids
 from infclip.data.config import DataConfig, SourceConfig
 from infclip.data.pipeline import DataError, build_train_data, resolve_sources, total_samples
 from infclip.data.shards import count_samples, expand

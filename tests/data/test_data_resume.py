@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchvision.transforms import Compose, PILToTensor, RandomResizedCrop
 
-from conftest import IdTokenizer
+from data_helpers import IdTokenizer
 from infclip.data.config import DataConfig
 from infclip.data.pipeline import DataError, build_train_data
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchvision.transforms import PILToTensor, Resize
 
-from conftest import IdTokenizer, ids, jpeg
+from data_helpers import IdTokenizer, ids, jpeg
 from infclip.data.config import DataConfig
 from infclip.data.pipeline import build_train_data
 from infclip.data.stream import epoch_shards

@@ -39,3 +39,28 @@ class DataConfig:
     synthetic_eval: int = 512  # held-out eval images
     synthetic_image_size: int = 64  # generated image side in pixels
     synthetic_seed: int = 0
+
+
+def check_data_config(cfg: DataConfig) -> None:
+    """Reject impossible data settings before any work; messages name the key and the fix.
+
+    (Structured configs built by Hydra never run ``__post_init__``, so the trainer's
+    ``validate`` calls this.)
+    """
+    if cfg.loader_batch <= 0:
+        raise ValueError(f"data.loader_batch must be > 0, got {cfg.loader_batch}")
+    if cfg.workers < 0 or cfg.shuffle_buffer < 0:
+        raise ValueError("data.workers and data.shuffle_buffer must be >= 0 (0: in-process / no shuffle)")
+    if cfg.num_samples is not None and cfg.num_samples <= 0:
+        raise ValueError(f"data.num_samples must be > 0 or null (count from sizes.json), got {cfg.num_samples}")
+    lo, hi = cfg.aug_scale
+    if not 0 < lo <= hi <= 1:
+        raise ValueError(f"data.aug_scale must satisfy 0 < low <= high <= 1, got {list(cfg.aug_scale)}")
+    lo, hi = cfg.aug_ratio
+    if not 0 < lo <= hi:
+        raise ValueError(f"data.aug_ratio must satisfy 0 < low <= high, got {list(cfg.aug_ratio)}")
+    for i, s in enumerate(cfg.sources):
+        if not s.shards or s.weight <= 0:
+            raise ValueError(f"data.sources[{i}] needs a shard spec and weight > 0 (got {s.shards!r}, {s.weight})")
+    if cfg.synthetic_train <= 0 or cfg.synthetic_eval <= 0 or cfg.synthetic_image_size < 16:
+        raise ValueError("data.synthetic_train/synthetic_eval must be > 0 and data.synthetic_image_size >= 16")

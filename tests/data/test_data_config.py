@@ -1,0 +1,23 @@
+"""check_data_config rejects impossible data settings with the key in the message."""
+
+import pytest
+
+from infclip.data.config import DataConfig, SourceConfig, check_data_config
+
+
+@pytest.mark.parametrize("kw,key", [
+    ({"loader_batch": 0}, "data.loader_batch"),
+    ({"workers": -1}, "data.workers"),
+    ({"num_samples": 0}, "data.num_samples"),
+    ({"aug_scale": (0.5, 0.1)}, "data.aug_scale"),
+    ({"aug_ratio": (0.0, 1.0)}, "data.aug_ratio"),
+    ({"sources": [SourceConfig(shards="/x/{0..1}.tar", weight=0)]}, r"data.sources\[0\]"),
+    ({"synthetic_image_size": 8}, "data.synthetic_image_size"),
+])
+def test_rejects(kw, key):
+    with pytest.raises(ValueError, match=key):
+        check_data_config(DataConfig(**kw))
+
+
+def test_defaults_pass():
+    check_data_config(DataConfig())

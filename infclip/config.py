@@ -179,7 +179,7 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ConfigError("loss.grad_filter must be >= 0 and needs loss.kind=clip with loss.impl=auto or torch")
     if cfg.task == "simclr" and (cfg.loss.kind != "nt_xent" or cfg.model.lock_image or cfg.model.lock_text
                                  or len(cfg.eval.tasks)):
-        raise ConfigError("task=simclr trains an image tower alone: it needs +loss=nt_xent, no model.lock_* "
+        raise ConfigError("task=simclr trains an image tower alone: it needs loss=nt_xent, no model.lock_* "
                           "and eval.tasks=[] (see configs/experiment/simclr_quickstart.yaml)")
     if cfg.loss.impl == "local" and cfg.loss.kind != "clip":
         raise ConfigError(f"loss.impl=local is CLIP-only; use auto, torch or triton for loss.kind={cfg.loss.kind}")

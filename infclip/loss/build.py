@@ -53,7 +53,7 @@ def _clip(loss_cfg: Any, group) -> LossFn:
     def clip(img: Tensor, txt: Tensor, logit_scale: Tensor, logit_bias: Optional[Tensor] = None) -> Tensor:
         if logit_bias is not None:
             raise ValueError("loss.kind=clip got a logit_bias: the model has a SigLIP bias; use "
-                             "+loss=siglip or leave model.init_logit_bias unset")
+                             "loss=siglip or leave model.init_logit_bias unset")
         return fn(img, txt, logit_scale)
 
     return clip

@@ -64,7 +64,7 @@ def test_presets_compose(preset, kind):
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"+loss={preset}"])
+        cfg = compose(config_name="train", overrides=[f"loss={preset}"])
     assert cfg.loss.kind == kind
     validate(cfg, 1)
     if kind == "siglip":  # SigLIP's initialization: s = 10, bias -10

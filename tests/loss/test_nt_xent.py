@@ -94,6 +94,20 @@ def test_bf16_within_fp32_accumulation_bound():
     assert rel_err(ours[1][0], truth[1][0]) <= 2 ** -8  # fp32 gradient, one final rounding to bf16
 
 
+def test_saves_only_features_and_vectors_not_the_matrix():
+    rows, dim = 128, 8
+    f = views(rows, dim, seed=2).requires_grad_()
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        nt_xent_loss(f, 0.1)
+    assert max(sizes) <= rows * dim and sum(sizes) <= rows * dim + 4 * rows, sizes
+
+
 def test_validation_messages():
     f = views(6, 8, seed=0)
     with pytest.raises(ValueError, match="even number of rows"):

@@ -125,6 +125,28 @@ def test_requires_grad_combinations_and_validation():
         siglip_loss(img, txt, s, t, impl="bogus")
 
 
+def saved_numel(fn) -> tuple[int, int]:
+    """(largest, total) numel of the tensors autograd saves while ``fn()`` runs forward."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return max(sizes), sum(sizes)
+
+
+def test_saves_only_inputs_and_vectors_not_the_logits():
+    b, c = 96, 8  # b > c: a saved (b, b) logits matrix would stand out
+    img, txt, s, t = (x.requires_grad_() for x in batch(b, c, seed=1))
+    largest, total = saved_numel(lambda: siglip_loss(img, txt, s, t))
+    assert largest <= b * c and total <= 2 * b * c + 8 * b
+    largest_oc, _ = saved_numel(lambda: open_clip_loss_module().SigLipLoss()(img, txt, s, t))
+    assert largest_oc >= b * b  # the reference keeps the full matrix
+
+
 def test_ring_matches_open_clip_ring_on_gloo(tmp_path):
     launch(__file__, "ring", 4, tmp_path)
 
@@ -173,6 +195,14 @@ def case_ring():
             data = batch(len(members) * m, 37, seed=m + len(members), peaked=peaked)
             for impl in ("torch", "vanilla") + (("triton",) if m == 3 else ()):
                 check_rank(*data, group, f"{impl} members={members} peaked={peaked}", impl=impl)
+    # Autograd saves the same O(m c) per rank whatever W is (open_clip's ring saves W blocks of logits).
+    img, txt, s, t = (x.requires_grad_() for x in batch(8 * world, 4, seed=2))
+    sl = slice(8 * rank, 8 * rank + 8)
+    largest, total = saved_numel(lambda: siglip_loss(img[sl], txt[sl], s, t, group=dist.group.WORLD))
+    assert largest <= 8 * 4 and total <= 2 * 8 * 4 + 8 * 8, (largest, total)
+    _, total_oc = saved_numel(lambda: open_clip_loss_module().SigLipLoss(rank=rank, world_size=world)(
+        img[sl], txt[sl], s, t))
+    assert total_oc >= world * 8 * 8, total_oc
     # open_clip's own ring (global ranks, world group): equal value and gradients per rank.
     for dist_impl in ("shift", "bidir"):
         img, txt, s, t = batch(4 * world, 24, seed=9, dtype=torch.float64)

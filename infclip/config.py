@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from infclip.data.config import DataConfig, SourceConfig
+from infclip.data.config import DataConfig, SourceConfig, check_data_config
 from infclip.eval.config import EvalConfig, EvalTaskConfig, validate_eval
 
 
@@ -185,6 +185,7 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"loss.impl=local is CLIP-only; use auto, torch or triton for loss.kind={cfg.loss.kind}")
     if cfg.loss.kind == "clip" and cfg.loss.impl == "triton" and cfg.device == "cpu":
         raise ConfigError("loss.impl=triton needs CUDA; use loss.impl=auto or loss.impl=torch on CPU")
+    check_data_config(cfg.data)
     validate_eval(cfg.eval)
 
 

@@ -312,7 +312,7 @@ def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: d
     skipped = bool(metrics["skipped_step"])
     _count_nonfinite(state, skipped)
     if step == 1 or (every and step % every == 0) or step == cfg.steps or skipped:
-        metrics["skipped_samples"] = sum(parts.data.skip_counts().values())
+        metrics["skipped_samples"] = sum(_skip_counts(parts, info).values())
         metrics["nonfinite_steps"] = state.nonfinite_total
         parts.logger.log(step, metrics)
     if skipped:
@@ -338,6 +338,20 @@ def _agree_on_stop(state: State, info: DistInfo) -> None:
         agreed = int(t.item())
     if agreed:
         state.stop_requested, state.stop_signal = True, agreed
+
+
+def _skip_counts(parts: Parts, info: DistInfo) -> dict[str, int]:
+    """Skipped samples/shards by reason, summed over all ranks (called on every rank)."""
+    local = parts.data.skip_counts()
+    if not info.distributed:
+        return local
+    gathered: list = [None] * info.world_size
+    torch.distributed.all_gather_object(gathered, local)
+    total: dict[str, int] = {}
+    for counts in gathered:
+        for reason, n in counts.items():
+            total[reason] = total.get(reason, 0) + n
+    return total
 
 
 def _eval_due(eval_cfg: Any, step: int) -> bool:
@@ -372,7 +386,7 @@ def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -
     final = {} if state.stop_requested else _evaluate(cfg, info, parts, state.step, final=True)
     if state.saved_step != state.step:  # never rewrite a complete checkpoint of the same step
         _save(parts, state)
-    skips = parts.data.skip_counts()
+    skips = _skip_counts(parts, info)
     summary = {"steps": state.step, "wall_s": wall, "nonfinite_steps": state.nonfinite_total,
                "skipped_samples": skips, **final}
     parts.logger.log(state.step, {"summary": summary}, echo=False)

@@ -84,3 +84,9 @@ def test_eval_task_errors_name_the_task_key():
     cfg = _compose("eval.tasks.0.kind=bogus")
     with pytest.raises(ValueError, match=r"eval.tasks\[0\].kind='bogus'"):
         validate(cfg, 1)
+
+
+def test_data_errors_name_the_key():
+    cfg = _compose("data.loader_batch=0")
+    with pytest.raises(ValueError, match=r"data.loader_batch"):
+        validate(cfg, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,8 @@ import pytest
 import torch
 
 from engine_testutils import batch, config, engine_for, grads_of, normalize, tiny_clip
-from infclip.config import ConfigError, TrainConfig, validate
+from infclip.config import ConfigError, LossConfig, TrainConfig, validate
 from infclip.loss import build_loss
-from infclip.config import LossConfig
 from infclip.train.simclr import SimCLRModel, step_seed, two_views
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def test_gradient_cache_equals_full_batch_step():
     engine = engine_for(config(16, 8), model, loss_fn=loss_fn)
     torch.manual_seed(11)
     step = engine.step(v1, v2)
-    assert engine.s.grad_cache and abs(float(step.loss) - float(ref_loss)) < 1e-6
+    assert engine.s.grad_cache and abs(step.loss.item() - ref_loss.item()) < 1e-6
     got, want = grads_of(model), grads_of(ref)
     assert got.keys() == want.keys() and "head.0.weight" in got
     for name in got:
@@ -82,7 +82,7 @@ def test_train_cli_simclr_runs_and_learns(tmp_path):
             "data.synthetic_image_size=32", "data.workers=0", "data.loader_batch=16",
             "batch.global_size=32", "batch.micro_size=16", "logging.every_n_steps=1", "logging.progress=false"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**__import__("os").environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "2"})
+                          env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     losses = [float(line.split("loss=")[1].split()[0]) for line in proc.stdout.splitlines() if " loss=" in line]
     assert len(losses) == 6 and losses[-1] < losses[0]

@@ -179,6 +179,9 @@ def case_ring():
             for impl in ("torch", "triton") if rows == 6 else ("torch",):
                 check_rank(blocks, 0.07 if peaked else 0.5, group, f"{impl} members={members} peaked={peaked}",
                            impl=impl)
+    x = views(4 + 2 * (rank == 1), 37, seed=0)  # rank 1 has one more pair: every rank raises
+    with pytest.raises(ValueError, match="same local batch shape"):
+        nt_xent_loss(x, 0.1, group=dist.group.WORLD)
     dist.barrier()
 
 

@@ -210,6 +210,10 @@ def case_ring():
         want = open_clip_grads(img[sl], txt[sl], s, t, rank=rank, world=world, dist_impl=dist_impl)
         got = ours_grads(img[sl], txt[sl], s, t, group=dist.group.WORLD)
         assert_close(got, want, 1e-12, f"vs open_clip {dist_impl} rank {rank}")
+    img, txt, s, t = batch(5 + (rank == 1), 37, seed=0)  # rank 1 has one more pair: every rank raises
+    for impl in ("torch", "vanilla"):
+        with pytest.raises(ValueError, match="same local batch shape"):
+            siglip_loss(img, txt, s, t, impl=impl, group=dist.group.WORLD)
     dist.barrier()
 
 

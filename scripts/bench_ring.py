@@ -15,8 +15,9 @@ logit scale a learnable log-parameter as in open_clip), forward + backward of:
                gather_with_grad=True)``; skipped where its (b/W, b) logits cannot fit
     inf_cl     ``0.5 * (cal_inf_loss(img, txt, s) + cal_inf_loss(txt, img, s))``, inf-cl 1.2.1
 
-Timing: median of ``--reps`` after ``--warmup`` untimed runs, CUDA events, a barrier before
-each run, the max over ranks. Memory: peak allocated during the call minus what was
+Timing: median of ``--reps`` (``--reps-large`` from ``--large-b`` on) after ``--warmup``
+untimed runs; each run is a barrier, then wall-clock around the call and a device
+synchronize; the max over ranks. Memory: peak allocated during the call minus what was
 allocated before it (inputs), max over ranks. The floor is 8 b^2 c / W FLOP at
 ``--peak-tflops`` (the H200 bf16 rate measured in shared/ANCHORS.md). Prints a markdown
 table on rank 0 and writes it with the raw numbers as JSON (``--out``).
@@ -49,6 +50,8 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     warmup: int = 1
     reps: int = 3
+    reps_large: int = 1  # timed runs from large_b on (a 1M step takes seconds; device time is scarce)
+    large_b: int = 524288
     infcl_max_b: int = 262144  # inf_cl takes ~62 s a step at 1M on 4 H200 (ANCHORS.md)
     local_mem_frac: float = 1.0  # skip `local` when its 4 (b/W) x b logit-sized buffers exceed this share of GPU memory
     timeout_s: int = 240  # process-group timeout: a deadlock fails the run
@@ -71,7 +74,7 @@ def parse() -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for f in ("sizes", "methods"):
         p.add_argument(f"--{f}", nargs="+", default=getattr(d, f), type=int if f == "sizes" else str)
-    for f in ("dim", "warmup", "reps", "infcl_max_b", "timeout_s"):
+    for f in ("dim", "warmup", "reps", "reps_large", "large_b", "infcl_max_b", "timeout_s"):
         p.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(d, f))
     for f in ("local_mem_frac", "peak_tflops"):
         p.add_argument(f"--{f.replace('_', '-')}", type=float, default=getattr(d, f))
@@ -203,7 +206,8 @@ def measure(name: str, b: int, cfg: BenchConfig, dev: torch.device) -> Row:
     try:
         for _ in range(cfg.warmup):
             run_once(fn, img, txt, ls, dev)
-        runs = [run_once(fn, img, txt, ls, dev) for _ in range(cfg.reps)]
+        reps = cfg.reps_large if b >= cfg.large_b else cfg.reps
+        runs = [run_once(fn, img, txt, ls, dev) for _ in range(reps)]
     except torch.OutOfMemoryError:  # symmetric across ranks: every rank holds the same shapes
         del img, txt, ls, fn
         torch.cuda.empty_cache()

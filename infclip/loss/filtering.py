@@ -36,6 +36,7 @@ import math
 import torch
 from torch import Tensor
 
+from infclip.loss.siglip import row_blocks
 from infclip.loss.tiled import TorchTileOps, _acc_dtype
 
 
@@ -84,8 +85,7 @@ class FilteredTileOps(TorchTileOps):
         dimg = torch.zeros(m, c, dtype=acc, device=img.device) if dimg is None else dimg
         dtxt = torch.zeros(n, c, dtype=acc, device=img.device) if dtxt is None else dtxt
         dscale = torch.zeros((), dtype=acc, device=img.device)
-        for lo in range(0, m, self.tile):
-            hi = min(lo + self.tile, m)
+        for lo, hi in row_blocks(m, n, self.tile):
             img32 = img[lo:hi].to(acc)
             dot = img32 @ txt32.T
             x = s * dot

@@ -31,6 +31,7 @@ import os
 import torch
 from torch import Tensor
 
+from infclip.loss.siglip import row_blocks
 from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
@@ -59,8 +60,7 @@ class TorchMaskedLSEOps:
         acc = _acc_dtype(a)
         b32, s = b.to(acc), scale.to(acc)
         lse = torch.empty(a.shape[0], dtype=acc, device=a.device)
-        for lo in range(0, a.shape[0], self.tile):
-            hi = min(lo + self.tile, a.shape[0])
+        for lo, hi in row_blocks(a.shape[0], b.shape[0], self.tile):
             # -- compute tile --
             _, x = self._logits(a, b32, lo, hi, s, mask_diag)
             lse[lo:hi] = torch.logsumexp(x, dim=1)
@@ -73,8 +73,7 @@ class TorchMaskedLSEOps:
         da = torch.zeros(a.shape, dtype=acc, device=a.device) if da is None else da
         db = torch.zeros(b.shape, dtype=acc, device=a.device) if db is None else db
         ds = torch.zeros((), dtype=acc, device=a.device)
-        for lo in range(0, a.shape[0], self.tile):
-            hi = min(lo + self.tile, a.shape[0])
+        for lo, hi in row_blocks(a.shape[0], b.shape[0], self.tile):
             dot, x = self._logits(a, b32, lo, hi, s, mask_diag)
             # -- compute tile --: dX = g_i softmax_ij (exp(-inf) = 0 on the masked diagonal).
             dx = g[lo:hi, None] * torch.exp(x - row_lse[lo:hi, None].to(acc))

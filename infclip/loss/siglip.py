@@ -38,6 +38,14 @@ from torch import Tensor
 from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
+TILE_ELEMENTS = 1 << 24  # cap on one (rows, n) tile buffer: 64 MB fp32, whatever the batch
+
+
+def row_blocks(m: int, n: int, tile: int):
+    """(lo, hi) row ranges of at most ``tile`` rows and at most TILE_ELEMENTS / n rows, so the
+    working set stays O(n) with a fixed constant as the batch grows (n = 2M: 8 rows/tile)."""
+    step = max(1, min(tile, TILE_ELEMENTS // max(n, 1)))
+    return ((lo, min(lo + step, m)) for lo in range(0, m, step))
 
 
 class TorchSigmoidOps:
@@ -64,8 +72,7 @@ class TorchSigmoidOps:
         acc = _acc_dtype(img)
         txt32, s, t = txt.to(acc), scale.to(acc), bias.to(acc)
         row = torch.empty(img.shape[0], dtype=acc, device=img.device)
-        for lo in range(0, img.shape[0], self.tile):
-            hi = min(lo + self.tile, img.shape[0])
+        for lo, hi in row_blocks(img.shape[0], txt.shape[0], self.tile):
             # -- compute tile --
             _, zx = self._signed(img, txt32, lo, hi, s, t, diag)
             row[lo:hi] = -F.logsigmoid(zx).sum(1)
@@ -80,8 +87,7 @@ class TorchSigmoidOps:
         dtxt = torch.zeros(txt.shape, dtype=acc, device=img.device) if dtxt is None else dtxt
         dscale = torch.zeros((), dtype=acc, device=img.device)
         dbias = torch.zeros((), dtype=acc, device=img.device)
-        for lo in range(0, img.shape[0], self.tile):
-            hi = min(lo + self.tile, img.shape[0])
+        for lo, hi in row_blocks(img.shape[0], txt.shape[0], self.tile):
             dot, zx = self._signed(img, txt32, lo, hi, s, t, diag)
             # -- compute tile --: dX = -z sigmoid(-z x); z = -1 off the diagonal.
             dx = torch.sigmoid(-zx)

@@ -222,13 +222,16 @@ def fit(cfg: Any, info: DistInfo, parts: Parts) -> dict:
     batcher = StepBatcher(parts.data.batches(), local_batch, pin=cfg.memory.offload and info.device.type == "cuda")
     parts.logger.set_start(state.step)
     t_run = time.perf_counter()
-    while state.step < cfg.steps:
-        metrics = train_step(cfg, info, parts, state, batcher)
-        state.step += 1
-        state.samples += cfg.batch.global_size
-        _after_step(cfg, info, parts, state, metrics)
-        if state.stop_requested:
-            break
+    try:
+        while state.step < cfg.steps:
+            metrics = train_step(cfg, info, parts, state, batcher)
+            state.step += 1
+            state.samples += cfg.batch.global_size
+            _after_step(cfg, info, parts, state, metrics)
+            if state.stop_requested:
+                break
+    finally:  # stop the loader workers now, also when a step raised (they ignore SIGTERM)
+        batcher.close()
     return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
 
 
@@ -496,6 +499,12 @@ class StepBatcher:
             self.tokens[filled : filled + k].copy_(toks)
             filled += k
         return self.images, self.tokens
+
+    def close(self) -> None:
+        """Closes the batch generator, which shuts its DataLoader workers down."""
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
 
     def _allocate(self, imgs: torch.Tensor, toks: torch.Tensor) -> None:
         self.images = torch.empty((self.n, *imgs.shape[1:]), dtype=imgs.dtype, pin_memory=self.pin)

@@ -58,4 +58,5 @@ def export_submitit_env() -> None:
         return
     import submitit  # present whenever SUBMITIT_EXECUTOR is set
 
-    submitit.helpers.TorchDistributedEnvironment().export()
+    # Keep CUDA_VISIBLE_DEVICES (all of the node's GPUs): the trainer picks cuda:LOCAL_RANK.
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)

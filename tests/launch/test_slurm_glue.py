@@ -43,7 +43,8 @@ def test_submitit_env_is_exported_only_for_multi_task_submitit_jobs(monkeypatch)
     exported = []
 
     class TorchDistributedEnvironment:
-        def export(self):
+        def export(self, set_cuda_visible_devices=True, overwrite=False):
+            assert set_cuda_visible_devices is False  # the trainer selects cuda:LOCAL_RANK itself
             exported.append(True)
 
     fake = types.SimpleNamespace(helpers=types.SimpleNamespace(TorchDistributedEnvironment=TorchDistributedEnvironment))

@@ -49,6 +49,8 @@ OBJECTIVE_IMPLS = {
     "siglip_torch_bf16": (torch.bfloat16, 65536, (512,)),
     "nt_xent_vanilla_fp32": (torch.float32, 32768, (512,)),
     "nt_xent_torch_fp32": (torch.float32, 65536, (512,)),
+    "siglip_triton_bf16": (torch.bfloat16, 262144, (512,)),
+    "nt_xent_triton_bf16": (torch.bfloat16, 262144, (512,)),
 }
 IMPLS.update(OBJECTIVE_IMPLS)
 
@@ -133,8 +135,9 @@ def objective_loss_fn(impl: str):
 
             oc = SigLipLoss()
             return lambda i, t, s: oc(i, t, s.to(i.dtype), torch.tensor(-10.0, device=i.device, dtype=i.dtype))
-        return lambda i, t, s: siglip_loss(i, t, s, torch.tensor(-10.0, device=i.device), impl="torch")
-    kind = "vanilla" if "vanilla" in impl else "torch"
+        kind = "triton" if "triton" in impl else "torch"
+        return lambda i, t, s: siglip_loss(i, t, s, torch.tensor(-10.0, device=i.device), impl=kind)
+    kind = "vanilla" if "vanilla" in impl else "triton" if "triton" in impl else "torch"
     return lambda i, t, s: nt_xent_loss(torch.cat([i[: len(i) // 2], t[: len(t) // 2]]), 0.1, impl=kind)
 
 

@@ -138,24 +138,26 @@ def method_fn(name: str, dev: torch.device):
 
 # -- other objectives on the same ring (issue 9); opt in with --methods ... -----------------
 # siglip_ring       ``siglip_loss(impl="auto", group=WORLD)``: texts travel, O(b/W) memory
+#                   (``*_triton``: the same ring with the fused Triton tiles)
 # siglip_open_clip  open_clip ``SigLipLoss(dist_impl="bidir")``: keeps every block's logits
 # nt_xent_ring      ``nt_xent_loss(cat(img, txt), 0.1, group=WORLD)``: 2 b/W rows per rank
 # The floor column (8 b^2 c / W) is the CLIP/SigLIP work; NT-Xent on 2 b rows does 4x that.
-OBJECTIVE_METHODS = ("siglip_ring", "siglip_open_clip", "nt_xent_ring")
+OBJECTIVE_METHODS = ("siglip_ring", "siglip_ring_triton", "siglip_open_clip", "nt_xent_ring", "nt_xent_ring_triton")
 
 
 def objective_fn(name: str):
     """name -> fn(img, txt, log_scale) -> this rank's loss; SigLIP's bias is a fixed -10."""
     from infclip.loss import nt_xent_loss, siglip_loss
 
-    if name == "siglip_ring":
-        return lambda i, t, ls: siglip_loss(i, t, ls.exp(), _bias(i), group=dist.group.WORLD)
+    impl = "triton" if name.endswith("_triton") else "auto"
+    if name.startswith("siglip_ring"):
+        return lambda i, t, ls: siglip_loss(i, t, ls.exp(), _bias(i), impl=impl, group=dist.group.WORLD)
     if name == "siglip_open_clip":
         from open_clip.loss import SigLipLoss
 
         oc = SigLipLoss(rank=dist.get_rank(), world_size=dist.get_world_size(), dist_impl="bidir")
         return lambda i, t, ls: oc(i, t, ls.exp().to(i.dtype), _bias(i).to(i.dtype))
-    return lambda i, t, ls: nt_xent_loss(torch.cat([i, t]), 0.1, group=dist.group.WORLD)
+    return lambda i, t, ls: nt_xent_loss(torch.cat([i, t]), 0.1, impl=impl, group=dist.group.WORLD)
 
 
 def _bias(x: torch.Tensor) -> torch.Tensor:

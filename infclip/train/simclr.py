@@ -58,10 +58,23 @@ class SimCLRModel(nn.Module):
 def wrap_model(built: Any, temperature: float) -> Any:
     """``BuiltModel`` whose model is the SimCLR image tower + head (the text tower is dropped)."""
     visual = built.model.visual
-    dim = visual.output_dim
-    model = SimCLRModel(visual, dim, temperature, built.mean, built.std)
+    model = SimCLRModel(visual, _feature_dim(visual, built.image_size), temperature, built.mean, built.std)
     model.to(next(visual.parameters()).device)
     return dataclasses.replace(built, model=model)
+
+
+def _feature_dim(visual: nn.Module, image_size: int) -> int:
+    """The tower's output width (ViT: ``output_dim``; any tower: one probe forward in eval mode)."""
+    dim = getattr(visual, "output_dim", None)
+    if isinstance(dim, int):
+        return dim
+    was_training = visual.training
+    visual.eval()
+    with torch.no_grad():
+        probe = torch.zeros(1, 3, image_size, image_size, device=next(visual.parameters()).device)
+        dim = visual(probe).shape[-1]
+    visual.train(was_training)
+    return dim
 
 
 def two_views(images: Tensor, seed: int) -> tuple[Tensor, Tensor]:

@@ -4,7 +4,7 @@ mid-run, let it resume, and compare its losses with an uninterrupted run.
 
     python scripts/slurm/resume_check.py --nproc 2 --mode worker --out /tmp/rc -- model.name=infclip-tiny
 
---mode worker  SIGKILL one training process; torchrun (--max_restarts=3) restarts all
+--mode worker  SIGKILL one training process; torchrun (--max_restarts=1) restarts all
                ranks, which resume from the last checkpoint (resume=auto).
 --mode all     SIGKILL torchrun and every worker (a lost node / job); start the same
                command again, which resumes.
@@ -29,6 +29,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+# torchrun shares its rendezvous store with the workers by default; after a restart the new
+# workers can then read the previous attempt's addresses (pytorch/pytorch#135712).
+os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def torchrun(nproc: int, run_dir: Path, overrides: list[str], max_restarts: int = 0) -> list[str]:
@@ -67,7 +72,7 @@ def wait_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float) 
 
 def killed_run(args: argparse.Namespace, mode: str, run_dir: Path, overrides: list[str], log) -> float:
     """Runs, kills at --kill-at, resumes; returns the wall time of the recovery."""
-    restarts = 3 if mode == "worker" else 0  # spare restarts: gloo's connect retries are short under load
+    restarts = 1 if mode == "worker" else 0
     proc = subprocess.Popen(torchrun(args.nproc, run_dir, overrides, restarts), stdout=log, stderr=subprocess.STDOUT,
                             cwd=REPO)
     wait_step(proc, run_dir, args.kill_at, args.timeout)

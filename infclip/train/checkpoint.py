@@ -58,36 +58,68 @@ def _save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-class Checkpointer:
-    """Writes and finds checkpoints of one run; all ranks call ``save`` together."""
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
 
-    def __init__(self, run_dir: str | Path, keep_last: int, rank: int, barrier: Callable[[], None]):
+
+def _fsync_dir(path: Path) -> None:
+    """Makes a rename durable (the directory entry itself is on disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """Writes and finds checkpoints of one run; all ranks call ``save`` together.
+
+    ``agree(ok) -> bool`` is a collective returning True iff ``ok`` on every rank (a barrier
+    that also carries failure): a write that fails on one rank (full disk, say) raises on
+    every rank instead of leaving the others waiting in a barrier until the timeout.
+    """
+
+    def __init__(self, run_dir: str | Path, keep_last: int, rank: int, barrier: Callable[[], None],
+                 agree: Optional[Callable[[bool], bool]] = None):
         self.root = Path(run_dir) / "checkpoints"
-        self.keep_last, self.rank, self.barrier = keep_last, rank, barrier
+        self.keep_last, self.rank = keep_last, rank
+        self.agree = agree or (lambda ok: (barrier(), ok)[1])
         self.protected: Optional[Path] = None  # the checkpoint this run resumed from
 
     def save(self, step: int, model_state: dict, train_state: dict, rank_state: dict) -> Path:
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".step_{step:08d}.tmp"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.barrier()
-        _save(rank_state, tmp / f"rank_{self.rank:05d}.pt")
-        if self.rank == 0:
-            _save(model_state, tmp / "model.pt")
-            _save(train_state, tmp / "train.pt")
-        self.barrier()
-        if self.rank == 0:
-            if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune()
-        self.barrier()
+        self._together(lambda: _fresh_dir(tmp), rank0_only=True)
+        self._together(lambda: _save(rank_state, tmp / f"rank_{self.rank:05d}.pt"), rank0_only=False)
+        self._together(lambda: self._publish(tmp, final, model_state, train_state), rank0_only=True)
         return final
 
+    def _together(self, fn: Callable[[], Any], rank0_only: bool) -> None:
+        err: Optional[BaseException] = None
+        if not rank0_only or self.rank == 0:
+            try:
+                fn()
+            except Exception as e:  # re-raised below, after every rank knows
+                err = e
+        if not self.agree(err is None):
+            raise err if err is not None else RuntimeError("checkpoint write failed on another rank (see its log)")
+
+    def _publish(self, tmp: Path, final: Path, model_state: dict, train_state: dict) -> None:
+        """Rank 0: the shared files, then the atomic rename that makes the checkpoint exist."""
+        _save(model_state, tmp / "model.pt")
+        _save(train_state, tmp / "train.pt")
+        old = final.with_name(f".{final.name}.old")
+        if final.exists():  # re-saving a step: move the old one aside, never delete it first
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        shutil.rmtree(old, ignore_errors=True)
+        self._prune()
+
     def _prune(self) -> None:
-        for p in self.root.glob(".step_*.tmp"):
+        for p in [*self.root.glob(".step_*.tmp"), *self.root.glob(".step_*.old")]:
             shutil.rmtree(p, ignore_errors=True)
         ckpts = list_checkpoints(self.root.parent)
         for p in ckpts[: max(0, len(ckpts) - self.keep_last)]:
@@ -96,11 +128,23 @@ class Checkpointer:
 
     def latest_loadable(self, world_size: int) -> Optional[Path]:
         """Newest checkpoint whose files all exist (rank files for ``world_size`` ranks)."""
+        self._recover_moved_aside()
         for p in reversed(list_checkpoints(self.root.parent)):
             needed = ["model.pt", "train.pt"] + [f"rank_{r:05d}.pt" for r in range(world_size)]
             if all((p / n).is_file() for n in needed):
                 return p
         return None
+
+
+    def _recover_moved_aside(self) -> None:
+        """A kill between moving a re-saved step aside and renaming its replacement into
+        place leaves only ``.step_N.old``: put it back (rank 0 only; it owns renames)."""
+        if self.rank != 0 or not self.root.is_dir():
+            return
+        for old in self.root.glob(".step_*.old"):
+            final = old.with_name(old.name[1:-4])
+            if not final.exists():
+                os.replace(old, final)
 
 
 def load(path: Path, rank: int, map_location: Any = "cpu") -> tuple[dict, dict, dict]:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,36 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def any_rank(flag: bool, info: DistInfo) -> bool:
-    """True on every rank if ``flag`` is true on any rank (so all ranks stop together)."""
+def all_ok(ok: bool, info: DistInfo) -> bool:
+    """True on every rank iff ``ok`` on every rank: a barrier that also carries failure."""
     if not info.distributed:
-        return flag
-    t = torch.tensor([int(flag)], device=info.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return ok
+    t = torch.tensor([int(ok)], device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
+
+
+def on_rank0(info: DistInfo, fn: Callable[[], T]) -> Optional[T]:
+    """Runs ``fn`` on rank 0 while the others wait; if it raises, every rank raises (no rank
+    is left waiting in a barrier until the collective timeout)."""
+    result, err = None, None
+    if info.is_main:
+        try:
+            result = fn()
+        except Exception as e:  # re-raised below, after every rank knows
+            err = e
+    if not all_ok(err is None, info):
+        raise err if err is not None else RuntimeError("rank 0 failed (see its log); stopping this rank too")
+    return result
+
+
+def broadcast_object(obj: Any, info: DistInfo) -> Any:
+    """Rank 0's ``obj`` on every rank (small picklable objects: paths, flags)."""
+    if not info.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def shutdown() -> None:

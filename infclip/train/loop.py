@@ -12,7 +12,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -23,7 +23,11 @@ from infclip.config import validate
 from infclip.eval import check_tasks
 from infclip.model import BuiltModel, build_model, clamp_logit_scale
 from infclip.train import checkpoint as ckpt
-from infclip.train.distributed import DistInfo, barrier, init_distributed, shutdown
+from infclip.eval import make_autocast
+from infclip.train.distributed import (
+    DistInfo, all_ok, barrier, broadcast_object, init_distributed, on_rank0, shutdown,
+)
+from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.logger import _BOOKKEEPING, MetricsLogger, gpu_memory_gb, run_info
 from infclip.train.optim import build_optimizer, build_scheduler
@@ -60,7 +64,6 @@ class State:
     stop_signal: int = 0  # the agreed stop signal (SIGUSR1: Slurm's warning -> requeue)
     signal_received: int = 0  # set by the handler on this rank; acted on after the next step
     saved_step: int = -1  # step of the newest checkpoint this process wrote or resumed from
-    last_eval: dict = field(default_factory=dict)
 
 
 def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
@@ -80,11 +83,13 @@ def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
 
 def _setup_run_dir(cfg: Any, info: DistInfo, overrides: list[str]) -> Path:
     run_dir = derive_run_dir(cfg)
-    if info.is_main:  # rank 0 writes; the others only read
+
+    def write() -> None:  # rank 0 writes; the others only read
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
-    barrier(info)
+
+    on_rank0(info, write)
     return run_dir
 
 
@@ -143,7 +148,9 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
         cfg, model, device=info.device, normalizer=normalizer, loss_fn=loss_fn,
         scaler=scaler, group=group, world_size=info.world_size,
     )
-    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint.keep_last, info.rank, lambda: barrier(info))
+    checkpointer = ckpt.Checkpointer(
+        run_dir, cfg.checkpoint.keep_last, info.rank, lambda: barrier(info), agree=lambda ok: all_ok(ok, info)
+    )
     logger = MetricsLogger(
         run_dir, cfg.logging, info.is_main, cfg.steps, OmegaConf.to_container(cfg, resolve=True)
     )
@@ -188,9 +195,7 @@ def _synthetic(cfg: Any, info: DistInfo):
     """Generates the embedded dataset once (rank 0 first) and points eval tasks at it."""
     from infclip.data.synthetic import ensure_synthetic
 
-    if info.is_main:
-        ds = ensure_synthetic(cfg.data)
-    barrier(info)
+    ds = on_rank0(info, lambda: ensure_synthetic(cfg.data))
     if not info.is_main:
         ds = ensure_synthetic(cfg.data)  # already there: returns its paths
     eval_cfg = _eval_config(cfg)
@@ -208,7 +213,11 @@ def _eval_config(cfg: Any) -> Any:
 def _loader_batch(cfg: Any, info: DistInfo) -> int:
     """Largest loader batch <= data.loader_batch that divides the per-rank step batch."""
     local = cfg.batch.global_size // info.world_size
-    return next(d for d in range(min(cfg.data.loader_batch, local), 0, -1) if local % d == 0)
+    size = next(d for d in range(min(cfg.data.loader_batch, local), 0, -1) if local % d == 0)
+    if size != cfg.data.loader_batch and info.is_main:
+        print(f"note: data.loader_batch={cfg.data.loader_batch} does not divide the per-rank batch {local}; "
+              f"using {size}", flush=True)
+    return size
 
 
 # ----------------------------------------------------------------------------- loop
@@ -244,41 +253,54 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, batcher: "S
         images, tokens = two_views(images, step_seed(cfg.seed, state.step, info.rank))
     t_data = time.perf_counter() - t0
     parts.model.train()
+    lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
+    parts.engine.measure_timings = _logged(cfg, state.step + 1)  # phase timings sync CUDA
     out = parts.engine.step(images, tokens)
     _maybe_inject_nan(parts, state.step + 1)
     t1 = time.perf_counter()
-    applied, grad_norm = _optimizer_step(cfg, parts, out)
+    applied, overflow, grad_norm = _optimizer_step(cfg, parts, out)
     t_opt = time.perf_counter() - t1
     step_time = time.perf_counter() - t0
     return {
-        "loss": float(out.global_loss), "lr": parts.optimizer.param_groups[0]["lr"],
+        "loss": float(out.global_loss), "lr": lr,
         "logit_scale": float(_unwrap(parts.model).logit_scale.detach().exp()), "grad_norm": grad_norm,
         "samples_per_s": cfg.batch.global_size / step_time,
         "samples_per_s_per_gpu": cfg.batch.global_size / step_time / info.world_size,
         "step_time": step_time, "time_data": t_data, "time_optim": t_opt,
         **{f"time_{k}": v for k, v in out.timings.items()},
         "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
+        "amp_overflow": int(overflow),
     }
 
 
-def _optimizer_step(cfg: Any, parts: Parts, out: Any) -> tuple[bool, float]:
-    """Unscale, clip, step; a non-finite loss or gradient skips the update (zeroed grads)."""
+def _optimizer_step(cfg: Any, parts: Parts, out: Any) -> tuple[bool, bool, float]:
+    """Unscale, clip, step. Returns (finite, amp_overflow, grad_norm).
+
+    A non-finite loss or gradient skips the update. Under fp16 a GradScaler overflow (inf
+    gradients while the scale calibrates) is normal: the scaler skips that step by itself and
+    it is reported as ``amp_overflow``, not counted as a non-finite step.
+    """
     opt, scaler = parts.optimizer, parts.scaler
     if scaler is not None:
         scaler.unscale_(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # one host sync per step
-    finite = math.isfinite(grad_norm) and math.isfinite(float(out.global_loss))
+    loss_finite = math.isfinite(float(out.global_loss))
+    finite = loss_finite and math.isfinite(grad_norm)
+    overflow = False
     if scaler is not None:
+        scale = scaler.get_scale()
         scaler.step(opt)  # skips by itself on inf/nan gradients
         scaler.update()
+        overflow = loss_finite and not finite and scaler.get_scale() < scale
+        finite = finite or overflow
     elif finite:
         opt.step()
     opt.zero_grad(set_to_none=True)
     parts.scheduler.step()
     clamp_logit_scale(_unwrap(parts.model), cfg.model.max_logit_scale)
-    return finite, grad_norm
+    return finite, overflow, grad_norm
 
 
 def _maybe_inject_nan(parts: Parts, step: int) -> None:
@@ -288,6 +310,12 @@ def _maybe_inject_nan(parts: Parts, step: int) -> None:
         grads = [p.grad for g in parts.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:
             grads[0].fill_(math.nan)
+
+
+def _logged(cfg: Any, step: int) -> bool:
+    """Steps whose metrics go to the terminal, the metrics file and wandb."""
+    every = cfg.logging.every_n_steps
+    return step == 1 or (every > 0 and step % every == 0) or step == cfg.steps
 
 
 def _count_nonfinite(state: State, skipped: bool) -> None:
@@ -310,18 +338,17 @@ def _abort_if_nonfinite(cfg: Any, parts: Parts, state: State, loss: float) -> No
 
 def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: dict) -> None:
     step = state.step
-    every = cfg.logging.every_n_steps
     parts.logger.progress(step, {"loss": metrics["loss"], "lr": metrics["lr"]})
     skipped = bool(metrics["skipped_step"])
     _count_nonfinite(state, skipped)
-    if step == 1 or (every and step % every == 0) or step == cfg.steps or skipped:
+    if _logged(cfg, step) or skipped:
         metrics["skipped_samples"] = sum(_skip_counts(parts, info).values())
         metrics["nonfinite_steps"] = state.nonfinite_total
         parts.logger.log(step, metrics)
     if skipped:
         _abort_if_nonfinite(cfg, parts, state, metrics["loss"])
     if _eval_due(parts.eval_cfg, step) and step != cfg.steps:
-        state.last_eval = _evaluate(cfg, info, parts, step, final=False)
+        _evaluate(cfg, info, parts, step, final=False)
     _agree_on_stop(state, info)
     every_ckpt = cfg.checkpoint.every_n_steps
     if state.stop_requested or (every_ckpt and step % every_ckpt == 0):
@@ -366,8 +393,7 @@ def _evaluate(cfg: Any, info: DistInfo, parts: Parts, step: int, final: bool) ->
         return {}
     from infclip.eval import run_evals
 
-    autocast = _autocast(cfg, info)
-    with autocast:
+    with make_autocast(cfg.precision.amp, info.device)():
         results = run_evals(
             _unwrap(parts.model), parts.built.tokenizer, parts.built.preprocess_val, parts.eval_cfg,
             step=step, final=final, device=info.device, rank=info.rank, world_size=info.world_size,
@@ -375,11 +401,6 @@ def _evaluate(cfg: Any, info: DistInfo, parts: Parts, step: int, final: bool) ->
         )
     parts.logger.log(step, results)
     return results
-
-
-def _autocast(cfg: Any, info: DistInfo):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.amp)
-    return torch.autocast(info.device.type, dtype=dtype, enabled=dtype is not None)
 
 
 # ----------------------------------------------------------------------------- end, resume
@@ -446,18 +467,39 @@ def _maybe_resume(cfg: Any, info: DistInfo, parts: Parts, state: State) -> None:
 
 
 def _resume_path(cfg: Any, info: DistInfo, parts: Parts) -> Optional[Path]:
+    """Rank 0 picks the checkpoint and broadcasts it, so all ranks resume the same step
+    (even where a network file system shows ranks different directory listings)."""
+    path = on_rank0(info, lambda: _pick_checkpoint(cfg, info, parts))
+    return broadcast_object(path, info)
+
+
+def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Parts) -> Optional[Path]:
+    existing = ckpt.list_checkpoints(parts.run_dir)
     if cfg.resume == "none":
+        if existing:  # a fresh run would mix its checkpoints with the old run's (and prune them)
+            raise ValueError(
+                f"resume=none but {parts.run_dir}/checkpoints already holds {existing[-1].name}; "
+                "choose a new run_dir (or name), delete that folder, or use resume=auto to continue it"
+            )
         return None
     if cfg.resume != "auto":
-        path = Path(cfg.resume).expanduser()
-        if not (path / "model.pt").is_file():
-            raise FileNotFoundError(f"resume={cfg.resume!r} is not a checkpoint directory (no model.pt inside)")
-        return path
+        return _explicit_checkpoint(Path(cfg.resume).expanduser(), info.world_size)
     path = parts.checkpointer.latest_loadable(info.world_size)
-    if path is None and ckpt.list_checkpoints(parts.run_dir):
+    if path is None and existing:
         raise RuntimeError(
             f"checkpoints exist in {parts.run_dir}/checkpoints but none has rank files for world size "
-            f"{info.world_size}; resume with the original number of ranks, or pass resume=none / a new run_dir"
+            f"{info.world_size}; resume with the original number of ranks, or choose a new run_dir"
+        )
+    return path
+
+
+def _explicit_checkpoint(path: Path, world_size: int) -> Path:
+    missing = [n for n in ["model.pt", "train.pt"] + [f"rank_{r:05d}.pt" for r in range(world_size)]
+               if not (path / n).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"resume={str(path)!r} is not a complete checkpoint for {world_size} rank(s): missing {missing[:4]}; "
+            "point resume at a checkpoints/step_XXXXXXXX folder written with the same number of ranks"
         )
     return path
 
@@ -470,10 +512,6 @@ def _install_signal_handlers(state: State) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, handler)
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") else model
 
 
 class StepBatcher:

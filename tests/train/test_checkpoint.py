@@ -79,3 +79,30 @@ def test_latest_requires_all_rank_files(tmp_path):
     assert c.latest_loadable(world_size=2) is None
     os.remove(tmp_path / "checkpoints" / "step_00000001" / "train.pt")
     assert c.latest_loadable(world_size=1) is None
+
+
+def test_resaving_a_step_never_leaves_it_missing(tmp_path):
+    c = _saver(tmp_path, keep=1)
+    _save(c, 5)
+    _save(c, 5)  # replaced via move-aside, not delete-then-write
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000005"]
+    # a kill right after the move-aside: the next lookup restores the moved-aside copy
+    root = tmp_path / "checkpoints"
+    os.replace(root / "step_00000005", root / ".step_00000005.old")
+    assert c.latest_loadable(world_size=1).name == "step_00000005"
+
+
+def test_a_failed_write_raises_on_every_rank_instead_of_hanging(tmp_path):
+    votes = []
+
+    def agree(ok):  # stands in for the all-reduce: another rank reports failure
+        votes.append(ok)
+        return False if len(votes) == 2 else ok
+
+    c = ckpt.Checkpointer(tmp_path, keep_last=2, rank=1, barrier=lambda: None, agree=agree)
+    (tmp_path / "checkpoints" / ".step_00000001.tmp").mkdir(parents=True)  # rank 0's part
+    import pytest
+
+    with pytest.raises(RuntimeError, match="failed on another rank"):
+        _save(c, 1)
+    assert not ckpt.list_checkpoints(tmp_path)

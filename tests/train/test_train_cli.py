@@ -84,6 +84,17 @@ def test_resume_continues_step_count_and_matches_uninterrupted(tmp_path):
         assert resumed[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-7), (step, resumed, ref)
 
 
+def test_resume_none_into_a_used_run_dir_is_refused(tmp_path):
+    run_dir = tmp_path / "used"
+    run_train(tmp_path, f"run_dir={run_dir}", "steps=1", "eval.tasks=[]")
+    cmd = [sys.executable, str(ROOT / "train.py"), f"data.synthetic_root={tmp_path / 'synthetic'}", *TINY,
+           f"run_dir={run_dir}", "steps=2", "eval.tasks=[]", "resume=none"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(tmp_path), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "resume=none but" in proc.stderr and "step_00000001" in proc.stderr
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000001"]
+
+
 def test_two_process_gloo_run_takes_steps(tmp_path):
     run_dir = tmp_path / "ddp"
     run_train(tmp_path, f"run_dir={run_dir}", "steps=2", "eval.tasks=[]", torchrun_nproc=2)

@@ -8,6 +8,7 @@ or GPU work, with a message naming the key and the fix.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -163,30 +164,53 @@ def validate(cfg: Any, world_size: int) -> None:
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid; choose one of {list(choices)}")
     _validate_batch(cfg.batch, world_size)
-    for key in ("steps", "optim.lr"):
-        if _get(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
-    if cfg.optim.weight_decay < 0 or cfg.optim.grad_clip < 0:
-        raise ConfigError("optim.weight_decay and optim.grad_clip must be >= 0")
-    if cfg.schedule.warmup_steps < 0 or not 0 <= cfg.schedule.warmup_fraction < 1:
-        raise ConfigError("schedule.warmup_steps must be >= 0 and schedule.warmup_fraction in [0, 1)")
-    if cfg.checkpoint.keep_last < 1:
-        raise ConfigError(f"checkpoint.keep_last must be >= 1, got {cfg.checkpoint.keep_last}")
+    _validate_numbers(cfg)
+    _validate_loss(cfg)
     if cfg.data.kind == "wds" and not (cfg.data.shards or cfg.data.sources):
         raise ConfigError("data.kind=wds needs data.shards=/path/{00000..00099}.tar (or data.sources)")
-    if cfg.loss.grad_filter < 0 or (cfg.loss.grad_filter > 0 and (cfg.loss.kind, cfg.loss.impl) not in
-                                    (("clip", "auto"), ("clip", "torch"))):
-        raise ConfigError("loss.grad_filter must be >= 0 and needs loss.kind=clip with loss.impl=auto or torch")
     if cfg.task == "simclr" and (cfg.loss.kind != "nt_xent" or cfg.model.lock_image or cfg.model.lock_text
                                  or len(cfg.eval.tasks)):
         raise ConfigError("task=simclr trains an image tower alone: it needs loss=nt_xent, no model.lock_* "
                           "and eval.tasks=[] (see configs/experiment/simclr_quickstart.yaml)")
-    if cfg.loss.impl == "local" and cfg.loss.kind != "clip":
-        raise ConfigError(f"loss.impl=local is CLIP-only; use auto, torch or triton for loss.kind={cfg.loss.kind}")
-    if cfg.loss.kind == "clip" and cfg.loss.impl == "triton" and cfg.device == "cpu":
-        raise ConfigError("loss.impl=triton needs CUDA; use loss.impl=auto or loss.impl=torch on CPU")
     check_data_config(cfg.data)
     validate_eval(cfg.eval)
+
+
+_POSITIVE = ("steps", "optim.lr", "checkpoint.keep_last", "max_nonfinite")
+_NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps",
+                 "logging.every_n_steps", "checkpoint.every_n_steps")
+
+
+def _validate_numbers(cfg: Any) -> None:
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {_get(cfg, key)}")
+    for key in _NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}")
+    for key, lo, hi in (("schedule.warmup_fraction", 0, 0.999999), ("schedule.min_lr_ratio", 0, 1)):
+        if not lo <= _get(cfg, key) <= hi:
+            raise ConfigError(f"{key} must be in [{lo}, {round(hi)}], got {_get(cfg, key)}")
+
+
+def _validate_loss(cfg: Any) -> None:
+    loss = cfg.loss
+    if loss.grad_filter < 0 or (loss.grad_filter > 0 and (loss.kind, loss.impl) not in
+                                (("clip", "auto"), ("clip", "torch"))):
+        raise ConfigError("loss.grad_filter must be >= 0 and needs loss.kind=clip with loss.impl=auto or torch")
+    if loss.impl == "local" and loss.kind != "clip":
+        raise ConfigError(f"loss.impl=local is CLIP-only; use auto, torch or triton for loss.kind={loss.kind}")
+    if loss.kind == "nt_xent" and loss.temperature <= 0:
+        raise ConfigError(f"loss.temperature must be > 0 for loss.kind=nt_xent, got {loss.temperature}")
+    no_cuda = cfg.device == "cpu" or (cfg.device == "auto" and not _cuda_available())
+    if loss.impl == "triton" and no_cuda and not os.environ.get("TRITON_INTERPRET"):
+        raise ConfigError("loss.impl=triton needs CUDA; use loss.impl=auto (Triton on CUDA, PyTorch tiles elsewhere)")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _validate_batch(batch: BatchConfig, world_size: int) -> None:

@@ -53,11 +53,16 @@ def test_wrong_type_is_rejected():
         (["optim.name=sgd"], 1, r"optim.name='sgd'"),
         (["steps=0"], 1, r"steps must be > 0"),
         (["data.kind=wds"], 1, r"data.kind=wds needs data.shards"),
-        (["checkpoint.keep_last=0"], 1, r"checkpoint.keep_last must be >= 1"),
+        (["checkpoint.keep_last=0"], 1, r"checkpoint.keep_last must be > 0"),
         (["loss.impl=triton", "device=cpu"], 1, r"loss.impl=triton needs CUDA"),
+        (["loss.kind=nt_xent", "loss.temperature=0"], 1, r"loss.temperature must be > 0"),
+        (["max_nonfinite=0"], 1, r"max_nonfinite must be > 0"),
+        (["checkpoint.every_n_steps=-1"], 1, r"checkpoint.every_n_steps must be >= 0"),
+        (["schedule.min_lr_ratio=2"], 1, r"schedule.min_lr_ratio must be in \[0, 1\]"),
     ],
 )
-def test_validation_names_key_and_fix(overrides, world, match):
+def test_validation_names_key_and_fix(overrides, world, match, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU Triton only under the interpreter
     cfg = _compose(*overrides)
     with pytest.raises(ConfigError, match=match):
         validate(cfg, world)

@@ -31,7 +31,7 @@ import os
 import torch
 from torch import Tensor
 
-from infclip.loss.siglip import row_blocks
+from infclip.loss.tiled import row_blocks
 from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
@@ -153,9 +153,12 @@ def _ring_backward(f: Tensor, scale: Tensor, lse: Tensor, g_row: Tensor, ops, gr
 
 
 def masked_ops(impl: str, like: Tensor):
-    """NT-Xent tile backend. "auto" stays on the PyTorch tiles until the Triton kernels have
-    been checked on a GPU (they are verified under Triton's interpreter only)."""
-    if impl in ("auto", "torch"):
+    """Tile backend: "auto" is Triton on CUDA (as ``clip_loss``), PyTorch elsewhere. The
+    kernels are verified under Triton's interpreter and compiled for sm_90 in CI, but not yet
+    run on a GPU: ``impl="torch"`` is the fallback."""
+    if impl == "auto":
+        impl = "triton" if like.device.type == "cuda" else "torch"
+    if impl == "torch":
         return TorchMaskedLSEOps()
     if like.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {like.device}; "
@@ -211,7 +214,7 @@ def nt_xent_loss(features: Tensor, temperature, *, impl: str = "auto", group=Non
     Args:
         features: (2N, D) local rows [view 1 of samples 0..N-1; view 2 of the same samples].
         temperature: > 0, float or 0-d tensor (may require grad); logits = <f_i, f_j> / T.
-        impl: "auto" (= "torch" for now), "torch" (tiled), "triton" (fused kernels; CUDA, or
+        impl: "auto" (Triton on CUDA, else torch), "torch" (tiled), "triton" (fused kernels; CUDA, or
             CPU under TRITON_INTERPRET=1) or "vanilla" (full matrix; one process only).
         group: process group for the ring across ranks, or None.
     Returns:

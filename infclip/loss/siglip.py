@@ -35,19 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype
+from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype, row_blocks
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
-TILE_ELEMENTS = 1 << 24  # cap on one (rows, n) tile buffer: 64 MB fp32, whatever the batch
-
-
-def row_blocks(m: int, n: int, tile: int):
-    """(lo, hi) row ranges of at most ``tile`` rows and at most TILE_ELEMENTS / n rows, so the
-    working set stays O(n) with a fixed constant as the batch grows (n = 2M: 8 rows/tile)."""
-    step = max(1, min(tile, TILE_ELEMENTS // max(n, 1)))
-    return ((lo, min(lo + step, m)) for lo in range(0, m, step))
-
-
 class TorchSigmoidOps:
     """SigLIP tile operations in plain PyTorch, one (tile, n) row block at a time."""
 
@@ -186,7 +176,7 @@ def siglip_loss(image_features: Tensor, text_features: Tensor, logit_scale, logi
             is a positive pair. Used as given (not normalized here), as open_clip does.
         logit_scale: s > 0, 0-d tensor or float (e.g. ``model.logit_scale.exp()``).
         logit_bias: t, 0-d tensor or float (``model.logit_bias``); may require grad.
-        impl: "auto" (= "torch" for now), "torch" (tiled, plain PyTorch), "triton" (fused
+        impl: "auto" (Triton on CUDA, else torch), "torch" (tiled, plain PyTorch), "triton" (fused
             kernels; CUDA, or CPU under TRITON_INTERPRET=1) or "vanilla" (full matrix).
         group: process group for the ring across ranks, or None.
     Returns:
@@ -212,9 +202,12 @@ def siglip_loss(image_features: Tensor, text_features: Tensor, logit_scale, logi
 
 
 def sigmoid_ops(impl: str, like: Tensor):
-    """SigLIP tile backend. "auto" stays on the PyTorch tiles until the Triton kernels have
-    been checked on a GPU (they are verified under Triton's interpreter only)."""
-    if impl in ("auto", "torch"):
+    """Tile backend: "auto" is Triton on CUDA (as ``clip_loss``), PyTorch elsewhere. The
+    kernels are verified under Triton's interpreter and compiled for sm_90 in CI, but not yet
+    run on a GPU: ``impl="torch"`` is the fallback."""
+    if impl == "auto":
+        impl = "triton" if like.device.type == "cuda" else "torch"
+    if impl == "torch":
         return TorchSigmoidOps()
     if like.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {like.device}; "

@@ -37,10 +37,13 @@ class Config:
 
 
 def default_config(k: int) -> Config:
-    """Small tiles under the interpreter; on GPU 64x64 tiles, DC up to 256 (one K chunk at c<=256)."""
+    """Small tiles under the interpreter. On GPU 64x64 tiles, DC = 128 feature columns per
+    program, 8 warps: the largest config that ptxas compiles for sm_90 without register
+    spills in fp32 and bf16 (4 warps or DC = 256 spill; checked in tests/kernels). Untuned:
+    no GPU timing has been done yet."""
     if interpreting():
         return Config(16, 16, 16, 16, 1, 1)
-    return Config(DC=min(256, max(32, 1 << math.ceil(math.log2(k)))))
+    return Config(64, 64, 32, min(128, max(32, 1 << math.ceil(math.log2(k)))), num_warps=8, num_stages=3)
 
 
 class TritonSigmoidOps:

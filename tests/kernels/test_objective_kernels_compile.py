@@ -1,6 +1,7 @@
 """The SigLIP / NT-Xent Triton kernels compile for sm_90 (H100/H200) with the launch configs,
-ahead of time and without a GPU: catches what Triton's interpreter accepts but the compiler
-does not (dtypes, dot shapes, shared memory). Runs in a subprocess without TRITON_INTERPRET."""
+ahead of time and without a GPU, and ptxas reports no register spills: catches what Triton's
+interpreter accepts but the compiler does not (dtypes, dot shapes, shared memory, registers).
+Runs in a subprocess without TRITON_INTERPRET."""
 
 from __future__ import annotations
 
@@ -14,18 +15,21 @@ import pytest
 K = 520  # not a multiple of BK: the masked-K loads
 
 
-def _ptxas() -> bool:
+def _ptxas_path() -> Path:
     import triton
 
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
-@pytest.mark.skipif(not _ptxas(), reason="this triton wheel ships no ptxas (non-Linux)")
-def test_kernels_compile_for_sm90():
+@pytest.mark.skipif(not _ptxas_path().exists(), reason="this triton wheel ships no ptxas (non-Linux)")
+def test_kernels_compile_for_sm90_without_spills(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PTX_DIR"] = str(tmp_path)
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert proc.stdout.count("compiled") == 4, proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("compiled")]
+    assert len(lines) == 4, proc.stdout
+    assert all("0 bytes spill stores" in line for line in lines), "register spills:\n" + "\n".join(lines)
 
 
 def _compile(fn, dtype: str, consts: dict, cfg) -> None:
@@ -44,9 +48,14 @@ def _compile(fn, dtype: str, consts: dict, cfg) -> None:
     names = fn.arg_names
     src = ASTSource(fn=fn, signature={n: kind(n) for n in names},
                     constexprs={(names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    print("compiled", fn.__name__, dtype, flush=True)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    ptx = Path(os.environ["PTX_DIR"]) / f"{fn.__name__}_{dtype}.ptx"
+    ptx.write_text(kernel.asm["ptx"])
+    info = subprocess.run([str(_ptxas_path()), "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                          capture_output=True, text=True, check=True).stderr
+    spills = [line.strip() for line in info.splitlines() if "spill" in line]
+    print("compiled", fn.__name__, dtype, *spills, flush=True)
 
 
 def _main() -> None:

@@ -36,7 +36,7 @@ import math
 import torch
 from torch import Tensor
 
-from infclip.loss.siglip import row_blocks
+from infclip.loss.tiled import row_blocks
 from infclip.loss.tiled import TorchTileOps, _acc_dtype
 
 

@@ -20,6 +20,14 @@ import torch
 from torch import Tensor
 
 DEFAULT_TILE = 1024
+TILE_ELEMENTS = 1 << 24  # cap on one (rows, n) tile buffer: 64 MB fp32, whatever the batch
+
+
+def row_blocks(m: int, n: int, tile: int):
+    """(lo, hi) row ranges of at most ``tile`` rows and at most TILE_ELEMENTS / n rows, so the
+    working set stays O(n) with a fixed constant as the batch grows (n = 2M: 8 rows/tile)."""
+    step = max(1, min(tile, TILE_ELEMENTS // max(n, 1)))
+    return ((lo, min(lo + step, m)) for lo in range(0, m, step))
 
 
 def _acc_dtype(t: Tensor) -> torch.dtype:
@@ -50,8 +58,7 @@ class TorchTileOps:
         s = scale.to(acc)
         row_lse = torch.empty(m, dtype=acc, device=img.device)
         col_lse = torch.full((n,), float("-inf"), dtype=acc, device=img.device)
-        for lo in range(0, m, self.tile):
-            hi = min(lo + self.tile, m)
+        for lo, hi in row_blocks(m, n, self.tile):
             # -- compute tile --: (t, n) logits of one row block, fp32.
             x = s * (img[lo:hi].to(acc) @ txt32.T)
             row_lse[lo:hi] = torch.logsumexp(x, dim=1)
@@ -81,8 +88,7 @@ class TorchTileOps:
         if dtxt is None:
             dtxt = torch.zeros(n, c, dtype=acc, device=img.device)
         dscale = torch.zeros((), dtype=acc, device=img.device)
-        for lo in range(0, m, self.tile):
-            hi = min(lo + self.tile, m)
+        for lo, hi in row_blocks(m, n, self.tile):
             img32 = img[lo:hi].to(acc)
             dot = img32 @ txt32.T  # (t, n) <I_i, T_j>
             x = s * dot

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from infclip.loss import clip_loss  # noqa: E402
+from infclip.loss.reference import vanilla_loss  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLS = ["vanilla", "local", "torch", "triton"]
@@ -215,3 +216,19 @@ def test_row_dot_chunks_match_direct(monkeypatch):
         assert ga.dtype == dtype
         torch.testing.assert_close(ga, (g[:, None] * b.float()).to(dtype))
         torch.testing.assert_close(gb, (g[:, None] * a.float()).to(dtype))
+
+
+def test_torch_tiles_capped_by_tile_elements(monkeypatch):
+    """The PyTorch tiles shrink with n (fixed working set) and the loss is unchanged."""
+    import infclip.loss.tiled as tiled
+
+    monkeypatch.setattr(tiled, "TILE_ELEMENTS", 40)  # n = 13 -> 3 rows per tile
+    g = torch.Generator().manual_seed(11)
+    img = torch.randn(13, 24, generator=g, dtype=torch.float64, requires_grad=True)
+    txt = torch.randn(13, 24, generator=g, dtype=torch.float64, requires_grad=True)
+    s = torch.tensor(4.0, dtype=torch.float64, requires_grad=True)
+    ref = vanilla_loss(img, txt, s)
+    ours = clip_loss(img, txt, s, impl="torch")
+    assert torch.allclose(ours, ref, rtol=1e-12)
+    for a, b in zip(torch.autograd.grad(ours, (img, txt, s)), torch.autograd.grad(ref, (img, txt, s))):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)

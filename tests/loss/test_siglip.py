@@ -85,10 +85,10 @@ def test_small_tiles_and_odd_shapes_equal_one_tile():
 
 def test_row_blocks_capped_by_tile_elements(monkeypatch):
     """Rows per tile shrink as n grows (fixed working set); the result is unchanged."""
-    import infclip.loss.siglip as siglip
+    import infclip.loss.tiled as tiled
 
-    assert [hi - lo for lo, hi in siglip.row_blocks(10, 2**23, 1024)] == [2] * 5
-    monkeypatch.setattr(siglip, "TILE_ELEMENTS", 40)  # n = 13 -> 3 rows per tile
+    assert [hi - lo for lo, hi in tiled.row_blocks(10, 2**23, 1024)] == [2] * 5
+    monkeypatch.setattr(tiled, "TILE_ELEMENTS", 40)  # n = 13 -> 3 rows per tile
     img, txt, s, t = batch(13, 6, seed=8)
     assert_close(ours_grads(img, txt, s, t), open_clip_grads(img, txt, s, t), 1e-5, "capped tiles")
 

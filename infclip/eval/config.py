@@ -44,7 +44,7 @@ class EvalTaskConfig:
     # or None: <root>/zeroshot_classification_templates.txt if present, else "openai_imagenet".
     templates: Optional[str] = None
     every_n_steps: int = 0  # during training: run when step % n == 0 (0: only at the end)
-    max_samples: Optional[int] = None  # evaluate on the first N images only (None: all)
+    max_samples: Optional[int] = None  # evaluate N images only (ImageFolder: spread over classes; None: all)
 
 
 @dataclass

@@ -189,6 +189,14 @@ class ZeroShotData:
     templates: list[Callable[[str], str]]
 
 
+def _evenly_spaced(n: int, k: Optional[int]) -> list[int]:
+    """Indices of ``k`` items spread over ``n`` (all when k is None or >= n): a class-sorted
+    list keeps every class represented instead of only the first few."""
+    if k is None or k >= n:
+        return list(range(n))
+    return [i * n // k for i in range(k)]
+
+
 def load_zeroshot(task: EvalTaskConfig, transform: Callable, index: Optional[int] = None) -> ZeroShotData:
     """Open a zero-shot task's dataset (no image is decoded here)."""
     folder_names = None
@@ -196,9 +204,11 @@ def load_zeroshot(task: EvalTaskConfig, transform: Callable, index: Optional[int
         if not os.path.isdir(task.root):
             raise DataError(f"{_where(task, index, 'root')}={task.root!r} does not exist")
         refs, labels = wds_samples(task, index)
+        refs, labels = refs[: task.max_samples], labels[: task.max_samples]  # shards mix classes
     else:
         refs, labels, folder_names = imagefolder_samples(task, index)
-    refs, labels = refs[: task.max_samples], labels[: task.max_samples]
+        keep = _evenly_spaced(len(refs), task.max_samples)  # folders are sorted by class
+        refs, labels = [refs[i] for i in keep], [labels[i] for i in keep]
     if not refs:
         raise DataError(f"{_where(task, index, 'root')}={task.root!r}: the dataset is empty "
                         f"(no image with a label in split {task.split!r})")

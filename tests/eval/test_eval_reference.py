@@ -112,3 +112,12 @@ def test_autocast_factory_wraps_the_encoders(synthetic, micro):
     cfg = EvalConfig(tasks=[task], batch_size=16, workers=0)
     run_evals(model, tokenizer, preprocess, cfg, step=0, final=True, device="cpu", autocast=autocast)
     assert len(entered) == 1 + 4  # 10 images in one batch, 50 captions in 4
+
+
+def test_max_samples_spreads_over_classes_in_an_imagefolder():
+    from infclip.eval.data import _evenly_spaced
+
+    labels = [c for c in range(10) for _ in range(5)]  # class-sorted, as an ImageFolder lists them
+    picked = {labels[i] for i in _evenly_spaced(len(labels), 10)}
+    assert picked == set(range(10))
+    assert _evenly_spaced(7, None) == list(range(7)) and _evenly_spaced(7, 9) == list(range(7))

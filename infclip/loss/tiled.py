@@ -35,6 +35,20 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+# Softmax entries below exp(-80) (~2e-35) are flushed to exact zeros in fp32: left alone they
+# and their products with the upstream gradient become denormals, which CPUs process ~100x
+# slower (a peaked softmax would stall the CPU path). fp64 (the tests' ground truth) keeps all.
+_EXP_FLOOR = -80.0
+
+
+def _softmax_entries(x: Tensor, lse: Tensor) -> Tensor:
+    """exp(x - lse), with entries below exp(_EXP_FLOOR) exactly zero for fp32."""
+    d = x - lse
+    if d.dtype != torch.float64:
+        d.masked_fill_(d < _EXP_FLOOR, float("-inf"))
+    return torch.exp(d)
+
+
 class TorchTileOps:
     """Tile operations in plain PyTorch (any device), fp32 accumulation (fp64 for fp64 inputs).
 
@@ -93,8 +107,8 @@ class TorchTileOps:
             dot = img32 @ txt32.T  # (t, n) <I_i, T_j>
             x = s * dot
             # -- compute tile --: dX from both softmax directions.
-            dx = g_row[lo:hi, None] * torch.exp(x - row_lse[lo:hi, None])
-            dx += g_col[None, :] * torch.exp(x - col_lse[None, :])
+            dx = g_row[lo:hi, None] * _softmax_entries(x, row_lse[lo:hi, None])
+            dx += g_col[None, :] * _softmax_entries(x, col_lse[None, :])
             dscale += (dx * dot).sum()
             dimg[lo:hi] += s * (dx @ txt32)
             dtxt += s * (dx.T @ img32)

@@ -24,7 +24,7 @@ from torch import Tensor
 from infclip.loss.function import lse_pair
 from infclip.loss.reference import vanilla_loss
 from infclip.loss.ring import global_mean_loss
-from infclip.loss.tiled import TorchTileOps, row_dot
+from infclip.loss.tiled import TorchTileOps
 
 IMPLS = ("auto", "vanilla", "local", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -126,12 +126,10 @@ def _world(group) -> int:
 
 
 def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> Tensor:
-    """Local-rows loss from the two LSE vectors and the (local) diagonal."""
-    row_lse, col_lse = lse_pair(img, txt, scale, ops, group)
-    acc = torch.float64 if img.dtype == torch.float64 else torch.float32
-    diag = scale.to(acc) * row_dot(img, txt)  # chunked: no fp32 (b, c) copies of the inputs
-    loss = 0.5 * (row_lse.to(acc).mean() + col_lse.to(acc).mean()) - diag.mean()
-    return loss if acc == torch.float64 else loss.float()
+    """Local-rows loss from the two LSE vectors and the (local) positives, one autograd node."""
+    row_lse, col_lse, pos = lse_pair(img, txt, scale, ops, group)
+    loss = 0.5 * (row_lse.mean() + col_lse.mean()) - pos.mean()
+    return loss if loss.dtype == torch.float64 else loss.float()
 
 
 # Other objectives on the same tiled engine (issue 9). Imported last: they use the helpers above.

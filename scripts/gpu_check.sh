@@ -21,4 +21,5 @@ spec="$shards/{00000..$(printf %05d $((n - 1)))}.tar"
 $py train.py experiment=vit_b32_laion "data.shards='$spec'" data.resampled=true data.workers=14 \
     batch.global_size=8192 batch.micro_size=1024 memory.offload=true steps=30 \
     schedule.warmup_fraction=0.1 logging.every_n_steps=5 logging.wandb_mode=disabled \
-    checkpoint.every_n_steps=0 eval.tasks=[] run_dir="$OUT/run_vit_b32" 2>&1 | tee "$OUT/train_vit_b32.txt"
+    checkpoint.every_n_steps=0 eval.tasks=[] run_dir=/tmp/run_vit_b32 2>&1 | tee "$OUT/train_vit_b32.txt"
+cp /tmp/run_vit_b32/metrics.jsonl "$OUT/train_vit_b32_metrics.jsonl"

@@ -16,7 +16,6 @@ gradient average is exactly the single-process step on the global batch.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor
@@ -24,7 +23,7 @@ from torch import Tensor
 from infclip.loss.function import lse_pair
 from infclip.loss.reference import vanilla_loss
 from infclip.loss.ring import global_mean_loss
-from infclip.loss.tiled import TorchTileOps
+from infclip.loss.tiled import TorchTileOps, pick_backend
 
 IMPLS = ("auto", "vanilla", "local", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -63,19 +62,14 @@ def _check_inputs(img: Tensor, txt: Tensor, scale: Tensor) -> None:
 
 
 def tile_ops(impl: str, device: torch.device, *, fp32_precision: str = "ieee"):
-    """The tile-operation backend for ``impl`` ("torch" or "triton"; "auto" picks by device)."""
-    if impl == "auto":
-        impl = "triton" if device.type == "cuda" else "torch"
-    if impl == "torch":
-        return TorchTileOps()
-    if impl == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {device}; "
-                             "use impl='torch' or 'auto'")
+    """The CLIP tile-operation backend for ``impl`` ("torch" or "triton"; "auto" picks by device)."""
+
+    def triton_ops():
         from infclip.kernels.clip import TritonTileOps
 
         return TritonTileOps(fp32_precision=fp32_precision)
-    raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
+
+    return pick_backend(impl, device, TorchTileOps, triton_ops)
 
 
 def clip_loss(

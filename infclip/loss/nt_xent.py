@@ -26,13 +26,11 @@ the losses)/d(local features); the temperature gradient is this rank's part.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import Tensor
 
-from infclip.loss.tiled import row_blocks
-from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype
+from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype, pick_backend, row_blocks
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
 
@@ -156,16 +154,13 @@ def masked_ops(impl: str, like: Tensor):
     """Tile backend: "auto" is Triton on CUDA (as ``clip_loss``), PyTorch elsewhere. The
     kernels are verified under Triton's interpreter and compiled for sm_90 in CI, but not yet
     run on a GPU: ``impl="torch"`` is the fallback."""
-    if impl == "auto":
-        impl = "triton" if like.device.type == "cuda" else "torch"
-    if impl == "torch":
-        return TorchMaskedLSEOps()
-    if like.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {like.device}; "
-                         "use impl='torch' or 'auto'")
-    from infclip.kernels.nt_xent import TritonMaskedLSEOps
 
-    return TritonMaskedLSEOps()
+    def triton_ops():
+        from infclip.kernels.nt_xent import TritonMaskedLSEOps
+
+        return TritonMaskedLSEOps()
+
+    return pick_backend(impl, like.device, TorchMaskedLSEOps, triton_ops)
 
 
 def positives(rows: int, device=None) -> Tensor:

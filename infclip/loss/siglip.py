@@ -29,13 +29,12 @@ global mean loss). open_clip's distributed ``SigLipLoss`` produces the same grad
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype, row_blocks
+from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype, pick_backend, row_blocks
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
 class TorchSigmoidOps:
@@ -205,16 +204,13 @@ def sigmoid_ops(impl: str, like: Tensor):
     """Tile backend: "auto" is Triton on CUDA (as ``clip_loss``), PyTorch elsewhere. The
     kernels are verified under Triton's interpreter and compiled for sm_90 in CI, but not yet
     run on a GPU: ``impl="torch"`` is the fallback."""
-    if impl == "auto":
-        impl = "triton" if like.device.type == "cuda" else "torch"
-    if impl == "torch":
-        return TorchSigmoidOps()
-    if like.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {like.device}; "
-                         "use impl='torch' or 'auto'")
-    from infclip.kernels.siglip import TritonSigmoidOps
 
-    return TritonSigmoidOps()
+    def triton_ops():
+        from infclip.kernels.siglip import TritonSigmoidOps
+
+        return TritonSigmoidOps()
+
+    return pick_backend(impl, like.device, TorchSigmoidOps, triton_ops)
 
 
 def _distributed_reference(img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, group) -> Tensor:

@@ -16,6 +16,8 @@ O(tile * n) for the block plus O(m + n) vectors; the full matrix never exists.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -28,6 +30,22 @@ def row_blocks(m: int, n: int, tile: int):
     working set stays O(n) with a fixed constant as the batch grows (n = 2M: 8 rows/tile)."""
     step = max(1, min(tile, TILE_ELEMENTS // max(n, 1)))
     return ((lo, min(lo + step, m)) for lo in range(0, m, step))
+
+
+def pick_backend(impl: str, device: torch.device, torch_ops, triton_ops):
+    """The tile backend for ``impl``: "auto" is Triton on CUDA and PyTorch elsewhere; "triton"
+    off CUDA only under Triton's interpreter (TRITON_INTERPRET=1, the CPU tests).
+    ``torch_ops`` / ``triton_ops`` are zero-argument factories (Triton is imported lazily)."""
+    if impl == "auto":
+        impl = "triton" if device.type == "cuda" else "torch"
+    if impl == "torch":
+        return torch_ops()
+    if impl != "triton":
+        raise ValueError(f"impl={impl!r} has no tile backend; choose 'auto', 'torch' or 'triton'")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {device}; "
+                         "use impl='torch' or 'auto'")
+    return triton_ops()
 
 
 def _acc_dtype(t: Tensor) -> torch.dtype:

@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from infclip.loss.tiled import _acc_dtype
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -142,16 +144,13 @@ def check_equal_shapes(img: Tensor, txt: Tensor, scale: Tensor, group) -> None:
         )
 
 
-def _acc_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _post_step(ring, k: int, blocks: list[Tensor], bufs: list, acc_out, new_acc):
     """Posts the transfers of step k, before its tile runs.
 
     ``blocks`` (the block of rank r-k) go to r+1 into the alternate receive buffers, except
     at the last step; from step 1 on, ``acc_out`` (the accumulator finished at step k-1) goes
-    to r+1 and the accumulator of block r-k arrives from r-1 into ``new_acc()``.
+    to r+1 and the accumulator of block r-k arrives from r-1 into ``new_acc()`` (no
+    accumulator travels when ``new_acc`` is None).
     Returns (works, the blocks of the next step or None, the arriving accumulator or None).
     """
     sends, recvs, nxt, acc_in = [], [], None, None
@@ -161,7 +160,7 @@ def _post_step(ring, k: int, blocks: list[Tensor], bufs: list, acc_out, new_acc)
         nxt = bufs[k % 2]
         sends += blocks
         recvs += nxt
-    if k > 0:
+    if k > 0 and new_acc is not None:
         acc_in = new_acc()
         sends.append(acc_out)
         recvs.append(acc_in)

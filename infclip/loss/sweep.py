@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from infclip.loss.ring import Ring, _home, _Pool
+from infclip.loss.ring import Ring, _home, _Pool, _post_step
 
 Tile = Callable[[int, list[Tensor], Optional[Tensor]], None]
 
@@ -43,18 +43,8 @@ def ring_sweep(ring: Ring, blocks: list[Tensor], tile: Tile,
     bufs: list[list[Tensor]] = []  # two alternating receive buffer sets
     out = None  # accumulator of the block computed at the previous step
     for k in range(ring.world):
-        sends, recvs, nxt, acc_in = [], [], None, None
-        if k < ring.world - 1:
-            if len(bufs) < 2:
-                bufs.append([torch.empty_like(b) for b in blocks])
-            nxt = bufs[k % 2]
-            sends += blocks
-            recvs += nxt
-        if pool is not None and k > 0:
-            acc_in = pool.take(zero=False)
-            sends.append(out)
-            recvs.append(acc_in)
-        works = ring.post(sends, recvs)
+        new_acc = None if pool is None else (lambda: pool.take(zero=False))
+        works, nxt, acc_in = _post_step(ring, k, blocks, bufs, out, new_acc)
         # -- compute tile -- against the block of rank r-k while the transfers are in flight.
         part = None if pool is None else pool.take(zero=True)
         tile(k, blocks, part)

@@ -55,7 +55,7 @@ def lr_factor(step: int, total: int, warmup: int, kind: str, min_ratio: float) -
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int):
     """``cfg`` is a ScheduleConfig; stepping once per optimizer step."""
-    warmup = cfg.warmup_steps or int(cfg.warmup_fraction * total_steps)
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_fraction * total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total_steps, warmup, cfg.kind, cfg.min_lr_ratio)
     )

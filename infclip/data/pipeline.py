@@ -118,7 +118,7 @@ class TrainData:
         # (the workers' seeds come from mix_seed, not from the loader's base seed).
         return DataLoader(dataset, batch_size=None, num_workers=self.workers,
                           pin_memory=self.pin_memory, persistent_workers=False,
-                          prefetch_factor=2 if self.workers else None, worker_init_fn=_ignore_stop_signals,
+                          prefetch_factor=2 if self.workers else None, worker_init_fn=ignore_stop_signals,
                           generator=torch.Generator().manual_seed(self.spec.seed))
 
     def skip_counts(self) -> dict[str, int]:
@@ -149,7 +149,7 @@ class TrainData:
         self._skips = Counter(state.get("skips", {}))
 
 
-def _ignore_stop_signals(worker_id: int) -> None:
+def ignore_stop_signals(worker_id: int) -> None:
     """Slurm and torchrun signal every process of a job (cgroup / process group), so the
     workers get the trainer's SIGTERM/SIGUSR1 too. By default they would die (torch re-raises
     a SIGTERM that did not come from the parent), and the trainer's SIGCHLD check would then

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
+from infclip.data.pipeline import ignore_stop_signals
 from infclip.eval.data import ImageList
 
 
@@ -96,8 +97,10 @@ def encode_images(model, images: ImageList, indices: Sequence[int], on_device: O
     """Normalized image embeddings of ``images[indices]`` in that order: (len(indices), d) fp32."""
     if len(indices) == 0:
         return torch.zeros(0, 0, device=rt.device)
+    # Own generator: the global RNG stays untouched. Workers ignore SIGTERM/SIGUSR1 like the
+    # training loader's, so a preemption signal during an eval lets the trainer checkpoint.
     loader = DataLoader(Subset(images, list(indices)), batch_size=batch_size, num_workers=workers,
-                        shuffle=False, generator=torch.Generator())  # own generator: global RNG untouched
+                        shuffle=False, generator=torch.Generator(), worker_init_fn=ignore_stop_signals)
     out = []
     for batch, _, _ in loader:
         batch = batch.to(rt.device, non_blocking=True)

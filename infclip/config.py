@@ -23,7 +23,7 @@ class ModelConfig:
     name: str = "infclip-tiny"  # any open_clip model name (or one of infclip/model_configs/*.json)
     config_file: Optional[str] = None  # custom open_clip JSON model config; registered under its stem
     pretrained: Optional[str] = None  # open_clip pretrained tag or a local checkpoint file
-    image_pretrained: Optional[str] = None  # LiT: checkpoint/tag for the image tower only
+    image_pretrained: Optional[str] = None  # LiT: a local checkpoint file with weights for the image tower only
     lock_image: bool = False  # LiT: freeze the image tower (eval mode, no optimizer state)
     lock_image_unlocked_groups: int = 0  # LiT: last N layer groups of the image tower stay trainable
     lock_text: bool = False  # freeze the text tower

@@ -30,20 +30,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype, pick_backend, row_blocks
+from infclip.loss.tiled import RowTiledOps, _acc_dtype, pick_backend, row_blocks
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
 
 
-class TorchMaskedLSEOps:
+class TorchMaskedLSEOps(RowTiledOps):
     """Row LSEs of a self-similarity block pair in plain PyTorch, one row block at a time."""
-
-    name = "torch"
-
-    def __init__(self, tile: int = DEFAULT_TILE):
-        if tile < 1:
-            raise ValueError(f"tile must be >= 1, got {tile}")
-        self.tile = tile
 
     @staticmethod
     def _logits(a: Tensor, b32: Tensor, lo: int, hi: int, s: Tensor, mask_diag: bool):

@@ -34,18 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infclip.loss.tiled import DEFAULT_TILE, _acc_dtype, pick_backend, row_blocks
+from infclip.loss.tiled import RowTiledOps, _acc_dtype, pick_backend, row_blocks
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
-class TorchSigmoidOps:
+class TorchSigmoidOps(RowTiledOps):
     """SigLIP tile operations in plain PyTorch, one (tile, n) row block at a time."""
-
-    name = "torch"
-
-    def __init__(self, tile: int = DEFAULT_TILE):
-        if tile < 1:
-            raise ValueError(f"tile must be >= 1, got {tile}")
-        self.tile = tile
 
     def _signed(self, img: Tensor, txt32: Tensor, lo: int, hi: int, s: Tensor, t: Tensor, diag: bool):
         """(dot, zx) of rows lo:hi: dot_ij = <I_i, T_j>, zx_ij = z_ij * (s dot_ij + t)."""

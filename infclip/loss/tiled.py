@@ -67,13 +67,9 @@ def _softmax_entries(x: Tensor, lse: Tensor) -> Tensor:
     return torch.exp(d)
 
 
-class TorchTileOps:
-    """Tile operations in plain PyTorch (any device), fp32 accumulation (fp64 for fp64 inputs).
-
-    ``forward`` returns LSEs over *this block pair only*; callers that combine blocks
-    (the ring) merge partial LSEs with ``torch.logaddexp``. ``backward`` takes the final
-    (global) LSEs and accumulates into ``dimg``/``dtxt`` when they are given.
-    """
+class RowTiledOps:
+    """Base of the plain-PyTorch tile backends: they visit a block pair ``tile`` rows at a time
+    (see ``row_blocks``)."""
 
     name = "torch"
 
@@ -81,6 +77,15 @@ class TorchTileOps:
         if tile < 1:
             raise ValueError(f"tile must be >= 1, got {tile}")
         self.tile = tile
+
+
+class TorchTileOps(RowTiledOps):
+    """Tile operations in plain PyTorch (any device), fp32 accumulation (fp64 for fp64 inputs).
+
+    ``forward`` returns LSEs over *this block pair only*; callers that combine blocks
+    (the ring) merge partial LSEs with ``torch.logaddexp``. ``backward`` takes the final
+    (global) LSEs and accumulates into ``dimg``/``dtxt`` when they are given.
+    """
 
     def forward(self, img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
         """Returns (row_lse (m,), col_lse (n,)), fp32, over the block pair (img, txt)."""

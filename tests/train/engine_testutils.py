@@ -87,3 +87,12 @@ def assert_grads_close(a: dict, b: dict, atol: float = 1e-5, rtol: float = 1e-5)
     assert a.keys() == b.keys(), f"different parameters got gradients: {a.keys() ^ b.keys()}"
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+def spawn_ranks(worker, tmp_dir, world: int) -> dict:
+    """Runs ``worker(rank, init_file, out_file)`` on ``world`` gloo processes; rank 0's saved results."""
+    import torch.multiprocessing as mp
+
+    out = tmp_dir / "rank0.pt"
+    mp.spawn(worker, args=(str(tmp_dir / "init"), str(out)), nprocs=world, join=True)
+    return torch.load(out)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from engine_testutils import assert_grads_close, batch, config, engine_for, reference_grads, tiny_clip
+from engine_testutils import (
+    assert_grads_close, batch, config, engine_for, reference_grads, spawn_ranks, tiny_clip,
+)
 
 from infclip.config import LossConfig
 from infclip.loss import build_loss
@@ -45,10 +46,7 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp_objectives")
-    out = tmp / "rank0.pt"
-    mp.spawn(_worker, args=(str(tmp / "init"), str(out)), nprocs=WORLD, join=True)
-    return torch.load(out)
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("ddp_objectives"), WORLD)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kernels import _dx_strip_kernel, _grad_flat_kernel, _grad_kernel, _lse_fwd_flat_kernel, _lse_fwd_kernel
+from ..launching import cdiv, column_splits, strip_backward
+from .kernels import _dx_strip_kernel, _grad_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
 TUNE_ROWS = 65536  # tuning runs on at most this many rows/columns (same config class)
@@ -37,7 +38,6 @@ class FwdConfig:
     BK: int
     num_warps: int = 4
     num_stages: int = 3
-    flat: bool = False  # one flattened (column tile x K chunk) loop: pipelined across tiles
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,6 @@ class BwdConfig:
     resident: bool
     num_warps: int = 4
     num_stages: int = 3
-    flat: bool = False  # streamed only: one flattened (column tile x K chunk) loop
 
 
 def _dot_f32(t: Tensor) -> bool:
@@ -146,14 +145,10 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
     """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
     dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype. g_d: as in
     ``grad_rows`` (applied to each strip after its product)."""
-    m, k = a.shape
-    n = b.shape[0]
-    rows = max(1, min(rows, m))
-    scratch = alloc(rows, n, device=a.device, dtype=a.dtype)
-    ds_parts = []
-    for r0 in range(0, m, rows):
-        r = min(rows, m - r0)
-        grid = triton_cdiv(r, cfg.BM) * triton_cdiv(n, cfg.BN)
+    k, n = a.shape[1], b.shape[0]
+
+    def fill(r0: int, r: int, scratch: Tensor) -> Tensor:
+        grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
         ds_part = torch.empty(grid, device=a.device, dtype=torch.float32)
         _dx_strip_kernel[(grid,)](
             a, b, scale, lse_a, lse_b, g_a, g_b, scratch, ds_part, r, r0, n, k,
@@ -161,17 +156,12 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, EVEN_K=k % cfg.BK == 0, PREC=prec,
             DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        torch.mm(scratch[:r], b, out=out[r0:r0 + r])
-        if g_d is not None:  # positive pairs: out_i -= s * g_d_i * b_i (square block pair)
-            out[r0:r0 + r] -= ((scale * g_d[r0:r0 + r])[:, None] * b[r0:r0 + r].float()).to(out.dtype)
-        ds_parts.append(ds_part.sum())
-    return torch.stack(ds_parts).sum()
+        return ds_part.sum()
 
+    def positives(r0: int, r: int) -> None:  # out_i -= s * g_d_i * b_i (square block pair)
+        out[r0:r0 + r] -= ((scale * g_d[r0:r0 + r])[:, None] * b[r0:r0 + r].float()).to(out.dtype)
 
-def _target_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return strip_backward(a, b, out, rows, False, fill, alloc, positives if g_d is not None else None)
 
 
 def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
@@ -179,19 +169,16 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
     """(row_lse (M,), col_lse (N,)) fp32 over the block pair (a, b); partial buffers <= 32 MB."""
     m, k = a.shape
     n = b.shape[0]
-    nrb = triton_cdiv(m, cfg.BM)
+    nrb = cdiv(m, cfg.BM)
     chunk = max(cfg.BN, PART_BUDGET_BYTES // (4 * nrb) // cfg.BN * cfg.BN)
     row_lse, col_lse = None, alloc(n, device=a.device, dtype=torch.float32)
     for c0 in range(0, n, chunk):
         c1 = min(c0 + chunk, n)
         length = c1 - c0
-        splits = max(1, min(triton_cdiv(_target_programs(a.device), nrb), triton_cdiv(length, cfg.BN)))
-        per = triton_cdiv(triton_cdiv(length, splits), cfg.BN) * cfg.BN
-        splits = triton_cdiv(length, per)
+        splits, per = column_splits(nrb, length, cfg.BN, a.device)
         row_part = alloc(splits, m, device=a.device, dtype=torch.float32)
         col_part = alloc(nrb, length, device=a.device, dtype=torch.float32)
-        kernel = _lse_fwd_flat_kernel if cfg.flat else _lse_fwd_kernel
-        kernel[(nrb, splits)](
+        _lse_fwd_kernel[(nrb, splits)](
             a, b, scale, row_part, col_part, m, n, k, a.stride(0), b.stride(0), c0, c1, per, length,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=k % cfg.BK == 0, PREC=prec,
             DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -214,22 +201,15 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     if cfg.resident and cfg.DC < k:
         raise ValueError(f"resident config needs DC >= K, got DC={cfg.DC}, K={k}")
     gnorm = torch.maximum(g_a.abs().max(), g_b.abs().max()).float().clamp_min(1e-30)
-    nrb, ncb = triton_cdiv(m, cfg.BM), triton_cdiv(k, cfg.DC)
+    nrb, ncb = cdiv(m, cfg.BM), cdiv(k, cfg.DC)
     ds_part = torch.empty(nrb * ncb if compute_ds else 1, device=a.device, dtype=torch.float32)
     args = (a, b, scale, gnorm, lse_a, lse_b, g_a, g_b, g_a if g_d is None else g_d, out, ds_part,
             m, n, k, a.stride(0), b.stride(0), out.stride(0))
     meta = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DC=cfg.DC, EVEN_K=k % cfg.BK == 0, ACCUM=accumulate,
                 COMPUTE_DS=compute_ds, HAS_DIAG=g_d is not None, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
-    if cfg.flat:
-        _grad_flat_kernel[(nrb, ncb)](*args, **meta)
-    else:
-        _grad_kernel[(nrb, ncb)](*args, RESIDENT=cfg.resident, **meta)
+    _grad_kernel[(nrb, ncb)](*args, RESIDENT=cfg.resident, **meta)
     return ds_part.sum() if compute_ds else None
-
-
-def triton_cdiv(x: int, y: int) -> int:
-    return (x + y - 1) // y
 
 
 _TUNED: dict[tuple, object] = {}

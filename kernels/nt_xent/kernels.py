@@ -5,55 +5,79 @@ memory), x_ij = s <A_i, B_j>; the pairs with i - j == diag are excluded (the lau
 passes diag = 0 for the own block, where they are the self-similarities, and diag = M + N,
 which matches nothing, for a remote block). Base-2 inside, natural units outside.
 
-Forward (``_masked_lse_fwd_kernel``): program pid_m owns BM rows, sweeps every BN-column
-tile with an online (max, sum) per row: lse_i = LSE_{j, i-j != diag} x_ij.
+Forward (``_masked_lse_fwd_kernel``): program (pid_m, pid_s) owns BM rows and one split of
+the columns, with an online (max, sum) per row: part[pid_s, i] = LSE_{j in split, i-j != diag}
+x_ij (the host merges the splits; splits only fill the GPU at small b).
 
 Backward (``_masked_grad_kernel``): out_i = s * sum_j dX_ij B_j with
 dX_ij = g_k exp(x_ij - lse_k), k = i (LSE_ON_A: the rows of A own the softmax, giving dA)
 or k = j (the columns own it: with A and B swapped this is dB = s dX^T A). Program
 (pid_m, pid_c) owns BM rows and DC feature columns; COMPUTE_DS writes its share of
-ds = sum dX_ij <A_i, B_j>. The logits are recomputed with the CLIP kernels' ``_dot_stream``.
+ds = sum dX_ij <A_i, B_j>. The logits are recomputed with ``tiles.dot_stream``.
+
+Strip backward (``_masked_strip_kernel``): P = s * dX for a strip of rows into a bounded
+scratch (and its ds shares); cuBLAS then forms out[strip] = P @ B
+(``infclip.kernels.launching.strip_backward``).
 """
 
 import triton
 import triton.language as tl
 
-from ..clip.kernels import _dot_stream
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from ..tiles import LN2, LOG2E, col_tile, dot_stream, grouped_tile, row_block, store_rows, store_strip, update_rows
 
 
 @triton.jit
-def _masked_lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, M, N, K, stride_a, stride_b, diag,
+def _masked_dx(x, lse_a, g_a, lse_ptr, g_ptr, j0, c_ld, live, LSE_ON_A: tl.constexpr):
+    """dX = g_k exp(x - lse_k) (base-2 x and lse), k the side that owns the softmax (the rows'
+    vectors lse_a / g_a given, the columns' loaded at j0 + c_ld); zero where not ``live``."""
+    if LSE_ON_A:
+        p = g_a[:, None] * tl.exp2(x - lse_a[:, None])
+    else:
+        lse_b = tl.load(lse_ptr + j0 + c_ld).to(tl.float32) * LOG2E
+        g_b = tl.load(g_ptr + j0 + c_ld).to(tl.float32)
+        p = g_b[None, :] * tl.exp2(x - lse_b[None, :])
+    return tl.where(live, p, 0.0)
+
+
+@triton.jit
+def _row_vectors(lse_ptr, g_ptr, idx, BM: tl.constexpr, LSE_ON_A: tl.constexpr):
+    """(base-2 lse, g) of the rows ``idx`` when the rows own the softmax; zeros otherwise
+    (then lse/g index the columns, and may be shorter than the rows)."""
+    if LSE_ON_A:
+        lse_a = tl.load(lse_ptr + idx).to(tl.float32) * LOG2E
+        g_a = tl.load(g_ptr + idx).to(tl.float32)
+    else:
+        lse_a = tl.zeros((BM,), tl.float32)
+        g_a = tl.zeros((BM,), tl.float32)
+    return lse_a, g_a
+
+
+@triton.jit
+def _masked_lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, part_ptr, M, N, K, stride_a, stride_b, diag,
+                           cols_per_split,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
                            PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """lse[rows] over the unmasked columns (-inf for a row with none)."""
+    """part[pid_s, rows]: LSE over the split's unmasked columns (-inf for a row with none)."""
     pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
     s2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
-    row0 = pid_m * BM
-    r = tl.arange(0, BM)
+    row0, r, row_ok, r_ld, a_blk = row_block(pid_m, M, a_ptr, stride_a, BM)
     rows = row0 + r
-    row_ok = rows < M
-    r_ld = tl.minimum(r, M - 1 - row0)
-    a_blk = a_ptr + row0.to(tl.int64) * stride_a
-    cn = tl.arange(0, BN)
-    stride_b64 = stride_b.to(tl.int64)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
-    for j0 in range(0, N, BN):
-        cols = j0 + cn
-        c_ld = tl.minimum(cn, N - 1 - j0)
+    lo = pid_s * cols_per_split
+    hi = tl.minimum(lo + cols_per_split, N)
+    for j0 in range(lo, hi, BN):
+        cn, col_ok, c_ld, b_blk = col_tile(j0, hi, b_ptr, stride_b, BN)
         # -- compute tile --: masked base-2 logits, online max / rescaled sum.
-        x = _dot_stream(a_blk, b_ptr + j0 * stride_b64, r_ld, c_ld, K, stride_a, stride_b,
-                        BM, BN, BK, EVEN_K, PREC, DOT_F32) * s2
-        live = (cols[None, :] < N) & ((rows[:, None] - cols[None, :]) != diag)
+        x = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32) * s2
+        live = col_ok[None, :] & ((rows[:, None] - (j0 + cn)[None, :]) != diag)
         x = tl.where(live, x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN
         l_i = l_i * tl.exp2(m_i - m_ref) + tl.sum(tl.exp2(x - m_ref[:, None]), 1)
         m_i = m_new
-    tl.store(lse_ptr + rows, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
+    tl.store(part_ptr + pid_s * M + rows, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
 
 
 @triton.jit
@@ -67,50 +91,49 @@ def _masked_grad_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, out_ptr, ds_ptr
     pid_c = tl.program_id(1)
     s = tl.load(scale_ptr).to(tl.float32)
     s2 = s * LOG2E
-    row0 = pid_m * BM
-    r = tl.arange(0, BM)
+    row0, r, row_ok, r_ld, a_blk = row_block(pid_m, M, a_ptr, stride_a, BM)
     rows = row0 + r
-    row_ok = rows < M
-    r_ld = tl.minimum(r, M - 1 - row0)
-    a_blk = a_ptr + row0.to(tl.int64) * stride_a
-    if LSE_ON_A:
-        lse_a = tl.load(lse_ptr + row0 + r_ld).to(tl.float32) * LOG2E
-        g_a = tl.load(g_ptr + row0 + r_ld).to(tl.float32)
+    lse_a, g_a = _row_vectors(lse_ptr, g_ptr, row0 + r_ld, BM, LSE_ON_A)
     d = pid_c * DC + tl.arange(0, DC)
     d_ok = d < K
-    cn = tl.arange(0, BN)
-    stride_b64 = stride_b.to(tl.int64)
     acc = tl.zeros((BM, DC), dtype=tl.float32)
     ds_row = tl.zeros((BM,), dtype=tl.float32)
     for j0 in range(0, N, BN):
-        cols = j0 + cn
-        c_ld = tl.minimum(cn, N - 1 - j0)
-        b_blk = b_ptr + j0 * stride_b64
-        dot = _dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
-        x = dot * s2
+        cn, col_ok, c_ld, b_blk = col_tile(j0, N, b_ptr, stride_b, BN)
+        dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
         # -- compute tile --: dX = g exp(x - lse) of the side that owns the softmax; masked.
-        if LSE_ON_A:
-            p = g_a[:, None] * tl.exp2(x - lse_a[:, None])
-        else:
-            lse_b = tl.load(lse_ptr + j0 + c_ld).to(tl.float32) * LOG2E
-            g_b = tl.load(g_ptr + j0 + c_ld).to(tl.float32)
-            p = g_b[None, :] * tl.exp2(x - lse_b[None, :])
-        live = row_ok[:, None] & (cols[None, :] < N) & ((rows[:, None] - cols[None, :]) != diag)
-        p = tl.where(live, p, 0.0)
+        live = row_ok[:, None] & col_ok[None, :] & ((rows[:, None] - (j0 + cn)[None, :]) != diag)
+        p = _masked_dx(dot * s2, lse_a, g_a, lse_ptr, g_ptr, j0, c_ld, live, LSE_ON_A)
         if COMPUTE_DS:
             ds_row += tl.sum(p * dot, 1)
-        tb = tl.load(b_blk + c_ld[:, None] * stride_b + d[None, :], mask=d_ok[None, :], other=0.0)
-        p = p.to(b_ptr.dtype.element_ty)
-        if DOT_F32:
-            p = p.to(tl.float32)
-            tb = tb.to(tl.float32)
-        acc = tl.dot(p, tb, acc, input_precision=PREC)
+        acc = update_rows(acc, p, b_blk, c_ld, d, d_ok, stride_b, PREC, DOT_F32)
     if COMPUTE_DS:
         ds = tl.where(pid_c == 0, tl.sum(ds_row, 0), 0.0)  # every feature chunk saw all logits
         tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_c, ds)
-    o_ptrs = out_ptr + row0.to(tl.int64) * stride_o + r[:, None] * stride_o + d[None, :]
-    o_mask = row_ok[:, None] & d_ok[None, :]
-    res = acc * s
-    if ACCUM:
-        res += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=o_mask)
+    store_rows(out_ptr, acc * s, row0, r, row_ok, d, d_ok, stride_o, ACCUM)
+
+
+@triton.jit
+def _masked_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, p_ptr, ds_ptr,
+                         R, row_start, N, K, stride_a, stride_b, stride_p, diag,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                         EVEN_K: tl.constexpr, LSE_ON_A: tl.constexpr, PREC: tl.constexpr,
+                         DOT_F32: tl.constexpr):
+    """P[i, j] = s * dX[row_start + i, j] for a strip of R rows (input dtype);
+    ds_part[program] = its share of sum dX_ij <A_i, B_j> from the fp32 dX."""
+    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(pid, R, N, BM, BN, GROUP)
+    s = tl.load(scale_ptr).to(tl.float32)
+    s2 = s * LOG2E
+    r0, r, row_ok, r_ld, a_blk = row_block(pid_m, R, a_ptr + row_start.to(tl.int64) * stride_a, stride_a, BM)
+    j0 = pid_n * BN
+    cn, col_ok, c_ld, b_blk = col_tile(j0, N, b_ptr, stride_b, BN)
+    rows = row_start + r0 + r
+    dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
+    # -- compute tile --: s * dX and its ds share.
+    lse_a, g_a = _row_vectors(lse_ptr, g_ptr, row_start + r0 + r_ld, BM, LSE_ON_A)
+    ok = row_ok[:, None] & col_ok[None, :]
+    live = ok & ((rows[:, None] - (j0 + cn)[None, :]) != diag)
+    p = _masked_dx(dot * s2, lse_a, g_a, lse_ptr, g_ptr, j0, c_ld, live, LSE_ON_A)
+    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * dot, 1), 0))
+    store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)

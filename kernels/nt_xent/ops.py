@@ -4,7 +4,8 @@
         when ``mask_diag`` (a and b are the same block)
     backward(a, b, scale, row_lse, g_row, mask_diag, da=None, db=None)
         -> (da (m,c), db (n,c), dscale 0-d) fp32; accumulates when given.
-Block configs are those of ``infclip.kernels.siglip`` (fixed; small under the interpreter).
+Paths and block configs as ``infclip.kernels.objective.ObjectiveTiles`` (strip backward for
+16-bit CUDA inputs up to b = 64k, the fused kernel otherwise; configs timed once).
 """
 
 from __future__ import annotations
@@ -12,56 +13,77 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..siglip.ops import Config, default_config, interpreting, triton_cdiv
-from .kernels import _masked_grad_kernel, _masked_lse_fwd_kernel
+from ..launching import cdiv, column_splits, strip_backward
+from ..objective import ObjectiveTiles
+from .kernels import _masked_grad_kernel, _masked_lse_fwd_kernel, _masked_strip_kernel
 
 
-class TritonMaskedLSEOps:
-    """Fused Triton NT-Xent tiles: one forward pass (masked row LSE), two backward passes."""
+class TritonMaskedLSEOps(ObjectiveTiles):
+    """Fused Triton NT-Xent tiles: one forward pass (masked row LSE), one backward pass per
+    direction. Args as ``ObjectiveTiles`` (fp32_precision, strips, poison)."""
 
     name = "triton"
-
-    def __init__(self, fp32_precision: str = "ieee", config: Config | None = None):
-        if fp32_precision not in ("ieee", "tf32"):
-            raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got {fp32_precision!r}")
-        self.fp32_precision, self.config = fp32_precision, config
-
-    def _meta(self, a: Tensor):
-        cfg = self.config or default_config(a.shape[1])
-        prec = self.fp32_precision if a.dtype == torch.float32 else "tf32"
-        return dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=a.shape[1] % cfg.BK == 0, PREC=prec,
-                    DOT_F32=interpreting() and a.element_size() == 2, num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages), cfg
+    family = "masked_lse"
 
     def forward(self, a: Tensor, b: Tensor, scale: Tensor, mask_diag: bool) -> Tensor:
         a, b, scale = _prep(a, b, scale)
         m, n, k = a.shape[0], b.shape[0], a.shape[1]
-        meta, cfg = self._meta(a)
-        lse = torch.empty(m, device=a.device, dtype=torch.float32)
-        _masked_lse_fwd_kernel[(triton_cdiv(m, cfg.BM),)](
-            a, b, scale, lse, m, n, k, a.stride(0), b.stride(0), 0 if mask_diag else m + n, **meta)
-        return lse
+        off = 0 if mask_diag else m + n
+
+        def run(cfg, a_, b_):
+            nrb = cdiv(a_.shape[0], cfg.BM)
+            splits, per = column_splits(nrb, b_.shape[0], cfg.BN, a_.device)
+            part = self._alloc(splits, a_.shape[0], device=a_.device, dtype=torch.float32)
+            _masked_lse_fwd_kernel[(nrb, splits)](a_, b_, scale, part, a_.shape[0], b_.shape[0], k, a_.stride(0),
+                                                  b_.stride(0), off, per, **self._meta(cfg, a_))
+            return torch.logsumexp(part, 0)
+
+        if not (m and n):
+            return torch.full((m,), float("-inf"), device=a.device)
+        return run(self._fwd_cfg(a, b, run), a, b)
 
     def backward(self, a: Tensor, b: Tensor, scale: Tensor, row_lse: Tensor, g_row: Tensor, mask_diag: bool,
                  da: Tensor | None = None, db: Tensor | None = None):
         a, b, scale = _prep(a, b, scale)
-        lse, g = row_lse.float().contiguous(), g_row.float().contiguous()
+        vecs = (scale, row_lse.float().contiguous(), g_row.float().contiguous())
         acc_a, acc_b = da is not None, db is not None
-        da = torch.empty(a.shape, device=a.device, dtype=torch.float32) if da is None else da
-        db = torch.empty(b.shape, device=a.device, dtype=torch.float32) if db is None else db
+        da, db = self._out(da, a), self._out(db, b)
         off = 0 if mask_diag else a.shape[0] + b.shape[0]
-        ds = self._grad(a, b, scale, lse, g, da, acc_a, True, off)
-        self._grad(b, a, scale, lse, g, db, acc_b, False, off)
+        ds = self._grad(a, b, vecs, da, acc_a, dict(diag=off, LSE_ON_A=True))
+        self._grad(b, a, vecs, db, acc_b, dict(diag=off, LSE_ON_A=False))
         return da, db, ds
 
-    def _grad(self, a, b, scale, lse, g, out, accumulate, lse_on_a, diag_off):
+    # -- the family's pieces used by ObjectiveTiles._grad --
+
+    @staticmethod
+    def _sub_vecs(vecs, flags, ms: int, ns: int):
+        """The backward's vectors for a (ms, ns) corner of the problem (config timing)."""
+        scale, lse, g = vecs
+        keep = ms if flags["LSE_ON_A"] else ns
+        return scale, lse[:keep], g[:keep]
+
+    def _strips(self, a, b, vecs, out, accumulate, rows, cfg, flags) -> Tensor:
+        scale, lse, g = vecs
+        k, n = a.shape[1], b.shape[0]
+
+        def fill(r0: int, r: int, scratch: Tensor) -> Tensor:
+            grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
+            part = torch.empty(grid, device=a.device, dtype=torch.float32)
+            _masked_strip_kernel[(grid,)](
+                a, b, scale, lse, g, scratch, part, r, r0, n, k, a.stride(0), b.stride(0), scratch.stride(0),
+                flags["diag"], GROUP=cfg.GROUP, LSE_ON_A=flags["LSE_ON_A"], **self._meta(cfg, a))
+            return part.sum()
+
+        return strip_backward(a, b, out, rows, accumulate, fill, self._alloc)
+
+    def _fused(self, a, b, vecs, out, accumulate, cfg, flags) -> Tensor:
+        scale, lse, g = vecs
         m, n, k = a.shape[0], b.shape[0], a.shape[1]
-        meta, cfg = self._meta(a)
-        grid = (triton_cdiv(m, cfg.BM), triton_cdiv(k, cfg.DC))
-        part = torch.empty(grid[0] * grid[1] if lse_on_a else 1, device=a.device, dtype=torch.float32)
+        grid = (cdiv(m, cfg.BM), cdiv(k, cfg.DC))
+        part = torch.empty(grid[0] * grid[1], device=a.device, dtype=torch.float32)
         _masked_grad_kernel[grid](a, b, scale, lse, g, out, part, m, n, k, a.stride(0), b.stride(0),
-                                  out.stride(0), diag_off, DC=cfg.DC, LSE_ON_A=lse_on_a, ACCUM=accumulate,
-                                  COMPUTE_DS=lse_on_a, **meta)
+                                  out.stride(0), flags["diag"], DC=cfg.DC, LSE_ON_A=flags["LSE_ON_A"],
+                                  ACCUM=accumulate, COMPUTE_DS=True, **self._meta(cfg, a))
         return part.sum()
 
 

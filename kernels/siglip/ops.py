@@ -5,106 +5,88 @@
         -> (dimg (m,c), dtxt (n,c), dscale 0-d, dbias 0-d) fp32; accumulates when given.
 ``diag``: the block pair holds the positives on its diagonal (own images x own texts).
 Scale and bias stay on the device (read by the kernels through pointers: no host sync).
-Block configs are fixed (no tuning yet); the interpreter uses small tiles.
+
+Paths and block configs as ``infclip.kernels.objective.ObjectiveTiles`` (strip backward for
+16-bit CUDA inputs up to b = 64k, the fused kernel otherwise; configs timed once).
 """
 
 from __future__ import annotations
 
-import math
-import os
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from .kernels import _sigmoid_fwd_kernel, _sigmoid_grad_kernel
+from ..launching import cdiv, column_splits, strip_backward
+from ..objective import ObjectiveTiles
+from .kernels import _sigmoid_fwd_kernel, _sigmoid_grad_kernel, _sigmoid_strip_kernel
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+class TritonSigmoidOps(ObjectiveTiles):
+    """Fused Triton SigLIP tiles: one forward pass (row sums), one backward pass per direction.
 
-
-@dataclass(frozen=True)
-class Config:
-    """BM rows x BN columns per tile, K streamed in BK chunks, DC output feature columns."""
-
-    BM: int = 64
-    BN: int = 64
-    BK: int = 32
-    DC: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def default_config(k: int) -> Config:
-    """Small tiles under the interpreter. On GPU 64x64 tiles, DC = 128 feature columns per
-    program, 8 warps: the largest config that ptxas compiles for sm_90 without register
-    spills in fp32 and bf16 (4 warps or DC = 256 spill; checked in tests/kernels). Untuned:
-    no GPU timing has been done yet."""
-    if interpreting():
-        return Config(16, 16, 16, 16, 1, 1)
-    return Config(64, 64, 32, min(128, max(32, 1 << math.ceil(math.log2(k)))), num_warps=8, num_stages=3)
-
-
-class TritonSigmoidOps:
-    """Fused Triton SigLIP tiles: one forward pass (row sums), two backward passes (dI, dT).
-
-    Args:
-        fp32_precision: dot precision for float32 inputs: "ieee" (default) or "tf32".
-        config: block sizes (``default_config`` by feature dim when None).
+    Args as ``ObjectiveTiles`` (fp32_precision, strips, poison).
     """
 
     name = "triton"
-
-    def __init__(self, fp32_precision: str = "ieee", config: Config | None = None):
-        if fp32_precision not in ("ieee", "tf32"):
-            raise ValueError(f"fp32_precision must be 'ieee' or 'tf32', got {fp32_precision!r}")
-        self.fp32_precision, self.config = fp32_precision, config
-
-    def _meta(self, a: Tensor) -> dict:
-        cfg = self.config or default_config(a.shape[1])
-        prec = self.fp32_precision if a.dtype == torch.float32 else "tf32"
-        dot_f32 = interpreting() and a.element_size() == 2  # the interpreter's 16-bit dot is wrong
-        return dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=a.shape[1] % cfg.BK == 0, PREC=prec,
-                    DOT_F32=dot_f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages), cfg
+    family = "sigmoid"
 
     def forward(self, img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, diag: bool) -> Tensor:
         img, txt, scale, bias = _prep(img, txt, scale, bias)
         m, n, k = img.shape[0], txt.shape[0], img.shape[1]
-        meta, cfg = self._meta(img)
-        rows = torch.empty(m, device=img.device, dtype=torch.float32)
-        grid = (triton_cdiv(m, cfg.BM),)
-        _sigmoid_fwd_kernel[grid](img, txt, scale, bias, rows, m, n, k, img.stride(0), txt.stride(0),
-                                  0 if diag else m + n, **meta)
-        return rows
+        off = 0 if diag else m + n
+
+        def run(cfg, a, b):
+            nrb = cdiv(a.shape[0], cfg.BM)
+            splits, per = column_splits(nrb, b.shape[0], cfg.BN, a.device)
+            part = self._alloc(splits, a.shape[0], device=a.device, dtype=torch.float32)
+            _sigmoid_fwd_kernel[(nrb, splits)](a, b, scale, bias, part, a.shape[0], b.shape[0], k, a.stride(0),
+                                               b.stride(0), off, per, **self._meta(cfg, a))
+            return part.sum(0)
+
+        return run(self._fwd_cfg(img, txt, run), img, txt) if m and n else torch.zeros(m, device=img.device)
 
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, g_row: Tensor, diag: bool,
                  dimg: Tensor | None = None, dtxt: Tensor | None = None):
         img, txt, scale, bias = _prep(img, txt, scale, bias)
         g = g_row.float().contiguous()
         acc_i, acc_t = dimg is not None, dtxt is not None
-        dimg = torch.empty(img.shape, device=img.device, dtype=torch.float32) if dimg is None else dimg
-        dtxt = torch.empty(txt.shape, device=img.device, dtype=torch.float32) if dtxt is None else dtxt
+        dimg = self._out(dimg, img)
+        dtxt = self._out(dtxt, txt)
         off = 0 if diag else img.shape[0] + txt.shape[0]
-        part = self._grad(img, txt, scale, bias, g, dimg, acc_i, True, off, True)
-        self._grad(txt, img, scale, bias, g, dtxt, acc_t, False, off, False)
-        ds, db = part.view(-1, 2).sum(0)
-        return dimg, dtxt, ds, db
+        part = self._grad(img, txt, (scale, bias, g), dimg, acc_i, dict(diag=off, G_ON_A=True))
+        self._grad(txt, img, (scale, bias, g), dtxt, acc_t, dict(diag=off, G_ON_A=False))
+        return dimg, dtxt, part[0], part[1]
 
-    def _grad(self, a, b, scale, bias, g, out, accumulate, g_on_a, diag_off, compute_ds):
-        """out (+)= s dX @ b for the rows of a; returns the (programs, 2) (ds, dt) shares."""
+    # -- the family's pieces used by ObjectiveTiles._grad --
+
+    @staticmethod
+    def _sub_vecs(vecs, flags, ms: int, ns: int):
+        """The backward's vectors for a (ms, ns) corner of the problem (config timing)."""
+        scale, bias, g = vecs
+        return scale, bias, g[:ms] if flags["G_ON_A"] else g[:ns]
+
+    def _strips(self, a, b, vecs, out, accumulate, rows, cfg, flags) -> Tensor:
+        scale, bias, g = vecs
+        k, n = a.shape[1], b.shape[0]
+
+        def fill(r0: int, r: int, scratch: Tensor) -> Tensor:
+            grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
+            part = torch.empty(2 * grid, device=a.device, dtype=torch.float32)
+            _sigmoid_strip_kernel[(grid,)](
+                a, b, scale, bias, g, scratch, part, r, r0, n, k, a.stride(0), b.stride(0), scratch.stride(0),
+                flags["diag"], GROUP=cfg.GROUP, G_ON_A=flags["G_ON_A"], **self._meta(cfg, a))
+            return part.view(-1, 2).sum(0)
+
+        return strip_backward(a, b, out, rows, accumulate, fill, self._alloc)
+
+    def _fused(self, a, b, vecs, out, accumulate, cfg, flags) -> Tensor:
+        scale, bias, g = vecs
         m, n, k = a.shape[0], b.shape[0], a.shape[1]
-        meta, cfg = self._meta(a)
-        grid = (triton_cdiv(m, cfg.BM), triton_cdiv(k, cfg.DC))
-        part = torch.empty(2 * grid[0] * grid[1] if compute_ds else 2, device=a.device, dtype=torch.float32)
+        grid = (cdiv(m, cfg.BM), cdiv(k, cfg.DC))
+        part = torch.empty(2 * grid[0] * grid[1], device=a.device, dtype=torch.float32)
         _sigmoid_grad_kernel[grid](a, b, scale, bias, g, out, part, m, n, k, a.stride(0), b.stride(0),
-                                   out.stride(0), diag_off, DC=cfg.DC, G_ON_A=g_on_a, ACCUM=accumulate,
-                                   COMPUTE_DS=compute_ds, **meta)
-        return part
-
-
-def triton_cdiv(x: int, y: int) -> int:
-    return (x + y - 1) // y
+                                   out.stride(0), flags["diag"], DC=cfg.DC, G_ON_A=flags["G_ON_A"],
+                                   ACCUM=accumulate, COMPUTE_DS=True, **self._meta(cfg, a))
+        return part.view(-1, 2).sum(0)
 
 
 def _prep(img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor):
@@ -114,3 +96,4 @@ def _prep(img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor):
         raise ValueError(f"feature dims differ: {img.shape[1]} vs {txt.shape[1]}")
     to32 = (lambda x: x.detach().reshape(1).float())
     return img.contiguous(), txt.contiguous(), to32(scale), to32(bias)
+

@@ -33,18 +33,40 @@ def rel(x, ref) -> float:
     return float((x.double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
+@pytest.fixture
+def small_strips(monkeypatch):
+    """A 16-row strip scratch for the test shapes: several strips and a ragged last one."""
+    from infclip.kernels.clip import launch
+
+    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 64 * 16)
+
+
+@pytest.mark.parametrize("strips", ["never", "always"])
 @pytest.mark.parametrize("m,n,c", SHAPES)
 @pytest.mark.parametrize("s", [2.0, 20.0])
-def test_masked_lse_and_grads_match_float64(m, n, c, s):
+def test_masked_lse_and_grads_match_float64(m, n, c, s, strips, small_strips):
+    """Fused backward and strip backward (s * dX into a scratch, then a GEMM); outputs poisoned."""
     a, b = feats(m, c, 1), feats(n, c, 2)
     g = torch.rand(m, generator=torch.Generator().manual_seed(3)).to(DEV)
-    ops, sc = TritonMaskedLSEOps(), torch.tensor(s, device=DEV)
+    ops, sc = TritonMaskedLSEOps(strips=strips, poison=True), torch.tensor(s, device=DEV)
     for mask in (True, False) if m == n else (False,):
         lse, da, db, ds = reference(a, b, s, mask, g)
         assert rel(ops.forward(a, b, sc, mask), lse) < 1e-5
         got = ops.backward(a, b, sc, lse.float().to(DEV), g, mask)
         for name, x, w in zip(("dA", "dB", "ds"), got, (da, db, ds)):
             assert rel(x, w) < 1e-5, (name, mask)
+
+
+@pytest.mark.parametrize("strips", ["never", "always"])
+def test_backward_accumulates_bf16(strips, small_strips):
+    """Accumulation into given fp32 buffers (the ring), from bf16 blocks: dX rounds to bf16."""
+    a, b = feats(40, 48, 6, torch.bfloat16), feats(40, 48, 7, torch.bfloat16)
+    g = torch.full((40,), 1 / 40, device=DEV)
+    lse, da, db, ds = reference(a, b, 5.0, False, g)
+    base_a, base_b = torch.ones(40, 48, device=DEV), torch.full((40, 48), 2.0, device=DEV)
+    got_a, got_b, got_s = TritonMaskedLSEOps(strips=strips).backward(
+        a, b, torch.tensor(5.0, device=DEV), lse.float().to(DEV), g, False, base_a.clone(), base_b.clone())
+    assert rel(got_a - base_a, da) < 2**-7 and rel(got_b - base_b, db) < 2**-7 and rel(got_s, ds) < 2**-7
 
 
 def test_single_row_fully_masked_is_minus_inf_not_nan():

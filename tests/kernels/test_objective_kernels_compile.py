@@ -28,7 +28,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("compiled")]
-    assert len(lines) == 4, proc.stdout
+    assert len(lines) == 6, proc.stdout
     assert all("0 bytes spill stores" in line for line in lines), "register spills:\n" + "\n".join(lines)
 
 
@@ -41,7 +41,7 @@ def _compile(fn, dtype: str, consts: dict, cfg) -> None:
     def kind(name: str) -> str:
         if name in consts:
             return "constexpr"
-        if name in ("a_ptr", "b_ptr"):
+        if name in ("a_ptr", "b_ptr", "p_ptr"):  # features and the strip scratch
             return f"*{dtype}"
         return "*fp32" if name.endswith("_ptr") else "i32"
 
@@ -59,18 +59,23 @@ def _compile(fn, dtype: str, consts: dict, cfg) -> None:
 
 
 def _main() -> None:
-    from infclip.kernels.nt_xent.kernels import _masked_grad_kernel, _masked_lse_fwd_kernel
-    from infclip.kernels.siglip.kernels import _sigmoid_fwd_kernel, _sigmoid_grad_kernel
-    from infclip.kernels.siglip.ops import default_config
+    from infclip.kernels.nt_xent.kernels import _masked_grad_kernel, _masked_lse_fwd_kernel, _masked_strip_kernel
+    from infclip.kernels.objective import fused_candidates, fwd_candidates, strip_candidates
+    from infclip.kernels.siglip.kernels import _sigmoid_fwd_kernel, _sigmoid_grad_kernel, _sigmoid_strip_kernel
 
-    cfg = default_config(K)
-    tile = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=K % cfg.BK == 0, DOT_F32=False)
-    grad = dict(DC=cfg.DC, ACCUM=True, COMPUTE_DS=True)
-    # SigLIP in bf16 (tensor cores), NT-Xent in fp32 (ieee dots): both dtype paths.
-    _compile(_sigmoid_fwd_kernel, "bf16", {**tile, "PREC": "tf32"}, cfg)
-    _compile(_sigmoid_grad_kernel, "bf16", {**tile, **grad, "G_ON_A": True, "PREC": "tf32"}, cfg)
-    _compile(_masked_lse_fwd_kernel, "fp32", {**tile, "PREC": "ieee"}, cfg)
-    _compile(_masked_grad_kernel, "fp32", {**tile, **grad, "LSE_ON_A": False, "PREC": "ieee"}, cfg)
+    # The configs used untimed (the first candidates). SigLIP in bf16 (tensor cores), NT-Xent
+    # in fp32 (ieee dots): both dtype paths.
+    for dtype, esize, prec, fwd_k, grad_k, strip_k, flag in (
+            ("bf16", 2, "tf32", _sigmoid_fwd_kernel, _sigmoid_grad_kernel, _sigmoid_strip_kernel, "G_ON_A"),
+            ("fp32", 4, "ieee", _masked_lse_fwd_kernel, _masked_grad_kernel, _masked_strip_kernel, "LSE_ON_A")):
+        fwd, bwd, strip = fwd_candidates(esize)[0], fused_candidates(K, esize)[0], strip_candidates(K, esize)[0]
+
+        def tile(cfg):
+            return dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=K % cfg.BK == 0, DOT_F32=False, PREC=prec)
+
+        _compile(fwd_k, dtype, tile(fwd), fwd)
+        _compile(grad_k, dtype, {**tile(bwd), "DC": bwd.DC, "ACCUM": True, "COMPUTE_DS": True, flag: False}, bwd)
+        _compile(strip_k, dtype, {**tile(strip), "GROUP": strip.GROUP, flag: True}, strip)
 
 
 if __name__ == "__main__":

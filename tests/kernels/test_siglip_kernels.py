@@ -32,11 +32,21 @@ def rel(x, ref) -> float:
     return float((x.double().cpu() - ref.cpu()).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
+@pytest.fixture
+def small_strips(monkeypatch):
+    """A 16-row strip scratch for the test shapes: several strips and a ragged last one."""
+    from infclip.kernels.clip import launch
+
+    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 64 * 16)
+
+
+@pytest.mark.parametrize("strips", ["never", "always"])
 @pytest.mark.parametrize("m,n,c", SHAPES)
-def test_forward_and_backward_match_float64(m, n, c):
+def test_forward_and_backward_match_float64(m, n, c, strips, small_strips):
+    """Fused backward and strip backward (s * dX into a scratch, then a GEMM); outputs poisoned."""
     a, b = feats(m, c, 1), feats(n, c, 2, near=None)
     s, t = scalars()
-    ops = TritonSigmoidOps()
+    ops = TritonSigmoidOps(strips=strips, poison=True)
     g = torch.rand(m, generator=torch.Generator().manual_seed(3)).to(DEV)
     for diag in (True, False) if m == n else (False,):
         assert rel(ops.forward(a, b, s, t, diag), sigmoid_rows_reference(a, b, s, t, diag)) < 1e-5
@@ -46,12 +56,13 @@ def test_forward_and_backward_match_float64(m, n, c):
             assert rel(x, w) < 1e-5, (name, diag)
 
 
-def test_backward_accumulates_into_given_buffers():
+@pytest.mark.parametrize("strips", ["never", "always"])
+def test_backward_accumulates_into_given_buffers(strips, small_strips):
     a, b = feats(20, 24, 4), feats(20, 24, 5)
     s, t = scalars()
     g = torch.full((20,), 0.05, device=DEV)
     base_a, base_b = torch.ones(20, 24, device=DEV), torch.full((20, 24), 2.0, device=DEV)
-    da, db, _, _ = TritonSigmoidOps().backward(a, b, s, t, g, True, dimg=base_a.clone(), dtxt=base_b.clone())
+    da, db, _, _ = TritonSigmoidOps(strips=strips).backward(a, b, s, t, g, True, dimg=base_a.clone(), dtxt=base_b.clone())
     want = sigmoid_grad_reference(a, b, s, t, g, True)
     assert rel(da - base_a, want[0]) < 1e-5 and rel(db - base_b, want[1]) < 1e-5
 
@@ -72,11 +83,12 @@ def test_extreme_logits(case):
         assert torch.isfinite(x).all() and rel(x, w) < 1e-4
 
 
-def test_bf16_inputs_fp32_accumulation():
+@pytest.mark.parametrize("strips", ["never", "always"])
+def test_bf16_inputs_fp32_accumulation(strips, small_strips):
     a, b = feats(40, 48, 8, torch.bfloat16), feats(40, 48, 9, torch.bfloat16)
     s, t = scalars()
     g = torch.full((40,), 1 / 40, device=DEV)
-    ops = TritonSigmoidOps()
+    ops = TritonSigmoidOps(strips=strips, poison=True)
     assert rel(ops.forward(a, b, s, t, True), sigmoid_rows_reference(a, b, s, t, True)) < 1e-5
     got, want = ops.backward(a, b, s, t, g, True), sigmoid_grad_reference(a, b, s, t, g, True)
     for x, w in zip(got, want):  # dX is rounded to bf16 before the tensor-core product

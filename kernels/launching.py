@@ -1,0 +1,91 @@
+"""Host-side launch pieces shared by the kernel families: column splits and the strip backward.
+
+``column_splits``: the forward kernels give each program BM rows and sweep columns; when
+there are few row blocks (small b) the columns are split over extra programs so the GPU
+fills (partials are merged on the host: O(splits * m) fp32).
+
+``strip_backward``: out = (s dX) @ B computed strip by strip. A kernel family's ``fill``
+writes P = s * dX for R rows into a scratch of the input dtype (bounded: ``rows`` * n
+elements) and returns that strip's partial scalars (ds, ...); cuBLAS then forms
+out[strip] (+)= P @ B. No register accumulator over the feature dim, so the fill kernel
+can use GEMM-sized tiles and the update runs at cuBLAS speed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def cdiv(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+def target_programs(device: torch.device) -> int:
+    """Programs that fill the GPU (4 per SM); 4 off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def column_splits(row_blocks: int, length: int, bn: int, device: torch.device) -> tuple[int, int]:
+    """(splits, columns per split) for ``length`` columns over ``row_blocks`` row blocks:
+    enough programs to fill the GPU, each split a multiple of ``bn`` columns."""
+    splits = max(1, min(cdiv(target_programs(device), row_blocks), cdiv(length, bn)))
+    per = cdiv(cdiv(length, splits), bn) * bn
+    return cdiv(length, per), per
+
+
+_MM_OUT_DTYPE: list[bool] = []  # whether torch.mm(..., out_dtype=) works here (probed once)
+
+
+def mm_f32(p: Tensor, b: Tensor) -> Tensor:
+    """p @ b with an fp32 result: on CUDA 16-bit inputs run on tensor cores with fp32 output
+    (``torch.mm(out_dtype=)``), elsewhere the product of the upcast operands."""
+    if p.dtype == torch.float32 or not p.is_cuda:
+        return torch.mm(p.float(), b.float())
+    if not _MM_OUT_DTYPE:
+        try:
+            torch.mm(p[:1], b, out_dtype=torch.float32)
+            _MM_OUT_DTYPE.append(True)
+        except (TypeError, RuntimeError):
+            _MM_OUT_DTYPE.append(False)
+    if _MM_OUT_DTYPE[0]:
+        return torch.mm(p, b, out_dtype=torch.float32)
+    return torch.mm(p, b).float()
+
+
+def product_into(out: Tensor, p: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (+)= p @ b, with one rounding to out's dtype."""
+    if out.dtype == p.dtype and out.is_contiguous():
+        if accumulate:
+            out.addmm_(p, b)
+        else:
+            torch.mm(p, b, out=out)
+        return
+    prod = mm_f32(p, b) if out.dtype != p.dtype else torch.mm(p, b)
+    out.add_(prod) if accumulate else out.copy_(prod)
+
+
+def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: bool,
+                   fill: Callable[[int, int, Tensor], Tensor], alloc=torch.empty,
+                   after: Callable[[int, int], None] | None = None) -> Tensor:
+    """out (+)= (s dX) @ b over the rows of ``a``, ``rows`` at a time; returns the sum over
+    strips of what ``fill`` returned.
+
+    fill(r0, r, scratch) writes P = s * dX[r0:r0 + r] into scratch[:r] (input dtype) and
+    returns that strip's partials (a tensor of a fixed shape). after(r0, r), if given,
+    runs on each finished strip of ``out``."""
+    m, n = a.shape[0], b.shape[0]
+    rows = max(1, min(rows, m))
+    scratch = alloc(rows, n, device=a.device, dtype=a.dtype)
+    parts = []
+    for r0 in range(0, m, rows):
+        r = min(rows, m - r0)
+        parts.append(fill(r0, r, scratch))
+        product_into(out[r0:r0 + r], scratch[:r], b, accumulate)
+        if after is not None:
+            after(r0, r)
+    return torch.stack(parts).sum(0)

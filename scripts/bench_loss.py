@@ -48,6 +48,7 @@ OBJECTIVE_IMPLS = {
     "siglip_open_clip_bf16": (torch.bfloat16, 65536, (512,)),
     "siglip_torch_bf16": (torch.bfloat16, 65536, (512,)),
     "nt_xent_vanilla_fp32": (torch.float32, 32768, (512,)),
+    "nt_xent_vanilla_bf16": (torch.bfloat16, 65536, (512,)),
     "nt_xent_torch_fp32": (torch.float32, 65536, (512,)),
     "siglip_triton_bf16": (torch.bfloat16, 262144, (512,)),
     "nt_xent_triton_bf16": (torch.bfloat16, 262144, (512,)),

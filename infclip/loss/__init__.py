@@ -23,7 +23,7 @@ from torch import Tensor
 from infclip.loss.function import lse_pair
 from infclip.loss.reference import vanilla_loss
 from infclip.loss.ring import global_mean_loss
-from infclip.loss.tiled import TorchTileOps, pick_backend
+from infclip.loss.tiled import TorchTileOps, lazy, pick_backend
 
 IMPLS = ("auto", "vanilla", "local", "torch", "triton")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -63,12 +63,7 @@ def _check_inputs(img: Tensor, txt: Tensor, scale: Tensor) -> None:
 
 def tile_ops(impl: str, device: torch.device, *, fp32_precision: str = "ieee"):
     """The CLIP tile-operation backend for ``impl`` ("torch" or "triton"; "auto" picks by device)."""
-
-    def triton_ops():
-        from infclip.kernels.clip import TritonTileOps
-
-        return TritonTileOps(fp32_precision=fp32_precision)
-
+    triton_ops = lazy("infclip.kernels.clip", "TritonTileOps", fp32_precision=fp32_precision)
     return pick_backend(impl, device, TorchTileOps, triton_ops)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from infclip.loss.tiled import RowTiledOps, _acc_dtype, pick_backend, row_blocks
+from infclip.loss.tiled import RowTiledOps, _acc_dtype, lazy, pick_backend, row_blocks
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
 
@@ -144,15 +144,9 @@ def _ring_backward(f: Tensor, scale: Tensor, lse: Tensor, g_row: Tensor, ops, gr
 
 
 def masked_ops(impl: str, like: Tensor):
-    """Tile backend: "auto" is Triton on CUDA (as ``clip_loss``), PyTorch elsewhere. The
-    kernels are verified under Triton's interpreter and compiled for sm_90 in CI, but not yet
-    run on a GPU: ``impl="torch"`` is the fallback."""
-
-    def triton_ops():
-        from infclip.kernels.nt_xent import TritonMaskedLSEOps
-
-        return TritonMaskedLSEOps()
-
+    """Tile backend: "auto" is Triton on CUDA (as ``clip_loss``), PyTorch elsewhere; "triton"
+    runs the fused kernels on CUDA, or on CPU under TRITON_INTERPRET=1 (the tests)."""
+    triton_ops = lazy("infclip.kernels.nt_xent", "TritonMaskedLSEOps")
     return pick_backend(impl, like.device, TorchMaskedLSEOps, triton_ops)
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infclip.loss.tiled import RowTiledOps, _acc_dtype, pick_backend, row_blocks
+from infclip.loss.tiled import RowTiledOps, _acc_dtype, lazy, pick_backend, row_blocks
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
 class TorchSigmoidOps(RowTiledOps):
@@ -194,15 +194,9 @@ def siglip_loss(image_features: Tensor, text_features: Tensor, logit_scale, logi
 
 
 def sigmoid_ops(impl: str, like: Tensor):
-    """Tile backend: "auto" is Triton on CUDA (as ``clip_loss``), PyTorch elsewhere. The
-    kernels are verified under Triton's interpreter and compiled for sm_90 in CI, but not yet
-    run on a GPU: ``impl="torch"`` is the fallback."""
-
-    def triton_ops():
-        from infclip.kernels.siglip import TritonSigmoidOps
-
-        return TritonSigmoidOps()
-
+    """Tile backend: "auto" is Triton on CUDA (as ``clip_loss``), PyTorch elsewhere; "triton"
+    runs the fused kernels on CUDA, or on CPU under TRITON_INTERPRET=1 (the tests)."""
+    triton_ops = lazy("infclip.kernels.siglip", "TritonSigmoidOps")
     return pick_backend(impl, like.device, TorchSigmoidOps, triton_ops)
 
 

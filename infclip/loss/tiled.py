@@ -16,6 +16,7 @@ O(tile * n) for the block plus O(m + n) vectors; the full matrix never exists.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -46,6 +47,17 @@ def pick_backend(impl: str, device: torch.device, torch_ops, triton_ops):
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got {device}; "
                          "use impl='torch' or 'auto'")
     return triton_ops()
+
+
+def lazy(module: str, name: str, **kwargs):
+    """A zero-argument factory for ``module.name(**kwargs)`` that imports ``module`` only when
+    called: ``pick_backend``'s ``triton_ops``, so Triton is imported only when its tiles are
+    picked (e.g. ``lazy("infclip.kernels.siglip", "TritonSigmoidOps")``)."""
+
+    def make():
+        return getattr(importlib.import_module(module), name)(**kwargs)
+
+    return make
 
 
 def _acc_dtype(t: Tensor) -> torch.dtype:

@@ -55,6 +55,28 @@ def init_rank() -> tuple[int, int]:
     return rank, world
 
 
+def init_triton_rank() -> tuple[int, int]:
+    """``init_rank`` for cases that run impl="triton" on their ranks. Gloo ranks always hold CPU
+    tensors, so their Triton tiles must run under Triton's interpreter even on a GPU machine
+    (where the root conftest leaves TRITON_INTERPRET unset and ``pick_backend`` refuses CPU
+    tensors). Set here, before anything imports ``infclip.kernels`` (``infclip.loss`` imports
+    the kernels lazily, when a Triton backend is first picked)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    return init_rank()
+
+
+def subgroups(rank: int, world: int):
+    """(members, group) for each of [0, 1], [0, 1, 2], the non-contiguous [1, 3] and the whole
+    world that ``rank`` belongs to. Every rank creates every group (``new_group`` is collective,
+    in the same order on all ranks), just before the members use it."""
+    import torch.distributed as dist
+
+    for members in ([0, 1], [0, 1, 2], [1, 3], list(range(world))):
+        group = dist.new_group(members)
+        if rank in members:
+            yield members, group
+
+
 def rel_err(got, want) -> float:
     """max |got - want| / max |want| in float64."""
     got, want = got.double(), want.double()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _gloo_launch import init_rank, launch, rel_err  # noqa: E402
+from _gloo_launch import init_triton_rank, launch, rel_err, subgroups  # noqa: E402
 
 from infclip.loss import nt_xent_loss  # noqa: E402
 from infclip.loss.nt_xent import TorchMaskedLSEOps, _NTXentRows, nt_xent_reference  # noqa: E402
@@ -160,17 +160,10 @@ def check_rank(blocks, temperature, group, tag, tol=1e-5, impl="auto"):
 
 
 def case_ring():
-    import os
-
     import torch.distributed as dist
 
-    if not torch.cuda.is_available():  # the Triton tiles run under the interpreter on CPU
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    rank, world = init_rank()
-    for members in ([0, 1], [0, 1, 2], [1, 3], list(range(world))):
-        group = dist.new_group(members)
-        if rank not in members:
-            continue
+    rank, world = init_triton_rank()  # CPU tensors: Triton interpreted, on any machine
+    for members, group in subgroups(rank, world):
         for rows, peaked in ((6, False), (2, False), (10, True)):
             # W local [v1; v2] blocks (positives within each block, hard negatives across them).
             w = len(members)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _gloo_launch import init_rank, launch, rel_err  # noqa: E402
+from _gloo_launch import init_triton_rank, launch, rel_err, subgroups  # noqa: E402
 
 from infclip.loss import siglip_loss  # noqa: E402
 from infclip.loss.siglip import TorchSigmoidOps, _SigmoidRows  # noqa: E402
@@ -190,17 +190,10 @@ def check_rank(img, txt, s, t, group, tag, tol=1e-5, **kw):
 
 
 def case_ring():
-    import os
-
     import torch.distributed as dist
 
-    if not torch.cuda.is_available():  # the Triton tiles run under the interpreter on CPU
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    rank, world = init_rank()
-    for members in ([0, 1], [0, 1, 2], [1, 3], list(range(world))):
-        group = dist.new_group(members)
-        if rank not in members:
-            continue
+    rank, world = init_triton_rank()  # CPU tensors: Triton interpreted, on any machine
+    for members, group in subgroups(rank, world):
         for m, peaked in ((5, False), (3, True), (1, False)):
             data = batch(len(members) * m, 37, seed=m + len(members), peaked=peaked)
             for impl in ("torch", "vanilla") + (("triton",) if m == 3 else ()):

@@ -89,10 +89,25 @@ def assert_grads_close(a: dict, b: dict, atol: float = 1e-5, rtol: float = 1e-5)
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
 
-def spawn_ranks(worker, tmp_dir, world: int) -> dict:
-    """Runs ``worker(rank, init_file, out_file)`` on ``world`` gloo processes; rank 0's saved results."""
+def spawn_ranks(worker, tmp_dir, world: int, local: int) -> dict:
+    """Runs ``worker(images, tokens) -> results`` on ``world`` gloo processes (one thread each),
+    rank r with rows [r * local, (r + 1) * local) of ``batch(local * world)``; returns rank 0's
+    results. The group is ``dist.group.WORLD``."""
     import torch.multiprocessing as mp
 
     out = tmp_dir / "rank0.pt"
-    mp.spawn(worker, args=(str(tmp_dir / "init"), str(out)), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(worker, world, local, str(tmp_dir / "init"), str(out)), nprocs=world, join=True)
     return torch.load(out)
+
+
+def _rank_main(rank: int, worker, world: int, local: int, init_file: str, out_file: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    images, tokens = batch(local * world)
+    mine = slice(rank * local, (rank + 1) * local)
+    results = worker(images[mine], tokens[mine])
+    if rank == 0:
+        torch.save(results, out_file)
+    dist.destroy_process_group()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from engine_testutils import (
-    assert_grads_close, batch, config, engine_for, reference_grads, spawn_ranks, tiny_clip,
+    assert_grads_close, batch, config, engine_for, grads_of, reference_grads, spawn_ranks, tiny_clip,
 )
 
 from infclip.train.lit import apply_locks
@@ -27,14 +27,11 @@ def _model(case: str):
     return model, cfg
 
 
-def _worker(rank: int, init_file: str, out_file: str) -> None:
+def _worker(images, tokens) -> dict:
+    """One rank: its LOCAL rows through DDP + the engine, two steps per case."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    images, tokens = batch(LOCAL * WORLD)
-    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
     results = {}
     for name in CASES:
         model, cfg = _model(name)
@@ -51,18 +48,15 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
         for _ in range(2):
             ddp.zero_grad(set_to_none=True)
             n0 = len(calls)
-            out = engine.step(images[mine], tokens[mine])
+            out = engine.step(images, tokens)
             per_step.append(len(calls) - n0)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[name] = {"calls": per_step, "grads": grads, "global_loss": out.global_loss}
-    if rank == 0:
-        torch.save(results, out_file)
-    dist.destroy_process_group()
+        results[name] = {"calls": per_step, "grads": grads_of(model), "global_loss": out.global_loss}
+    return results
 
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    return spawn_ranks(_worker, tmp_path_factory.mktemp("ddp"), WORLD)
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("ddp"), WORLD, LOCAL)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from engine_testutils import (
-    assert_grads_close, batch, config, engine_for, reference_grads, spawn_ranks, tiny_clip,
+    assert_grads_close, batch, config, engine_for, grads_of, reference_grads, spawn_ranks, tiny_clip,
 )
 
 from infclip.config import LossConfig
@@ -22,13 +22,10 @@ def _model(kind: str):
     return tiny_clip(dropout=0.0, patch_dropout=0.0, **kw)  # same seed: same weights on every rank
 
 
-def _worker(rank: int, init_file: str, out_file: str) -> None:
+def _worker(images, tokens) -> dict:
+    """One rank: its LOCAL rows through DDP + the gradient-cached engine, one step per kind."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    images, tokens = batch(LOCAL * WORLD)
-    mine = slice(rank * LOCAL, (rank + 1) * LOCAL)
     results = {}
     for kind in KINDS:
         model = _model(kind)
@@ -36,17 +33,14 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
         loss_fn = build_loss(LossConfig(kind=kind, impl="torch", temperature=0.2), group=dist.group.WORLD)
         engine = engine_for(config(LOCAL, MICRO, world=WORLD), ddp, group=dist.group.WORLD, world=WORLD,
                             loss_fn=loss_fn)
-        out = engine.step(images[mine], tokens[mine])
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[kind] = {"grads": grads, "global_loss": out.global_loss}
-    if rank == 0:
-        torch.save(results, out_file)
-    dist.destroy_process_group()
+        out = engine.step(images, tokens)
+        results[kind] = {"grads": grads_of(model), "global_loss": out.global_loss}
+    return results
 
 
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    return spawn_ranks(_worker, tmp_path_factory.mktemp("ddp_objectives"), WORLD)
+    return spawn_ranks(_worker, tmp_path_factory.mktemp("ddp_objectives"), WORLD, LOCAL)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -5,7 +5,7 @@
     backward(a, b, scale, row_lse, g_row, mask_diag, da=None, db=None)
         -> (da (m,c), db (n,c), dscale 0-d) fp32; accumulates when given.
 Paths and block configs as ``infclip.kernels.objective.ObjectiveTiles`` (strip backward for
-16-bit CUDA inputs up to b = 64k, the fused kernel otherwise; configs timed once).
+16-bit CUDA inputs, the fused kernel otherwise; configs timed once).
 """
 
 from __future__ import annotations

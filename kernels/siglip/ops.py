@@ -7,7 +7,7 @@
 Scale and bias stay on the device (read by the kernels through pointers: no host sync).
 
 Paths and block configs as ``infclip.kernels.objective.ObjectiveTiles`` (strip backward for
-16-bit CUDA inputs up to b = 64k, the fused kernel otherwise; configs timed once).
+16-bit CUDA inputs, the fused kernel otherwise; configs timed once).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ def small_strips(monkeypatch):
     from infclip.kernels.clip import launch
 
     monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 64 * 16)
+    monkeypatch.setattr(launch, "STRIP_MIN_ROWS", 16)
 
 
 @pytest.mark.parametrize("strips", ["never", "always"])

@@ -15,6 +15,12 @@ One step on each rank, with b/W local samples split into K micro-batches:
    replay's own ``logit_scale.exp()`` (``logit_bias``) output, inside the DDP-synchronized
    backward.
 
+BatchNorm (e.g. open_clip's ResNet towers, timm CNNs): in training mode BN normalizes with
+the micro-batch's own statistics, identical in both passes, so the replay reproduces the
+cache pass exactly; its running statistics are restored after each cache-pass encode, so
+they are updated once per micro-batch (by the replay), as in a plain step per micro-batch.
+Statistics are per micro-batch (not per global batch), as in any gradient cache.
+
 The loss is called as ``loss_fn(img, txt, logit_scale.exp())``, or with ``logit_bias`` as a
 fourth argument when the model has one (SigLIP).
 
@@ -119,6 +125,8 @@ class StepEngine:
         self.measure_memory = False  # CUDA: peak bytes per phase into last_phase_peaks (resets peak stats)
         self.last_phase_peaks: dict[str, int] = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        self._norms = [m for m in self.core.modules()
+                       if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
     # ------------------------------------------------------------------------- step
     def step(self, images: Tensor, tokens: Tensor) -> StepOutput:
@@ -159,7 +167,8 @@ class StepEngine:
             with torch.no_grad():
                 m = self._prepare(next(batches))
                 rngs.append(_rng_state(self.device))
-                img, txt, _ = self._encode(self.core, m)
+                with _running_stats_kept(self._norms):  # the replay updates them, once
+                    img, txt, _ = self._encode(self.core, m)
             micros.append(self._keep_for_replay(m))
             img_c.append(_cache(img, m.img_emb, self.s.cache_dtype))
             txt_c.append(_cache(txt, m.txt_emb, self.s.cache_dtype))
@@ -299,6 +308,18 @@ def _rng_state(device: torch.device) -> tuple[Tensor, Optional[Tensor]]:
     """CPU and (on CUDA) this device's generator state; patch dropout draws on the CPU one."""
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
+
+
+@contextmanager
+def _running_stats_kept(norms: list):
+    """Restore the BatchNorm running statistics (mean, var, batch count) on exit."""
+    saved = [[b.clone() for b in m.buffers(recurse=False)] for m in norms]
+    try:
+        yield
+    finally:
+        for m, bufs in zip(norms, saved):
+            for b, old in zip(m.buffers(recurse=False), bufs):
+                b.copy_(old)
 
 
 @contextmanager

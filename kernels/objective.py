@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .clip import launch
 from .clip.launch import BwdConfig, FwdConfig, StripConfig
+from .launching import cdiv, column_splits
 
 PRECISIONS = ("ieee", "tf32")
 
@@ -110,8 +111,20 @@ class ObjectiveTiles:
         prec = self.fp32_precision if a.dtype == torch.float32 else "tf32"
         return launch.pick_config(f"{self.family}_{kind}", a, b, prec, cands, run)
 
-    def _fwd_cfg(self, a: Tensor, b: Tensor, run) -> FwdConfig:
-        return self._pick("fwd", a, b, fwd_candidates(a.element_size()), run)
+    def _row_forward(self, kernel, a: Tensor, b: Tensor, args: tuple, diag: int, merge) -> Tensor:
+        """merge(part) where part (splits, m) fp32 holds the forward kernel's per-row partials
+        over column splits: kernel[(row blocks, splits)](a, b, *args, part, m, n, k,
+        stride_a, stride_b, diag, columns per split)."""
+        def run(cfg, a_: Tensor, b_: Tensor) -> Tensor:
+            m_, n_ = a_.shape[0], b_.shape[0]
+            nrb = cdiv(m_, cfg.BM)
+            splits, per = column_splits(nrb, n_, cfg.BN, a_.device)
+            part = self._alloc(splits, m_, device=a_.device, dtype=torch.float32)
+            kernel[(nrb, splits)](a_, b_, *args, part, m_, n_, a_.shape[1], a_.stride(0), b_.stride(0), diag, per,
+                                  **self._meta(cfg, a_))
+            return merge(part)
+
+        return run(self._pick("fwd", a, b, fwd_candidates(a.element_size()), run), a, b)
 
     def _use_strips(self, a: Tensor) -> bool:
         if self.strips == "never":

@@ -56,6 +56,23 @@ def grouped_tile(pid, R, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.conste
 
 
 @triton.jit
+def strip_tile(pid, R, row_start, N, a_ptr, b_ptr, stride_a, stride_b,
+               BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """The (BM rows, BN columns) tile of program ``pid`` in a strip of R rows of A starting at
+    ``row_start``, in ``grouped_tile`` order: (r0, r, row_ok, r_ld, a_blk) as ``row_block``
+    (strip-relative rows) and (j0, cn, col_ok, c_ld, b_blk) as ``col_tile``."""
+    pid_m, pid_n = grouped_tile(pid, R, N, BM, BN, GROUP)
+    r0 = pid_m * BM
+    r = tl.arange(0, BM)
+    row_ok = r0 + r < R
+    r_ld = tl.minimum(r, R - 1 - r0)
+    a_blk = a_ptr + (row_start + r0).to(tl.int64) * stride_a  # a tensor even if row_start is specialized
+    j0 = pid_n * BN
+    cn, col_ok, c_ld, b_blk = col_tile(j0, N, b_ptr, stride_b, BN)
+    return r0, r, row_ok, r_ld, a_blk, j0, cn, col_ok, c_ld, b_blk
+
+
+@triton.jit
 def load_kchunk(a_blk, b_blk, r_ld, c_ld, kk, K, stride_a, stride_b,
                 EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
     """(A[r_ld, kk], B[c_ld, kk]) operand tiles of one K chunk (zero past K)."""

@@ -28,7 +28,7 @@ the inner loop) and masked out of every reduction and store.
 import triton
 import triton.language as tl
 
-from ..tiles import LN2, LOG2E, col_tile, dot_stream, grouped_tile, row_block, store_rows, store_strip, update_rows
+from ..tiles import LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_tile, update_rows
 
 _dot_stream = dot_stream  # the name the objective kernels imported before ``tiles`` existed
 
@@ -149,12 +149,10 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, g_a_ptr, g_b
     sum dX_ij <A_i, B_j>, from the fp32 values.
     """
     pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, R, N, BM, BN, GROUP)
+    r0, r, row_ok, r_ld, a_blk, j0, cn, col_ok, c_ld, b_blk = strip_tile(
+        pid, R, row_start, N, a_ptr, b_ptr, stride_a, stride_b, BM, BN, GROUP)
     s = tl.load(scale_ptr).to(tl.float32)
     s2 = s * LOG2E
-    r0, r, row_ok, r_ld, a_blk = row_block(pid_m, R, a_ptr + row_start.to(tl.int64) * stride_a, stride_a, BM)
-    j0 = pid_n * BN
-    cn, col_ok, c_ld, b_blk = col_tile(j0, N, b_ptr, stride_b, BN)
     # -- compute tile --: base-2 logits, then s * dX.
     x = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32) * s2
     lse_a = tl.load(lse_a_ptr + row_start + r0 + r_ld).to(tl.float32) * LOG2E

@@ -23,7 +23,7 @@ scratch (and its ds shares); cuBLAS then forms out[strip] = P @ B
 import triton
 import triton.language as tl
 
-from ..tiles import LN2, LOG2E, col_tile, dot_stream, grouped_tile, row_block, store_rows, store_strip, update_rows
+from ..tiles import LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_tile, update_rows
 
 
 @triton.jit
@@ -122,12 +122,10 @@ def _masked_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, p_ptr, ds_ptr,
     """P[i, j] = s * dX[row_start + i, j] for a strip of R rows (input dtype);
     ds_part[program] = its share of sum dX_ij <A_i, B_j> from the fp32 dX."""
     pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, R, N, BM, BN, GROUP)
+    r0, r, row_ok, r_ld, a_blk, j0, cn, col_ok, c_ld, b_blk = strip_tile(
+        pid, R, row_start, N, a_ptr, b_ptr, stride_a, stride_b, BM, BN, GROUP)
     s = tl.load(scale_ptr).to(tl.float32)
     s2 = s * LOG2E
-    r0, r, row_ok, r_ld, a_blk = row_block(pid_m, R, a_ptr + row_start.to(tl.int64) * stride_a, stride_a, BM)
-    j0 = pid_n * BN
-    cn, col_ok, c_ld, b_blk = col_tile(j0, N, b_ptr, stride_b, BN)
     rows = row_start + r0 + r
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
     # -- compute tile --: s * dX and its ds share.

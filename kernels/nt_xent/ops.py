@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..launching import cdiv, column_splits, strip_backward
+from ..launching import cdiv, strip_backward
 from ..objective import ObjectiveTiles
 from .kernels import _masked_grad_kernel, _masked_lse_fwd_kernel, _masked_strip_kernel
 
@@ -27,20 +27,11 @@ class TritonMaskedLSEOps(ObjectiveTiles):
 
     def forward(self, a: Tensor, b: Tensor, scale: Tensor, mask_diag: bool) -> Tensor:
         a, b, scale = _prep(a, b, scale)
-        m, n, k = a.shape[0], b.shape[0], a.shape[1]
-        off = 0 if mask_diag else m + n
-
-        def run(cfg, a_, b_):
-            nrb = cdiv(a_.shape[0], cfg.BM)
-            splits, per = column_splits(nrb, b_.shape[0], cfg.BN, a_.device)
-            part = self._alloc(splits, a_.shape[0], device=a_.device, dtype=torch.float32)
-            _masked_lse_fwd_kernel[(nrb, splits)](a_, b_, scale, part, a_.shape[0], b_.shape[0], k, a_.stride(0),
-                                                  b_.stride(0), off, per, **self._meta(cfg, a_))
-            return torch.logsumexp(part, 0)
-
+        m, n = a.shape[0], b.shape[0]
         if not (m and n):
             return torch.full((m,), float("-inf"), device=a.device)
-        return run(self._fwd_cfg(a, b, run), a, b)
+        return self._row_forward(_masked_lse_fwd_kernel, a, b, (scale,), 0 if mask_diag else m + n,
+                                 lambda part: torch.logsumexp(part, 0))
 
     def backward(self, a: Tensor, b: Tensor, scale: Tensor, row_lse: Tensor, g_row: Tensor, mask_diag: bool,
                  da: Tensor | None = None, db: Tensor | None = None):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..launching import cdiv, column_splits, strip_backward
+from ..launching import cdiv, strip_backward
 from ..objective import ObjectiveTiles
 from .kernels import _sigmoid_fwd_kernel, _sigmoid_grad_kernel, _sigmoid_strip_kernel
 
@@ -31,18 +31,11 @@ class TritonSigmoidOps(ObjectiveTiles):
 
     def forward(self, img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, diag: bool) -> Tensor:
         img, txt, scale, bias = _prep(img, txt, scale, bias)
-        m, n, k = img.shape[0], txt.shape[0], img.shape[1]
-        off = 0 if diag else m + n
-
-        def run(cfg, a, b):
-            nrb = cdiv(a.shape[0], cfg.BM)
-            splits, per = column_splits(nrb, b.shape[0], cfg.BN, a.device)
-            part = self._alloc(splits, a.shape[0], device=a.device, dtype=torch.float32)
-            _sigmoid_fwd_kernel[(nrb, splits)](a, b, scale, bias, part, a.shape[0], b.shape[0], k, a.stride(0),
-                                               b.stride(0), off, per, **self._meta(cfg, a))
-            return part.sum(0)
-
-        return run(self._fwd_cfg(img, txt, run), img, txt) if m and n else torch.zeros(m, device=img.device)
+        m, n = img.shape[0], txt.shape[0]
+        if not (m and n):
+            return torch.zeros(m, device=img.device)
+        return self._row_forward(_sigmoid_fwd_kernel, img, txt, (scale, bias), 0 if diag else m + n,
+                                 lambda part: part.sum(0))
 
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, g_row: Tensor, diag: bool,
                  dimg: Tensor | None = None, dtxt: Tensor | None = None):

@@ -6,7 +6,18 @@ TRITON_INTERPRET must be set before ``triton`` decorates the kernels (at import 
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def small_strips(monkeypatch):
+    """A 16-row strip scratch for the objective kernels' test shapes (their strip backward
+    takes max(budget rows, STRIP_MIN_ROWS) rows): several strips and a ragged last one."""
+    from infclip.kernels.clip import launch
+
+    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 64 * 16)
+    monkeypatch.setattr(launch, "STRIP_MIN_ROWS", 16)

@@ -33,15 +33,6 @@ def rel(x, ref) -> float:
     return float((x.double().cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
-@pytest.fixture
-def small_strips(monkeypatch):
-    """A 16-row strip scratch for the test shapes: several strips and a ragged last one."""
-    from infclip.kernels.clip import launch
-
-    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 64 * 16)
-    monkeypatch.setattr(launch, "STRIP_MIN_ROWS", 16)
-
-
 @pytest.mark.parametrize("strips", ["never", "always"])
 @pytest.mark.parametrize("m,n,c", SHAPES)
 @pytest.mark.parametrize("s", [2.0, 20.0])

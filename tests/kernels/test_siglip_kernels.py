@@ -32,15 +32,6 @@ def rel(x, ref) -> float:
     return float((x.double().cpu() - ref.cpu()).abs().max() / ref.abs().max().clamp_min(1e-300))
 
 
-@pytest.fixture
-def small_strips(monkeypatch):
-    """A 16-row strip scratch for the test shapes: several strips and a ragged last one."""
-    from infclip.kernels.clip import launch
-
-    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 64 * 16)
-    monkeypatch.setattr(launch, "STRIP_MIN_ROWS", 16)
-
-
 @pytest.mark.parametrize("strips", ["never", "always"])
 @pytest.mark.parametrize("m,n,c", SHAPES)
 def test_forward_and_backward_match_float64(m, n, c, strips, small_strips):
@@ -63,7 +54,8 @@ def test_backward_accumulates_into_given_buffers(strips, small_strips):
     s, t = scalars()
     g = torch.full((20,), 0.05, device=DEV)
     base_a, base_b = torch.ones(20, 24, device=DEV), torch.full((20, 24), 2.0, device=DEV)
-    da, db, _, _ = TritonSigmoidOps(strips=strips).backward(a, b, s, t, g, True, dimg=base_a.clone(), dtxt=base_b.clone())
+    ops = TritonSigmoidOps(strips=strips)
+    da, db, _, _ = ops.backward(a, b, s, t, g, True, dimg=base_a.clone(), dtxt=base_b.clone())
     want = sigmoid_grad_reference(a, b, s, t, g, True)
     assert rel(da - base_a, want[0]) < 1e-5 and rel(db - base_b, want[1]) < 1e-5
 

@@ -9,8 +9,10 @@ seeding that makes the resume position exact.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -157,6 +159,25 @@ def ignore_stop_signals(worker_id: int) -> None:
     the workers exit with it (their parent watchdog) or by SIGKILL."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+
+
+def stop_workers(timeout_s: float = 5.0) -> int:
+    """SIGKILL the daemonic child processes (loader workers) still alive ``timeout_s`` after
+    their loader was shut down; returns how many were killed.
+
+    The workers ignore SIGTERM (``ignore_stop_signals``), so torch's own shutdown (a short
+    join, then SIGTERM) cannot stop one that is busy, and Python's exit would then wait for
+    it forever (multiprocessing joins every child at exit; the worker's parent watchdog
+    never fires while the parent waits). Call it after the loader's iterator is closed."""
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in multiprocessing.active_children() if p.daemon]
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    killed = [p for p in alive if p.is_alive()]
+    for p in killed:
+        p.kill()
+        p.join(5.0)
+    return len(killed)
 
 
 def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callable, rank: int,

@@ -20,6 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from infclip.config import validate
+from infclip.data.pipeline import stop_workers
 from infclip.eval import check_tasks
 from infclip.model import BuiltModel, build_model, clamp_logit_scale
 from infclip.train import checkpoint as ckpt
@@ -226,7 +227,7 @@ def _loader_batch(cfg: Any, info: DistInfo) -> int:
 def fit(cfg: Any, info: DistInfo, parts: Parts) -> dict:
     state = State()
     _maybe_resume(cfg, info, parts, state)
-    _install_signal_handlers(state)
+    previous_handlers = _install_signal_handlers(state)
     local_batch = cfg.batch.global_size // info.world_size
     batcher = StepBatcher(parts.data.batches(), local_batch, pin=cfg.memory.offload and info.device.type == "cuda")
     parts.logger.set_start(state.step)
@@ -241,6 +242,8 @@ def fit(cfg: Any, info: DistInfo, parts: Parts) -> dict:
                 break
     finally:  # stop the loader workers now, also when a step raised (they ignore SIGTERM)
         batcher.close()
+        for sig, handler in previous_handlers.items():  # a SIGTERM from here on ends the process
+            signal.signal(sig, handler)
     return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
 
 
@@ -504,14 +507,14 @@ def _explicit_checkpoint(path: Path, world_size: int) -> Path:
     return path
 
 
-def _install_signal_handlers(state: State) -> None:
-    """SIGTERM / SIGUSR1 (Slurm's warning): finish the current step, checkpoint, exit 0."""
+def _install_signal_handlers(state: State) -> dict:
+    """SIGTERM / SIGUSR1 (Slurm's warning): finish the current step, checkpoint, exit 0.
+    Returns the previous handlers (restored when the training loop ends)."""
 
     def handler(signum, frame):
         state.signal_received = max(state.signal_received, signum)
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, handler)
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
 
 class StepBatcher:
@@ -539,10 +542,14 @@ class StepBatcher:
         return self.images, self.tokens
 
     def close(self) -> None:
-        """Closes the batch generator, which shuts its DataLoader workers down."""
+        """Closes the batch generator, which shuts its DataLoader workers down, then kills
+        any worker that did not exit (they ignore SIGTERM: see ``stop_workers``)."""
         close = getattr(self.batches, "close", None)
         if close is not None:
             close()
+        killed = stop_workers()
+        if killed:
+            print(f"stopped {killed} loader worker(s) that did not exit with their loader", flush=True)
 
     def _allocate(self, imgs: torch.Tensor, toks: torch.Tensor) -> None:
         self.images = torch.empty((self.n, *imgs.shape[1:]), dtype=imgs.dtype, pin_memory=self.pin)

@@ -1,0 +1,44 @@
+"""A loader worker that ignores SIGTERM (as the training loader's do, for preemption) and is
+busy when training ends must not keep the trainer from exiting: torch's shutdown only joins
+briefly and sends SIGTERM, and Python's exit then joins every child forever."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from infclip.data.pipeline import ignore_stop_signals
+from infclip.train.loop import StepBatcher
+
+
+class _SlowAfterFirst(IterableDataset):
+    """Yields one batch, then is busy (sleeping) far longer than the test allows."""
+
+    def __iter__(self):
+        yield torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.zeros(2, 5, dtype=torch.long)
+        time.sleep(600)
+
+
+def _batches(loader):
+    yield from loader
+
+
+def test_close_stops_a_busy_worker_that_ignores_sigterm():
+    loader = DataLoader(_SlowAfterFirst(), batch_size=None, num_workers=1, worker_init_fn=ignore_stop_signals)
+    batcher = StepBatcher(_batches(loader), local_batch=2, pin=False)
+    images, _ = batcher.next()
+    assert images.shape == (2, 3, 4, 4)
+    workers = [p for p in multiprocessing.active_children() if p.daemon]
+    assert workers, "the loader should have started a worker"
+    try:
+        t0 = time.monotonic()
+        batcher.close()
+        assert time.monotonic() - t0 < 60
+        assert not any(p.is_alive() for p in workers), "a worker survived close(): Python's exit would hang on it"
+    finally:  # never leave the test session itself hanging at exit
+        for p in workers:
+            if p.is_alive():
+                p.kill()

@@ -102,14 +102,23 @@ class TrainData:
         return self.spec.epoch_batches
 
     def batches(self) -> Iterator[Batch]:
-        """Yield (images, tokens) forever; epochs advance by themselves. Call once per run."""
-        for images, tokens, info in self._loader():
-            if info["epoch"] != self.plan.epoch:  # the first batch of the next epoch
-                self.plan = EpochPlan(epoch=info["epoch"], cursors=[0] * max(self.workers, 1))
-            self.plan.batch += 1
-            self.plan.cursors[info["worker"]] = info["raw"]
-            self._skips.update(info["skips"])
-            yield images, tokens
+        """Yield (images, tokens) forever; epochs advance by themselves. Call once per run.
+        Closing the generator shuts the loader's workers down (then, not whenever the
+        iterator happens to be garbage-collected: a reference held elsewhere, e.g. by a
+        traceback, would keep workers that ignore SIGTERM alive until exit)."""
+        it = iter(self._loader())
+        try:
+            for images, tokens, info in it:
+                if info["epoch"] != self.plan.epoch:  # the first batch of the next epoch
+                    self.plan = EpochPlan(epoch=info["epoch"], cursors=[0] * max(self.workers, 1))
+                self.plan.batch += 1
+                self.plan.cursors[info["worker"]] = info["raw"]
+                self._skips.update(info["skips"])
+                yield images, tokens
+        finally:
+            shutdown = getattr(it, "_shutdown_workers", None)  # torch's multi-worker iterator
+            if shutdown is not None:
+                shutdown()
 
     def _loader(self) -> DataLoader:
         if self.workers:  # HF tokenizers warn (and may deadlock) when used across fork()
@@ -172,12 +181,22 @@ def stop_workers(timeout_s: float = 5.0) -> int:
     deadline = time.monotonic() + timeout_s
     alive = [p for p in multiprocessing.active_children() if p.daemon]
     for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
+        _quietly(p.join, max(0.0, deadline - time.monotonic()))
     killed = [p for p in alive if p.is_alive()]
     for p in killed:
         p.kill()
-        p.join(5.0)
+        _quietly(p.join, 5.0)
     return len(killed)
+
+
+def _quietly(fn: Callable, *args) -> None:
+    """Run ``fn``; a RuntimeError from torch's SIGCHLD handler ("DataLoader worker ... is
+    killed by signal") for a worker still registered with a live loader must not stop the
+    remaining kills."""
+    try:
+        fn(*args)
+    except RuntimeError as e:
+        print(f"stop_workers: {e}", flush=True)
 
 
 def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callable, rank: int,

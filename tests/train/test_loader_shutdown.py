@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -22,13 +23,22 @@ class _SlowAfterFirst(IterableDataset):
         time.sleep(600)
 
 
-def _batches(loader):
-    yield from loader
+_LEAKED = []  # an outside reference to the loader iterator (as a traceback can hold one)
 
 
-def test_close_stops_a_busy_worker_that_ignores_sigterm():
-    loader = DataLoader(_SlowAfterFirst(), batch_size=None, num_workers=1, worker_init_fn=ignore_stop_signals)
-    batcher = StepBatcher(_batches(loader), local_batch=2, pin=False)
+def _batches(loader, leak: bool):
+    it = iter(loader)
+    if leak:
+        _LEAKED.append(it)
+    yield from it
+
+
+@pytest.mark.parametrize("leak", [False, True], ids=["collected", "referenced"])
+def test_close_stops_a_busy_worker_that_ignores_sigterm(leak):
+    """referenced: the iterator is not collected when the generator closes, so torch never
+    shuts its workers down and its SIGCHLD handler still watches them when they are killed."""
+    loader = DataLoader(_SlowAfterFirst(), batch_size=None, num_workers=2, worker_init_fn=ignore_stop_signals)
+    batcher = StepBatcher(_batches(loader, leak), local_batch=2, pin=False)
     images, _ = batcher.next()
     assert images.shape == (2, 3, 4, 4)
     workers = [p for p in multiprocessing.active_children() if p.daemon]
@@ -42,3 +52,4 @@ def test_close_stops_a_busy_worker_that_ignores_sigterm():
         for p in workers:
             if p.is_alive():
                 p.kill()
+        _LEAKED.clear()

@@ -29,7 +29,6 @@ import math
 import os
 import random
 import shutil
-import tarfile
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator, Optional
@@ -37,7 +36,7 @@ from typing import Any, Iterator, Optional
 from PIL import Image, ImageDraw
 
 from infclip.data.config import DataConfig
-from infclip.data.writer import ShardWriter, _add_member
+from infclip.data.writer import ShardWriter, tar_writer
 
 GENERATOR_VERSION = 1  # bump when the images or captions change: it is part of the cache key
 
@@ -257,10 +256,9 @@ def write_eval(out_dir: str, n: int, side: int, seed: int) -> None:
         if i % EVAL_SHARD_SIZE == 0:
             if tar is not None:
                 tar.close()
-            tar = tarfile.open(os.path.join(zs, "test", f"{nshards}.tar"), "w", format=tarfile.USTAR_FORMAT)
+            tar = tar_writer(os.path.join(zs, "test", f"{nshards}.tar"))
             nshards += 1
-        _add_member(tar, f"{key}.jpg", image)
-        _add_member(tar, f"{key}.cls", str(scene.label).encode())
+        tar.write({"__key__": key, "jpg": image, "cls": str(scene.label).encode()})
         with open(os.path.join(rt, "images", f"{key}.jpg"), "wb") as f:
             f.write(image)
         records.append({"image": f"images/{key}.jpg", "caption": caps, "label": scene.label})

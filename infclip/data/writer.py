@@ -8,18 +8,19 @@ Output folder::
     sizes.json           {"00000.tar": n, "00001.tar": m, ...}
 
 This is what img2dataset produces (plus parquet files we do not write), so the training
-pipeline counts samples the same way for downloaded and generated data. Tar members get a
-fixed mtime/owner, so the bytes of a shard depend only on what was written (determinism).
+pipeline counts samples the same way for downloaded and generated data. The tars are written
+by ``webdataset.TarWriter`` with a fixed mtime/owner, so the bytes of a shard depend only on
+what was written (determinism); this module adds the numbering, limits and statistics.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import tarfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import webdataset as wds
 
 SHARD_DIGITS = 5
 
@@ -48,13 +49,10 @@ class ShardStats:
         return os.path.join(out_dir, f"{{{first:0{SHARD_DIGITS}d}..{last:0{SHARD_DIGITS}d}}}.tar")
 
 
-def _add_member(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(payload)
-    info.mtime = 0  # deterministic bytes
-    info.mode = 0o644
-    info.uname = info.gname = "infclip"
-    tar.addfile(info, io.BytesIO(payload))
+def tar_writer(path: str) -> wds.TarWriter:
+    """A ``webdataset.TarWriter`` of raw bytes with a fixed mtime, owner and mode, so a tar's
+    bytes depend only on the samples written."""
+    return wds.TarWriter(path, user="infclip", group="infclip", mode=0o644, encoder=False, mtime=0)
 
 
 class ShardWriter:
@@ -71,7 +69,7 @@ class ShardWriter:
         self.out_dir, self.max_samples, self.max_bytes = out_dir, max_samples, max_bytes
         self.stats = ShardStats()
         self._index = start_shard
-        self._tar: Optional[tarfile.TarFile] = None
+        self._tar: Optional[wds.TarWriter] = None
         self._count = self._bytes = 0
 
     def write(self, key: str, image: bytes, caption: str, meta: Optional[dict[str, Any]] = None,
@@ -86,11 +84,10 @@ class ShardWriter:
         if full:
             self._finish_shard()
         if self._tar is None:
-            self._tar = tarfile.open(self._shard_path(), "w", format=tarfile.USTAR_FORMAT)
+            self._tar = tar_writer(self._shard_path())
         record = {"key": key, "caption": caption, "status": "success", **(meta or {})}
-        _add_member(self._tar, f"{key}.{ext}", image)
-        _add_member(self._tar, f"{key}.txt", caption.encode("utf-8"))
-        _add_member(self._tar, f"{key}.json", json.dumps(record, sort_keys=True).encode("utf-8"))
+        self._tar.write({"__key__": key, ext: image, "txt": caption.encode("utf-8"),
+                         "json": json.dumps(record, sort_keys=True).encode("utf-8")})
         self._count += 1
         self._bytes += size
 

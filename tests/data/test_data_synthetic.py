@@ -41,7 +41,8 @@ def test_train_shards_have_img2dataset_layout(tmp_path):
     assert ds.num_train == 96 and ds.num_train_shards == 16 and ds.train_shards.endswith("{00000..00015}.tar")
     first = ds.train_shards.replace("{00000..00015}", "00000")
     names = tarfile.open(first).getnames()
-    assert names[:3] == ["train0000000.jpg", "train0000000.txt", "train0000000.json"]
+    # members sorted by extension within a sample: what img2dataset (webdataset's TarWriter) writes
+    assert names[:3] == ["train0000000.jpg", "train0000000.json", "train0000000.txt"]
     assert len(names) == 3 * 6
     tar = tarfile.open(first)
     for key in ("train0000000", "train0000005"):
@@ -65,10 +66,10 @@ def test_eval_layouts(tmp_path):
     assert open(os.path.join(zs, "test", "nshards.txt")).read().strip() == "1"
     tar = tarfile.open(os.path.join(zs, "test", "0.tar"))
     names = tar.getnames()
-    assert len(names) == 2 * 24 and names[0].endswith(".jpg") and names[1].endswith(".cls")
+    assert len(names) == 2 * 24 and names[0].endswith(".cls") and names[1].endswith(".jpg")  # sorted
     records = json.load(open(ds.retrieval_annotations))
     assert len(records) == 24
-    for rec, jpg, cls in zip(records, names[0::2], names[1::2]):
+    for rec, cls, jpg in zip(records, names[0::2], names[1::2]):
         assert len(set(rec["caption"])) == 5
         assert open(os.path.join(ds.retrieval_root, rec["image"]), "rb").read() == tar.extractfile(jpg).read()
         label = int(tar.extractfile(cls).read())

@@ -88,8 +88,9 @@ def count_samples(urls: Sequence[str]) -> Optional[int]:
 RawSample = dict  # {"__key__": str, "__url__": str, "<ext>": bytes, ...}
 
 
-def _split_name(name: str) -> tuple[str, str]:
-    """``dir/abc.x.jpg`` -> (``dir/abc``, ``x.jpg``): the key ends at the basename's first dot."""
+def split_name(name: str) -> tuple[str, str]:
+    """``dir/abc.x.JPG`` -> (``dir/abc``, ``x.jpg``): webdataset's split, the key ends at the
+    basename's first dot (extension lower-cased; "" when there is no dot)."""
     folder, base = os.path.split(name)
     stem, dot, ext = base.partition(".")
     return os.path.join(folder, stem) if folder else stem, ext.lower() if dot else ""
@@ -100,7 +101,7 @@ def _grouped(tar: tarfile.TarFile, url: str) -> Iterator[RawSample]:
     for info in tar:
         if not info.isreg() or os.path.basename(info.name).startswith(("__", "._")):
             continue
-        key, ext = _split_name(info.name)
+        key, ext = split_name(info.name)
         if current is None or current["__key__"] != key:
             if current is not None:
                 yield current  # complete before the next member is read: a cut loses only its sample

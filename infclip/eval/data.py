@@ -21,10 +21,9 @@ import open_clip
 from PIL import Image
 from torch.utils.data import Dataset
 
+from infclip.data.shards import IMAGE_EXTS, split_name
 from infclip.eval.config import EvalConfigError, EvalTaskConfig
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's key/extension split
 TarRef = tuple[str, int, int]  # (shard path, byte offset of the member's data, size)
 ImageRef = Union[str, TarRef]  # a file path or a member of a tar shard
 
@@ -105,10 +104,9 @@ def scan_tar(path: str) -> list[tuple[TarRef, int]]:
     order: list[str] = []
     with tarfile.open(path, "r:") as tar:
         for m in tar:
-            match = _KEY_EXT.match(m.name) if m.isfile() else None
-            if not match:
+            if not m.isfile():
                 continue
-            key, ext = match.group(1), match.group(2).lower()
+            key, ext = split_name(m.name)
             if ext in IMAGE_EXTS and key not in images:
                 images[key] = (path, m.offset_data, m.size)
                 order.append(key)

@@ -30,8 +30,6 @@ import triton.language as tl
 
 from ..tiles import LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_tile, update_rows
 
-_dot_stream = dot_stream  # the name the objective kernels imported before ``tiles`` existed
-
 
 @triton.jit
 def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, row_part_ptr, col_part_ptr,

@@ -100,3 +100,18 @@ def test_siglip_loss_triton_equals_torch_tiles():
         out[impl] = (loss.detach(), *torch.autograd.grad(loss, xs))
     for x, w in zip(out["triton"], out["torch"]):
         assert rel(x, w.double()) < 1e-5
+
+
+def test_backend_options_are_checked_and_auto_uses_strips_only_for_16bit_cuda():
+    from infclip.kernels.nt_xent import TritonMaskedLSEOps
+
+    for cls in (TritonSigmoidOps, TritonMaskedLSEOps):
+        with pytest.raises(ValueError, match="strips"):
+            cls(strips="sometimes")
+        with pytest.raises(ValueError, match="fp32_precision"):
+            cls(fp32_precision="fp16")
+        bf16_cpu = torch.zeros(4, 8, dtype=torch.bfloat16)
+        assert not cls()._use_strips(bf16_cpu)  # auto: CUDA 16-bit only
+        assert cls(strips="always")._use_strips(bf16_cpu) and not cls(strips="never")._use_strips(bf16_cpu)
+        if torch.cuda.is_available():
+            assert cls()._use_strips(bf16_cpu.cuda()) and not cls()._use_strips(bf16_cpu.float().cuda())

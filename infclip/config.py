@@ -29,6 +29,7 @@ class ModelConfig:
     lock_text: bool = False  # freeze the text tower
     lock_text_unlocked_layers: int = 0  # last N text layers stay trainable
     grad_checkpointing: bool = False  # activation checkpointing inside the towers
+    compile: bool = False  # torch.compile the towers in place (state-dict keys unchanged), as open_clip's --torchcompile
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
     init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)
     max_logit_scale: float = 4.605170185988092  # clamp: ln 100, as in CLIP
@@ -79,6 +80,20 @@ class MemoryConfig:
     grad_cache: str = "auto"  # "auto" (on when micro < per-rank batch) | "on" | "off"
     cache_dtype: str = "fp32"  # cached embeddings: "fp32" | "bf16"
     offload: bool = False  # keep the step's inputs in pinned CPU memory, stream micro-batches
+    # Step pipeline (infclip/train/pipeline.py): a background thread assembles the next
+    # step(s) while the GPU trains, and the cache pass reads micro-batches as they arrive.
+    # Host memory: (1 + prefetch_steps) step buffers of per-rank batch x (3*H*W + 8*L) bytes
+    # (uint8 images, int64 tokens); 0 fills each step during its own cache pass (one buffer).
+    prefetch_steps: int = 1
+    # With the gradient cache and offload, inputs that only the cache pass reads (a locked
+    # LiT image tower's images) pass through a ring of stream_rows rows per buffer instead of
+    # being held for the whole step: host bytes for them are (1 + prefetch_steps) x stream_rows
+    # x 3*H*W, independent of the batch. false: hold them whole, as other inputs.
+    stream_once_inputs: bool = True
+    stream_rows: int = 32768  # ring size in samples (rounded up to whole micro/loader batches)
+    # false: fill each step in the trainer's thread (no overlap; debugging). data.workers=0
+    # always fills in the trainer's thread (in-process decoding shares torch's global RNG).
+    pipeline_thread: bool = True
 
 
 @dataclass
@@ -176,8 +191,8 @@ def validate(cfg: Any, world_size: int) -> None:
     validate_eval(cfg.eval)
 
 
-_POSITIVE = ("steps", "optim.lr", "checkpoint.keep_last", "max_nonfinite")
-_NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps",
+_POSITIVE = ("steps", "optim.lr", "checkpoint.keep_last", "max_nonfinite", "memory.stream_rows")
+_NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps", "memory.prefetch_steps",
                  "logging.every_n_steps", "checkpoint.every_n_steps")
 
 

@@ -88,3 +88,21 @@ def clamp_logit_scale(model: torch.nn.Module, max_value: float = math.log(100)) 
     """CLIP's clamp of the learnable temperature, applied after each optimizer step."""
     with torch.no_grad():
         model.logit_scale.clamp_(0, max_value)
+
+
+def compile_towers(model: torch.nn.Module) -> list[str]:
+    """``torch.compile`` each tower in place (``nn.Module.compile``: the module keeps its
+    parameters and state-dict keys, so checkpoints, DDP, LiT locks and the gradient-cache
+    replay see the same module). Returns the names of the compiled submodules.
+
+    The towers, not the whole model, are compiled so that every way the engine runs them is
+    compiled: ``model(image=..., text=...)`` and ``encode_image`` of a frozen LiT tower alike.
+    Graphs are specialised on grad mode and autocast, so the cache pass (no grad) and the
+    replay (grad) each compile once; eval batches of other sizes recompile once (dynamic).
+    """
+    names = [n for n in ("visual", "transformer", "text") if isinstance(getattr(model, n, None), torch.nn.Module)]
+    if not names:
+        raise ValueError(f"model.compile=true: {type(model).__name__} has no visual/text tower to compile")
+    for n in names:
+        getattr(model, n).compile()
+    return names

@@ -46,6 +46,7 @@ from infclip.config import ConfigError, micro_size
 from infclip.loss.ring import global_mean_loss
 from infclip.train.lit import LockPlan, lock_plan
 from infclip.train.offload import InputStager
+from infclip.train.pipeline import TensorFeed
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -136,7 +137,18 @@ class StepEngine:
                 f"engine.step expects the per-rank batch of {self.s.local} samples, got images "
                 f"{tuple(images.shape)} and tokens {tuple(tokens.shape)}"
             )
-        inputs = {"images": images, "tokens": tokens}
+        return self.step_feed(TensorFeed({"images": images, "tokens": tokens}))
+
+    def streamable_inputs(self) -> tuple[str, ...]:
+        """Inputs read by the cache pass only (pass 2 does not re-run their tower): with the
+        gradient cache and offload they can stream through the step pipeline's ring."""
+        if not (self.s.grad_cache and self.s.offload):
+            return ()
+        replayed = set(self._schedule()[self.s.num_micro][1]) if self.s.num_micro else set()
+        return tuple(n for n in ("images", "tokens") if n not in replayed)
+
+    def step_feed(self, inputs) -> StepOutput:
+        """As :meth:`step`, reading the per-rank rows from a feed (see ``pipeline``) as they arrive."""
         if self.s.grad_cache:
             loss, timings = self._cached_step(inputs)
         else:

@@ -91,7 +91,8 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-_TERMINAL_KEYS = ("loss", "lr", "logit_scale", "samples_per_s", "gpu_mem_gb", "skipped_samples")
+_TERMINAL_KEYS = ("loss", "lr", "logit_scale", "samples_per_s", "data_wait_pct", "loader_samples_per_s",
+                  "gpu_mem_gb", "skipped_samples")
 _BOOKKEEPING = ("_chance", "num_samples", "num_classes", "num_images", "num_texts", "seconds")
 
 

@@ -20,9 +20,8 @@ import torch
 from omegaconf import OmegaConf
 
 from infclip.config import validate
-from infclip.data.pipeline import stop_workers
 from infclip.eval import check_tasks
-from infclip.model import BuiltModel, build_model, clamp_logit_scale
+from infclip.model import BuiltModel, build_model, clamp_logit_scale, compile_towers
 from infclip.train import checkpoint as ckpt
 from infclip.eval import make_autocast
 from infclip.train.distributed import (
@@ -32,6 +31,7 @@ from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.logger import _BOOKKEEPING, MetricsLogger, gpu_memory_gb, run_info
 from infclip.train.optim import build_optimizer, build_scheduler
+from infclip.train.pipeline import StepPipeline, TensorFeed, build_step_pipeline, duplicate_warning
 
 
 class NonFiniteError(RuntimeError):
@@ -65,6 +65,7 @@ class State:
     stop_signal: int = 0  # the agreed stop signal (SIGUSR1: Slurm's warning -> requeue)
     signal_received: int = 0  # set by the handler on this rank; acted on after the next step
     saved_step: int = -1  # step of the newest checkpoint this process wrote or resumed from
+    data_state: Optional[dict] = None  # loader position after the last *trained* step (not a prefetched one)
 
 
 def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
@@ -137,6 +138,8 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
 
         built = wrap_model(built, cfg.loss.temperature)
     apply_locks(built.model, cfg.model)
+    if cfg.model.compile:  # in place: state-dict keys, locks and DDP see the same modules
+        compile_towers(built.model)
     model = _wrap_ddp(built.model, info)
     data, eval_cfg, normalizer = _build_data(cfg, info, built)
     check_tasks(eval_cfg)  # open every eval dataset now: a wrong path fails before training
@@ -227,38 +230,39 @@ def _loader_batch(cfg: Any, info: DistInfo) -> int:
 def fit(cfg: Any, info: DistInfo, parts: Parts) -> dict:
     state = State()
     _maybe_resume(cfg, info, parts, state)
+    state.data_state = parts.data.state_dict()  # the position before any step of this process
     previous_handlers = _install_signal_handlers(state)
-    local_batch = cfg.batch.global_size // info.world_size
-    batcher = StepBatcher(parts.data.batches(), local_batch, pin=cfg.memory.offload and info.device.type == "cuda")
+    _warn_duplicates(cfg, info, parts)
+    pipeline = build_step_pipeline(cfg, parts.data, parts.engine, info.device, info.world_size)
     parts.logger.set_start(state.step)
     t_run = time.perf_counter()
     try:
         while state.step < cfg.steps:
-            metrics = train_step(cfg, info, parts, state, batcher)
+            metrics = train_step(cfg, info, parts, state, pipeline)
             state.step += 1
             state.samples += cfg.batch.global_size
             _after_step(cfg, info, parts, state, metrics)
             if state.stop_requested:
                 break
     finally:  # stop the loader workers now, also when a step raised (they ignore SIGTERM)
-        batcher.close()
+        pipeline.close()
         for sig, handler in previous_handlers.items():  # a SIGTERM from here on ends the process
             signal.signal(sig, handler)
     return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
 
 
-def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, batcher: "StepBatcher") -> dict:
+def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: StepPipeline) -> dict:
+    """One optimizer step on the pipeline's next feed. The GPU starts as soon as the feed's
+    first micro-batch is there; ``time_data_wait`` is all the time the step blocked on data."""
     t0 = time.perf_counter()
-    images, tokens = batcher.next()
-    if cfg.task == "simclr":  # two augmented views of each image replace (image, caption)
-        from infclip.train.simclr import step_seed, two_views
-
-        images, tokens = two_views(images, step_seed(cfg.seed, state.step, info.rank))
-    t_data = time.perf_counter() - t0
+    feed = pipeline.next()
     parts.model.train()
     lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
     parts.engine.measure_timings = _logged(cfg, state.step + 1)  # phase timings sync CUDA
-    out = parts.engine.step(images, tokens)
+    out = parts.engine.step_feed(_simclr_views(cfg, info, state, feed))
+    feed.full("tokens")  # every row arrived, so the feed's data position is set
+    state.data_state, wait = feed.data_state, feed.wait_s
+    pipeline.release(feed, info.device)  # read before release: the filler then reuses the feed
     _maybe_inject_nan(parts, state.step + 1)
     t1 = time.perf_counter()
     applied, overflow, grad_norm = _optimizer_step(cfg, parts, out)
@@ -269,11 +273,29 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, batcher: "S
         "logit_scale": float(_unwrap(parts.model).logit_scale.detach().exp()), "grad_norm": grad_norm,
         "samples_per_s": cfg.batch.global_size / step_time,
         "samples_per_s_per_gpu": cfg.batch.global_size / step_time / info.world_size,
-        "step_time": step_time, "time_data": t_data, "time_optim": t_opt,
+        "step_time": step_time, "time_data_wait": wait, "data_wait_pct": 100.0 * wait / step_time,
+        "loader_samples_per_s": pipeline.loader_rate() * info.world_size, "time_optim": t_opt,
         **{f"time_{k}": v for k, v in out.timings.items()},
         "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
         "amp_overflow": int(overflow),
     }
+
+
+def _simclr_views(cfg: Any, info: DistInfo, state: State, feed: Any) -> Any:
+    """SimCLR: two augmented views of each image replace (image, caption), on the host."""
+    if cfg.task != "simclr":
+        return feed
+    from infclip.train.simclr import step_seed, two_views
+
+    images, tokens = two_views(feed.full("images"), step_seed(cfg.seed, state.step, info.rank))
+    return TensorFeed({"images": images, "tokens": tokens})
+
+
+def _warn_duplicates(cfg: Any, info: DistInfo, parts: Parts) -> None:
+    msg = duplicate_warning(cfg.batch.global_size, parts.data.num_samples, info.world_size,
+                            parts.data.spec.loader_batch, parts.data.spec.resampled)
+    if msg and info.is_main:
+        parts.logger.write(f"warning: {msg}")
 
 
 def _optimizer_step(cfg: Any, parts: Parts, out: Any) -> tuple[bool, bool, float]:
@@ -345,7 +367,7 @@ def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: d
     skipped = bool(metrics["skipped_step"])
     _count_nonfinite(state, skipped)
     if _logged(cfg, step) or skipped:
-        metrics["skipped_samples"] = sum(_skip_counts(parts, info).values())
+        metrics["skipped_samples"] = sum(_skip_counts(state, info).values())
         metrics["nonfinite_steps"] = state.nonfinite_total
         parts.logger.log(step, metrics)
     if skipped:
@@ -373,9 +395,10 @@ def _agree_on_stop(state: State, info: DistInfo) -> None:
         state.stop_requested, state.stop_signal = True, agreed
 
 
-def _skip_counts(parts: Parts, info: DistInfo) -> dict[str, int]:
-    """Skipped samples/shards by reason, summed over all ranks (called on every rank)."""
-    local = parts.data.skip_counts()
+def _skip_counts(state: State, info: DistInfo) -> dict[str, int]:
+    """Skipped samples/shards by reason up to the last trained step (prefetched data not
+    counted yet), summed over all ranks (called on every rank)."""
+    local = dict((state.data_state or {}).get("skips", {}))
     if not info.distributed:
         return local
     gathered: list = [None] * info.world_size
@@ -413,7 +436,7 @@ def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -
     final = {} if state.stop_requested else _evaluate(cfg, info, parts, state.step, final=True)
     if state.saved_step != state.step:  # never rewrite a complete checkpoint of the same step
         _save(parts, state)
-    skips = _skip_counts(parts, info)
+    skips = _skip_counts(state, info)
     summary = {"steps": state.step, "wall_s": wall, "nonfinite_steps": state.nonfinite_total,
                "skipped_samples": skips, **final}
     parts.logger.log(state.step, {"summary": summary}, echo=False)
@@ -442,7 +465,7 @@ def _save(parts: Parts, state: State) -> Path:
         "optimizer": parts.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
     }
-    rank_state = {"rng": ckpt.rng_state(), "data": parts.data.state_dict()}
+    rank_state = {"rng": ckpt.rng_state(), "data": state.data_state}
     path = parts.checkpointer.save(state.step, model.state_dict(), train_state, rank_state)
     state.saved_step = state.step
     parts.logger.write(f"checkpoint: {path}")
@@ -515,42 +538,3 @@ def _install_signal_handlers(state: State) -> dict:
         state.signal_received = max(state.signal_received, signum)
 
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-
-
-class StepBatcher:
-    """Assembles one step's per-rank batch from consecutive loader batches.
-
-    The buffers are allocated once (pinned when offloading) and refilled every step, so
-    host memory holds exactly one step of uint8 images and tokens.
-    """
-
-    def __init__(self, batches: Iterator, local_batch: int, pin: bool):
-        self.batches, self.n, self.pin = batches, local_batch, pin
-        self.images: Optional[torch.Tensor] = None
-        self.tokens: Optional[torch.Tensor] = None
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        filled = 0
-        while filled < self.n:
-            imgs, toks = next(self.batches)
-            if self.images is None:
-                self._allocate(imgs, toks)
-            k = imgs.shape[0]
-            self.images[filled : filled + k].copy_(imgs)
-            self.tokens[filled : filled + k].copy_(toks)
-            filled += k
-        return self.images, self.tokens
-
-    def close(self) -> None:
-        """Closes the batch generator, which shuts its DataLoader workers down, then kills
-        any worker that did not exit (they ignore SIGTERM: see ``stop_workers``)."""
-        close = getattr(self.batches, "close", None)
-        if close is not None:
-            close()
-        killed = stop_workers()
-        if killed:
-            print(f"stopped {killed} loader worker(s) that did not exit with their loader", flush=True)
-
-    def _allocate(self, imgs: torch.Tensor, toks: torch.Tensor) -> None:
-        self.images = torch.empty((self.n, *imgs.shape[1:]), dtype=imgs.dtype, pin_memory=self.pin)
-        self.tokens = torch.empty((self.n, *toks.shape[1:]), dtype=toks.dtype, pin_memory=self.pin)

@@ -17,16 +17,24 @@ The engine asks for micro-batches in a fixed schedule (pass 1: 0..K-1, then pass
 Images are staged as uint8 (normalized on the device by the data pipeline's normalizer):
 a float32 224^2 image would be 4x the bytes on the host and on the wire.
 
+The inputs come as a *feed* (``infclip.train.pipeline.StepFeed`` or ``TensorFeed``): rows are
+read with ``feed.rows(name, start, stop)``, which waits only for rows the loader has not
+delivered yet, so the cache pass starts while the step is still being assembled. A field
+the feed *streams* (read once per step, e.g. a locked LiT tower's images) is released
+micro-batch by micro-batch once its copy to the device is done.
+
 On a CPU device the same code runs: buffers are allocated and filled with ``copy_``, only
 the stream/event synchronization is skipped.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from infclip.train.pipeline import TensorFeed
 
 Item = tuple[int, Sequence[str]]  # (micro-batch index, names of the inputs it needs)
 
@@ -46,12 +54,14 @@ class InputStager:
         """Largest number of samples of any one input that the device buffers can hold."""
         return max((sum(b.shape[0] for b in bufs) for bufs in self.buffers.values()), default=0)
 
-    def stream(self, inputs: dict[str, Tensor], micro: int, schedule: Sequence[Item]) -> Iterator[dict[str, Tensor]]:
+    def stream(self, inputs: Any, micro: int, schedule: Sequence[Item]) -> Iterator[dict[str, Tensor]]:
         """Yield ``{name: device tensor (micro, ...)}`` for each schedule item, in order.
 
         A yielded tensor is valid until the generator is resumed (offload) or until the
         step ends (no offload); the consumer must finish its forward/backward on it first.
         """
+        if isinstance(inputs, dict):  # plain tensors: a complete step
+            inputs = TensorFeed(inputs)
         if self.offload:
             yield from self._stream_offload(inputs, micro, schedule)
         else:
@@ -60,9 +70,10 @@ class InputStager:
     # -- resident: the whole per-rank batch on the device -------------------------------
     def _stream_resident(self, inputs, micro, schedule):
         staged = {}
-        for name in {n for _, names in schedule for n in names}:
-            buf = self._buffer(name, 0, inputs[name].shape, inputs[name].dtype)
-            buf.copy_(inputs[name], non_blocking=True)
+        for name in sorted({n for _, names in schedule for n in names}):
+            src = inputs.full(name)
+            buf = self._buffer(name, 0, src.shape, src.dtype)
+            buf.copy_(src, non_blocking=True)
             staged[name] = buf
         for k, names in schedule:
             yield {n: staged[n][k * micro:(k + 1) * micro] for n in names}
@@ -85,12 +96,14 @@ class InputStager:
         """Start copying schedule item ``i`` into slot ``i % 2``; returns its ready event."""
         k, names = schedule[i]
         slot = i % 2
+        rows = (k * micro, (k + 1) * micro)
         if not self._cuda:
             for n in names:
-                src = inputs[n][k * micro:(k + 1) * micro]
+                src = inputs.rows(n, *rows)
                 self._buffer(n, slot, src.shape, src.dtype).copy_(src)
+                inputs.release(n, rows[1])
             return None
-        srcs = {n: inputs[n][k * micro:(k + 1) * micro] for n in names}
+        srcs = {n: inputs.rows(n, *rows) for n in names}
         bufs = {n: self._buffer(n, slot, s.shape, s.dtype) for n, s in srcs.items()}  # on compute stream
         with torch.cuda.stream(self._copy_stream):
             for n, src in srcs.items():
@@ -100,6 +113,8 @@ class InputStager:
                 buf.copy_(src, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
+        for n in names:  # streamed host rows may be refilled once this copy is done
+            inputs.release(n, rows[1], ready)
         return ready
 
     def _buffer(self, name: str, slot: int, shape, dtype) -> Tensor:

@@ -37,7 +37,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
     """``cfg`` is an OptimConfig."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+        # fused: one kernel for the whole update on CUDA (no per-parameter launches)
+        fused = all(p.is_cuda for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
     if cfg.name == "adafactor":
         return AdafactorBigVision(groups, lr=cfg.lr, momentum=cfg.beta1, beta2_cap=cfg.beta2)
     raise ValueError(f"optim.name={cfg.name!r}: choose 'adamw' or 'adafactor'")

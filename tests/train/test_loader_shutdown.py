@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from infclip.data.pipeline import ignore_stop_signals
-from infclip.train.loop import StepBatcher
+from infclip.train.pipeline import PipelineSettings, StepPipeline
 
 
 class _SlowAfterFirst(IterableDataset):
@@ -38,8 +38,8 @@ def test_close_stops_a_busy_worker_that_ignores_sigterm(leak):
     """referenced: the iterator is not collected when the generator closes, so torch never
     shuts its workers down and its SIGCHLD handler still watches them when they are killed."""
     loader = DataLoader(_SlowAfterFirst(), batch_size=None, num_workers=2, worker_init_fn=ignore_stop_signals)
-    batcher = StepBatcher(_batches(loader, leak), local_batch=2, pin=False)
-    images, _ = batcher.next()
+    batcher = StepPipeline(_batches(loader, leak), dict, PipelineSettings(local=2, pin=False, prefetch_steps=1))
+    images = batcher.next().full("images")
     assert images.shape == (2, 3, 4, 4)
     workers = [p for p in multiprocessing.active_children() if p.daemon]
     assert workers, "the loader should have started a worker"

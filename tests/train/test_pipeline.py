@@ -1,0 +1,176 @@
+"""The step pipeline: steps assembled ahead by a thread give exactly the rows, in exactly the
+order, of the synchronous batcher; the resume position travels with each step; streamed
+(read-once) inputs never occupy more than their ring; LiT with streamed images computes the
+same gradients as with the images held whole; errors and shutdown reach the trainer."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from engine_testutils import assert_grads_close, batch, config, engine_for, grads_of, tiny_clip
+
+from infclip.train.lit import apply_locks
+from infclip.train.pipeline import PipelineSettings, StepPipeline, ring_rows
+
+LOADER, LOCAL = 4, 12  # loader batches of 4 rows, steps of 12 rows (3 loader batches)
+
+
+class _Loader:
+    """A loader generator over numbered rows whose position is a plain counter."""
+
+    def __init__(self, n_batches: int = 1000, delay: float = 0.0, fail_at: int = -1):
+        self.pos, self.delay, self.fail_at, self.n = 0, delay, fail_at, n_batches
+        self.closed = threading.Event()
+
+    def batches(self):
+        try:
+            while self.pos < self.n:
+                if self.pos == self.fail_at:
+                    raise ValueError("shard 00007.tar is corrupt")
+                time.sleep(self.delay)
+                rows = torch.arange(self.pos * LOADER, (self.pos + 1) * LOADER)
+                self.pos += 1  # the position moves before the yield, as TrainData's does
+                yield rows.view(-1, 1, 1, 1).expand(-1, 3, 2, 2).to(torch.uint8), rows.view(-1, 1).repeat(1, 5)
+        finally:
+            self.closed.set()
+
+    def state(self) -> dict:
+        return {"batch": self.pos}
+
+
+def _pipeline(loader: _Loader, **kw) -> StepPipeline:
+    return StepPipeline(loader.batches(), loader.state, PipelineSettings(local=LOCAL, pin=False, **kw))
+
+
+def _take(pipe: StepPipeline, steps: int) -> tuple[list, list]:
+    rows, states = [], []
+    for _ in range(steps):
+        feed = pipe.next()
+        rows.append(feed.full("tokens")[:, 0].clone())
+        states.append(feed.data_state)
+        pipe.release(feed)
+    return rows, states
+
+
+@pytest.mark.parametrize("kw", [dict(prefetch_steps=0), dict(prefetch_steps=1), dict(prefetch_steps=3),
+                                dict(prefetch_steps=1, threaded=False)], ids=["p0", "p1", "p3", "unthreaded"])
+def test_rows_and_resume_position_per_step(kw):
+    pipe = _pipeline(_Loader(), **kw)
+    try:
+        rows, states = _take(pipe, 5)
+    finally:
+        pipe.close()
+    for t in range(5):
+        assert torch.equal(rows[t], torch.arange(t * LOCAL, (t + 1) * LOCAL)), f"step {t} rows"
+        # the position after the step's own last loader batch, not after a prefetched one
+        assert states[t] == {"batch": (t + 1) * LOCAL // LOADER}, f"step {t} resume position"
+
+
+def test_prefetch_fills_the_next_step_while_one_trains():
+    loader = _Loader()
+    pipe = _pipeline(loader, prefetch_steps=1)
+    try:
+        feed = pipe.next()
+        feed.full("tokens")
+        deadline = time.monotonic() + 10
+        while loader.pos < 2 * LOCAL // LOADER and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # step 0 is still held (not released), yet step 1 has been read from the loader
+        assert loader.pos == 2 * LOCAL // LOADER
+        time.sleep(0.2)
+        assert loader.pos == 2 * LOCAL // LOADER, "the filler must not run further ahead than prefetch_steps"
+    finally:
+        pipe.close()
+
+
+def test_rows_can_be_read_before_the_step_is_complete():
+    """prefetch 0: the consumer reads the first rows while later loader batches still arrive."""
+    pipe = _pipeline(_Loader(delay=0.3), prefetch_steps=0)
+    try:
+        feed = pipe.next()
+        t0 = time.monotonic()
+        first = feed.rows("tokens", 0, LOADER)
+        got_first = time.monotonic() - t0
+        assert torch.equal(first[:, 0], torch.arange(LOADER))
+        assert feed.filled < LOCAL and got_first < 0.8
+        feed.full("tokens")
+        assert feed.wait_s > 0.3
+    finally:
+        pipe.close()
+
+
+def test_loader_error_reaches_the_trainer():
+    pipe = _pipeline(_Loader(fail_at=4), prefetch_steps=1)
+    try:
+        feed = pipe.next()
+        feed.full("tokens")
+        pipe.release(feed)
+        with pytest.raises(ValueError, match="00007.tar is corrupt"):
+            pipe.next().full("tokens")
+    finally:
+        pipe.close()
+
+
+def test_close_stops_the_filler_and_closes_the_loader():
+    loader = _Loader()
+    pipe = _pipeline(loader, prefetch_steps=2)
+    pipe.next()
+    pipe.close()
+    assert loader.closed.wait(5), "the loader generator was not closed (its workers would outlive the run)"
+    assert not pipe._thread.is_alive()
+
+
+def test_streamed_field_lives_in_a_ring():
+    loader = _Loader()
+    pipe = _pipeline(loader, prefetch_steps=1, streamed=("images",), ring_rows=8)
+    try:
+        for t in range(3):
+            feed = pipe.next()
+            assert feed.streams("images") and not feed.streams("tokens")
+            for k in range(0, LOCAL, LOADER):  # read once, in order, releasing as a stager does
+                img = feed.rows("images", k, k + LOADER)
+                assert torch.equal(img[:, 0, 0, 0].long(), torch.arange(t * LOCAL + k, t * LOCAL + k + LOADER))
+                feed.release("images", k + LOADER)
+            assert feed.buffers["images"].shape[0] == 8 and feed.buffers["tokens"].shape[0] == LOCAL
+            with pytest.raises(RuntimeError, match="released"):
+                feed.rows("images", 0, LOADER)
+            pipe.release(feed)
+    finally:
+        pipe.close()
+
+
+def test_ring_rows_holds_whole_micro_and_loader_batches():
+    assert ring_rows(local=4096, micro=512, loader_batch=256, want_rows=1000) == 1024
+    assert ring_rows(local=4096, micro=384, loader_batch=256, want_rows=100) == 1536  # 2 x lcm
+    assert ring_rows(local=1024, micro=512, loader_batch=256, want_rows=1 << 20) == 1024
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_lit_streamed_images_same_gradients_and_no_whole_step_of_images(prefetch):
+    """Locked image tower, offload: images stream through a 2-micro-batch ring; the gradients
+    are identical to the step given the whole batch as tensors."""
+    local, micro = 8, 2
+    model = tiny_clip(dropout=0.0, patch_dropout=0.0)
+    cfg = config(local, micro, offload=True, lock_image=True)
+    apply_locks(model, cfg.model)
+    ref = copy.deepcopy(model)
+    images, tokens = batch(local)
+
+    engine_for(cfg, ref).step(images, tokens)
+    engine = engine_for(cfg, model)
+    assert engine.streamable_inputs() == ("images",)
+    rows = iter([(images[k:k + micro], tokens[k:k + micro]) for k in range(0, local, micro)])
+    settings = PipelineSettings(local=local, pin=False, prefetch_steps=prefetch, streamed=("images",),
+                                ring_rows=ring_rows(local, micro, micro, 1))
+    pipe = StepPipeline(rows, dict, settings)
+    try:
+        feed = pipe.next()
+        engine.step_feed(feed)
+        assert feed.buffers["images"].shape[0] == 2 * micro < local  # never a whole step of images
+    finally:
+        pipe.close()
+    assert_grads_close(grads_of(model), grads_of(ref), atol=0, rtol=0)

@@ -7,14 +7,13 @@ Objects are built from the config in ``build``; the loop itself parses no config
 from __future__ import annotations
 
 import copy
-import hashlib
 import math
 import os
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -23,12 +22,13 @@ from infclip.config import validate
 from infclip.eval import check_tasks
 from infclip.model import BuiltModel, build_model, clamp_logit_scale, compile_towers
 from infclip.train import checkpoint as ckpt
-from infclip.eval import make_autocast
-from infclip.train.distributed import (
-    DistInfo, all_ok, barrier, broadcast_object, init_distributed, on_rank0, shutdown,
-)
+from infclip.train.distributed import DistInfo, all_ok, barrier, init_distributed, on_rank0, shutdown
 from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
+from infclip.train.evaluation import eval_due, evaluate
+from infclip.train.resume import maybe_resume
+from infclip.train.rundir import setup_run_dir
+from infclip.train.signals import signals_handled
 from infclip.train.logger import _BOOKKEEPING, MetricsLogger, gpu_memory_gb, run_info
 from infclip.train.optim import build_optimizer, build_scheduler
 from infclip.train.pipeline import StepPipeline, TensorFeed, build_step_pipeline, duplicate_warning
@@ -74,52 +74,15 @@ def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
     info = init_distributed(cfg.device)
     try:
         validate(cfg, info.world_size)  # before any model or GPU work
-        run_dir = _setup_run_dir(cfg, info, overrides or [])
+        run_dir = setup_run_dir(cfg, info, overrides or [])
         torch.manual_seed(cfg.seed + info.rank)
         parts = build(cfg, info, run_dir)
         parts.logger.log_run_info(run_info(overrides or [], info))
-        return fit(cfg, info, parts)
+        state = State()
+        with signals_handled(state):  # through the final checkpoint and eval (infclip.train.signals)
+            return fit(cfg, info, parts, state)
     finally:
         shutdown()
-
-
-def _setup_run_dir(cfg: Any, info: DistInfo, overrides: list[str]) -> Path:
-    run_dir = derive_run_dir(cfg)
-
-    def write() -> None:  # rank 0 writes; the others only read
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        (run_dir / "overrides.txt").write_text("\n".join(overrides) + "\n")
-
-    on_rank0(info, write)
-    return run_dir
-
-
-def derive_run_dir(cfg: Any) -> Path:
-    """``run_dir`` if set, else ``runs_root/name``; under a Hydra multirun (``-m``) each job
-    gets ``runs_root/name/<its override dirname>`` so sweep members never share (and never
-    resume from) one directory, while a requeued job finds its own again."""
-    if cfg.run_dir:
-        return Path(cfg.run_dir).expanduser()
-    run_dir = Path(cfg.runs_root, cfg.name).expanduser()
-    sub = _multirun_subdir()
-    return run_dir / sub if sub else run_dir
-
-
-def _multirun_subdir() -> Optional[str]:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-            return None
-        job = HydraConfig.get().job
-    except ImportError:
-        return None
-    sub = (job.override_dirname or f"job{job.num}").replace("/", "_")  # one path component
-    if len(sub) > 120:  # keep it readable and within file-name limits, still unique
-        sub = f"{sub[:100]}-{hashlib.sha1(sub.encode()).hexdigest()[:10]}"
-    return sub
 
 
 # ----------------------------------------------------------------------------- build
@@ -227,11 +190,9 @@ def _loader_batch(cfg: Any, info: DistInfo) -> int:
 # ----------------------------------------------------------------------------- loop
 
 
-def fit(cfg: Any, info: DistInfo, parts: Parts) -> dict:
-    state = State()
-    _maybe_resume(cfg, info, parts, state)
+def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
+    maybe_resume(cfg, info, parts, state)
     state.data_state = parts.data.state_dict()  # the position before any step of this process
-    previous_handlers = _install_signal_handlers(state)
     _warn_duplicates(cfg, info, parts)
     pipeline = build_step_pipeline(cfg, parts.data, parts.engine, info.device, info.world_size)
     parts.logger.set_start(state.step)
@@ -246,8 +207,6 @@ def fit(cfg: Any, info: DistInfo, parts: Parts) -> dict:
                 break
     finally:  # stop the loader workers now, also when a step raised (they ignore SIGTERM)
         pipeline.close()
-        for sig, handler in previous_handlers.items():  # a SIGTERM from here on ends the process
-            signal.signal(sig, handler)
     return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
 
 
@@ -372,8 +331,8 @@ def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: d
         parts.logger.log(step, metrics)
     if skipped:
         _abort_if_nonfinite(cfg, parts, state, metrics["loss"])
-    if _eval_due(parts.eval_cfg, step) and step != cfg.steps:
-        _evaluate(cfg, info, parts, step, final=False)
+    if eval_due(parts.eval_cfg, step) and step != cfg.steps:
+        evaluate(cfg, info, parts, step, final=False)
     _agree_on_stop(state, info)
     every_ckpt = cfg.checkpoint.every_n_steps
     if state.stop_requested or (every_ckpt and step % every_ckpt == 0):
@@ -410,30 +369,11 @@ def _skip_counts(state: State, info: DistInfo) -> dict[str, int]:
     return total
 
 
-def _eval_due(eval_cfg: Any, step: int) -> bool:
-    return any(t.every_n_steps and step % t.every_n_steps == 0 for t in eval_cfg.tasks)
-
-
-def _evaluate(cfg: Any, info: DistInfo, parts: Parts, step: int, final: bool) -> dict:
-    if not parts.eval_cfg.tasks:
-        return {}
-    from infclip.eval import run_evals
-
-    with make_autocast(cfg.precision.amp, info.device)():
-        results = run_evals(
-            _unwrap(parts.model), parts.built.tokenizer, parts.built.preprocess_val, parts.eval_cfg,
-            step=step, final=final, device=info.device, rank=info.rank, world_size=info.world_size,
-            group=torch.distributed.group.WORLD if info.distributed else None,
-        )
-    parts.logger.log(step, results)
-    return results
-
-
-# ----------------------------------------------------------------------------- end, resume
+# ----------------------------------------------------------------------------- end, save
 
 
 def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -> dict:
-    final = {} if state.stop_requested else _evaluate(cfg, info, parts, state.step, final=True)
+    final = {} if state.stop_requested else evaluate(cfg, info, parts, state.step, final=True)
     if state.saved_step != state.step:  # never rewrite a complete checkpoint of the same step
         _save(parts, state)
     skips = _skip_counts(state, info)
@@ -470,71 +410,3 @@ def _save(parts: Parts, state: State) -> Path:
     state.saved_step = state.step
     parts.logger.write(f"checkpoint: {path}")
     return path
-
-
-def _maybe_resume(cfg: Any, info: DistInfo, parts: Parts, state: State) -> None:
-    path = _resume_path(cfg, info, parts)
-    if path is None:
-        return
-    model_state, train_state, rank_state = ckpt.load(path, info.rank, map_location=info.device)
-    _unwrap(parts.model).load_state_dict(model_state)
-    parts.optimizer.load_state_dict(train_state["optimizer"])
-    parts.scheduler.load_state_dict(train_state["scheduler"])
-    if parts.scaler is not None and train_state["scaler"] is not None:
-        parts.scaler.load_state_dict(train_state["scaler"])
-    state.step, state.samples = train_state["step"], train_state["samples"]
-    state.nonfinite_total = train_state["nonfinite_total"]
-    parts.data.load_state_dict(rank_state["data"])
-    ckpt.set_rng_state(rank_state["rng"])
-    parts.checkpointer.protected = path
-    if path.parent.resolve() == parts.checkpointer.root.resolve():
-        state.saved_step = state.step  # this run's own checkpoint: no need to write it again
-    parts.logger.write(f"resumed from {path} at step {state.step}")
-
-
-def _resume_path(cfg: Any, info: DistInfo, parts: Parts) -> Optional[Path]:
-    """Rank 0 picks the checkpoint and broadcasts it, so all ranks resume the same step
-    (even where a network file system shows ranks different directory listings)."""
-    path = on_rank0(info, lambda: _pick_checkpoint(cfg, info, parts))
-    return broadcast_object(path, info)
-
-
-def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Parts) -> Optional[Path]:
-    existing = ckpt.list_checkpoints(parts.run_dir)
-    if cfg.resume == "none":
-        if existing:  # a fresh run would mix its checkpoints with the old run's (and prune them)
-            raise ValueError(
-                f"resume=none but {parts.run_dir}/checkpoints already holds {existing[-1].name}; "
-                "choose a new run_dir (or name), delete that folder, or use resume=auto to continue it"
-            )
-        return None
-    if cfg.resume != "auto":
-        return _explicit_checkpoint(Path(cfg.resume).expanduser(), info.world_size)
-    path = parts.checkpointer.latest_loadable(info.world_size)
-    if path is None and existing:
-        raise RuntimeError(
-            f"checkpoints exist in {parts.run_dir}/checkpoints but none has rank files for world size "
-            f"{info.world_size}; resume with the original number of ranks, or choose a new run_dir"
-        )
-    return path
-
-
-def _explicit_checkpoint(path: Path, world_size: int) -> Path:
-    missing = [n for n in ["model.pt", "train.pt"] + [f"rank_{r:05d}.pt" for r in range(world_size)]
-               if not (path / n).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"resume={str(path)!r} is not a complete checkpoint for {world_size} rank(s): missing {missing[:4]}; "
-            "point resume at a checkpoints/step_XXXXXXXX folder written with the same number of ranks"
-        )
-    return path
-
-
-def _install_signal_handlers(state: State) -> dict:
-    """SIGTERM / SIGUSR1 (Slurm's warning): finish the current step, checkpoint, exit 0.
-    Returns the previous handlers (restored when the training loop ends)."""
-
-    def handler(signum, frame):
-        state.signal_received = max(state.signal_received, signum)
-
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGUSR1)}

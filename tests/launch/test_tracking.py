@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from omegaconf import OmegaConf
 
 from infclip.train.logger import MetricsLogger, git_commit, run_info
-from infclip.train.loop import derive_run_dir
+from infclip.train.rundir import derive_run_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 

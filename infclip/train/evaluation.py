@@ -1,0 +1,33 @@
+"""The eval hook of the training loop: which steps evaluate, and running the configured
+tasks (``infclip.eval``) on the unwrapped model under the training precision."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from infclip.eval import make_autocast
+from infclip.train.distributed import DistInfo
+from infclip.train.engine import unwrap
+
+
+def eval_due(eval_cfg: Any, step: int) -> bool:
+    """True when some task evaluates every ``every_n_steps`` and ``step`` is a multiple."""
+    return any(t.every_n_steps and step % t.every_n_steps == 0 for t in eval_cfg.tasks)
+
+
+def evaluate(cfg: Any, info: DistInfo, parts: Any, step: int, final: bool) -> dict:
+    """Runs the eval tasks (all ranks together) and logs their results; {} without tasks."""
+    if not parts.eval_cfg.tasks:
+        return {}
+    from infclip.eval import run_evals
+
+    with make_autocast(cfg.precision.amp, info.device)():
+        results = run_evals(
+            unwrap(parts.model), parts.built.tokenizer, parts.built.preprocess_val, parts.eval_cfg,
+            step=step, final=final, device=info.device, rank=info.rank, world_size=info.world_size,
+            group=torch.distributed.group.WORLD if info.distributed else None,
+        )
+    parts.logger.log(step, results)
+    return results

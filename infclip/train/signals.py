@@ -1,0 +1,44 @@
+"""Stop signals: SIGTERM (a user's scancel) and SIGUSR1 (Slurm's warning before the time
+limit) end training after the current step, with a checkpoint and exit status 0.
+
+The handler only records the signal (``state.signal_received``); the loop acts on it after
+the step, once every rank agreed (``_agree_on_stop`` in ``infclip.train.loop``). The handlers
+stay installed until training (final checkpoint and final eval included) has returned, so a
+signal landing in the final save or eval never kills the process half way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from typing import Any, Iterator
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def install_signal_handlers(state: Any) -> dict:
+    """Records SIGTERM / SIGUSR1 in ``state.signal_received`` (the largest number wins:
+    SIGTERM 15 over SIGUSR1 10). Returns the previous handlers, for ``restore_signal_handlers``."""
+
+    def handler(signum, frame):
+        state.signal_received = max(state.signal_received, signum)
+
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+
+
+def restore_signal_handlers(previous: dict) -> None:
+    """Puts back the handlers ``install_signal_handlers`` replaced: a signal from here on
+    acts as it did before training (SIGTERM ends the process)."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def signals_handled(state: Any) -> Iterator[None]:
+    """Stop signals are recorded in ``state`` inside the block, restored when it exits
+    (also on an exception)."""
+    previous = install_signal_handlers(state)
+    try:
+        yield
+    finally:
+        restore_signal_handlers(previous)

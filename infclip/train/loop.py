@@ -219,7 +219,7 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
     lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
     parts.engine.measure_timings = _logged(cfg, state.step + 1)  # phase timings sync CUDA
     out = parts.engine.step_feed(_simclr_views(cfg, info, state, feed))
-    feed.full("tokens")  # every row arrived, so the feed's data position is set
+    feed.wait_complete()  # every row arrived, so the feed's data position is set
     state.data_state, wait = feed.data_state, feed.wait_s
     pipeline.release(feed, info.device)  # read before release: the filler then reuses the feed
     _maybe_inject_nan(parts, state.step + 1)

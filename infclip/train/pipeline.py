@@ -113,6 +113,10 @@ class StepFeed:
         """The whole step of a kept field (waits for every row)."""
         return self.rows(name, 0, self.s.local)
 
+    def wait_complete(self) -> None:
+        """Wait until every row arrived (then ``data_state`` is set)."""
+        self._wait_filled(self.s.local)
+
     def streams(self, name: str) -> bool:
         return name in self.s.streamed
 
@@ -192,6 +196,9 @@ class TensorFeed:
 
     def full(self, name: str) -> Tensor:
         return self.buffers[name]
+
+    def wait_complete(self) -> None:
+        pass
 
     def streams(self, name: str) -> bool:
         return False

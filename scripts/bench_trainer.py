@@ -1,0 +1,213 @@
+"""End-to-end training throughput, side by side in one run: open_clip's own trainer (v3.3,
+eager and ``--torchcompile``) and ours (train.py, from shards decoded by the real pipeline).
+
+    python scripts/bench_trainer.py --out $OUT \\
+        --runs openclip:32768,openclip_compile:32768,ours:32768,ours_compile:32768,lit:65536
+
+A run is ``kind:global_batch[:steps]``. Kinds:
+
+* ``openclip`` / ``openclip_compile``: ``python -m open_clip_train.main --dataset-type
+  synthetic --model ViT-B-32 --precision amp_bf16 --batch-size MICRO --accum-freq G/MICRO``
+  (its feature cache + re-forward; all inputs on the GPU), ``--torchcompile`` for the second;
+* ``ours`` / ``ours_compile``: ``train.py experiment=vit_b32_laion`` on ``--shards`` (JPEG
+  shards written by ``scripts/bench_data.py``'s writer if absent), gradient cache with
+  micro-batch MICRO, offload, bf16, Triton loss, the step pipeline; ``model.compile=true``;
+* ``lit`` / ``lit_compile``: ``experiment=lit_b16_cc12m`` (ViT-B/16, image tower locked,
+  images streamed through the locked tower).
+
+Per run: the median over the steady steps (all but the first) of samples/s and the step
+split (data wait, cache pass, loss, replay, optimizer), peak GPU memory
+(``max_memory_allocated``), peak host RSS of the trainer process, and model FLOPs
+utilisation: samples/s x FLOPs per sample / ``--peak-tflops``, with a sample costing 4
+forward passes of each trained tower under the gradient cache (no-grad pass, replay forward,
+backward = 2 forwards) and 1 of a locked one; forward FLOPs counted by
+``torch.utils.flop_counter`` on the real model. Writes ``trainer.json`` and ``trainer.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+OPENCLIP_LINE = re.compile(r"Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), ([\d.]+)/s")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default="openclip:32768,openclip_compile:32768,ours:32768,ours_compile:32768")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not counted)")
+    p.add_argument("--micro", type=int, default=1024)
+    p.add_argument("--workers", type=int, default=14)
+    p.add_argument("--shards", default="/tmp/infclip_trainer_shards")
+    p.add_argument("--images", type=int, default=16384, help="JPEGs written when --shards is empty")
+    p.add_argument("--side", type=int, default=128, help="stored JPEG side")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak of the GPU")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--out", default=os.environ.get("OUT", ".bench"), help="trainer.json / trainer.md")
+    p.add_argument("--logs", default="/tmp/bench_trainer_logs", help="one log per run")
+    p.add_argument("--extra", default="", help="extra overrides for our runs (space-separated)")
+    return p.parse_args(argv)
+
+
+def ensure_shards(a: argparse.Namespace) -> str:
+    from bench_data import write_bench_shards
+
+    root = Path(a.shards)
+    if not (root / "sizes.json").exists():
+        t0 = time.time()
+        write_bench_shards(str(root), a.images, a.side, max(32, 2 * a.workers))
+        print(f"wrote {a.images} {a.side}-px JPEGs to {root} in {time.time() - t0:.0f} s", flush=True)
+    n = len(list(root.glob("*.tar")))
+    return str(root / f"{{00000..{n - 1:05d}}}.tar")
+
+
+# printed by the child at exit: its own peak GPU memory and peak host RSS (the trainer
+# process; loader workers hold only their in-flight batches)
+_PEAKS = ("import atexit, resource, sys, torch; atexit.register(lambda: print("
+          "'PEAK_GPU_GB', torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0, "
+          "'\\nPEAK_RSS_GB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, flush=True)); ")
+
+
+def _peak(out: str, key: str) -> float:
+    found = re.findall(key + r" ([\d.]+)", out)
+    return float(found[-1]) if found else float("nan")
+
+
+def run_openclip(a, global_batch: int, steps: int, compile_: bool) -> dict:
+    accum = global_batch // a.micro
+    logs = Path(a.logs) / f"openclip_logs_{global_batch}_{int(compile_)}"
+    subprocess.run(["rm", "-rf", str(logs)])
+    wrapper = (_PEAKS + "from open_clip_train.main import main; main(sys.argv[1:])")
+    cmd = [sys.executable, "-c", wrapper, "--dataset-type", "synthetic", "--model", "ViT-B-32",
+           "--precision", "amp_bf16", "--batch-size", str(a.micro), "--accum-freq", str(accum),
+           "--workers", str(a.workers), "--train-num-samples", str(global_batch * steps), "--epochs", "1",
+           "--log-every-n-steps", "1", "--save-frequency", "0", "--lr", "1e-3",
+           "--warmup", "1", "--logs", str(logs), "--name", "bench"]
+    if compile_:
+        cmd.append("--torchcompile")
+    out = _run(cmd, a.timeout, Path(a.logs) / f"openclip_{global_batch}_{int(compile_)}.log")
+    rows = [(float(d), float(b), float(s)) for d, b, s in OPENCLIP_LINE.findall(out)]
+    steady = rows[1:] or rows
+    return {"samples_per_s": _median(r[2] for r in steady), "step_s": _median(r[1] for r in steady),
+            "data_wait_s": _median(r[0] for r in steady), "gpu_gb": _peak(out, "PEAK_GPU_GB"),
+            "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(rows)}
+
+
+def run_ours(a, kind: str, global_batch: int, steps: int, spec: str) -> dict:
+    lit = kind.startswith("lit")
+    run_dir = Path("/tmp") / f"bench_{kind}_{global_batch}"
+    subprocess.run(["rm", "-rf", str(run_dir)])
+    train = f"sys.argv = sys.argv[1:]; runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')"
+    cmd = [sys.executable, "-c", _PEAKS + "import runpy; " + train, str(ROOT / "train.py"), f"experiment={'lit_b16_cc12m' if lit else 'vit_b32_laion'}",
+           f"data.shards='{spec}'", "data.resampled=true", f"data.workers={a.workers}", "data.loader_batch=256",
+           f"batch.global_size={global_batch}", f"batch.micro_size={a.micro}", "memory.offload=true",
+           f"steps={steps}", "schedule.warmup_fraction=0", "logging.every_n_steps=1", "logging.progress=false",
+           "logging.wandb_mode=disabled", "checkpoint.every_n_steps=0", "eval.tasks=[]", f"run_dir={run_dir}",
+           f"model.compile={str(kind.endswith('compile')).lower()}", *a.extra.split()]
+    out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{global_batch}.log")
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in recs if "samples_per_s" in r]
+    steady = steps_[1:] or steps_
+    pick = lambda k: _median(r.get(k, float("nan")) for r in steady)  # noqa: E731
+    res = {"samples_per_s": pick("samples_per_s"), "step_s": pick("step_time"),
+           "data_wait_s": pick("time_data_wait"), "cache_s": pick("time_cache_pass"), "loss_s": pick("time_loss"),
+           "replay_s": pick("time_replay"), "optim_s": pick("time_optim"),
+           "loader_sps": pick("loader_samples_per_s"), "gpu_gb": _peak(out, "PEAK_GPU_GB"),
+           "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(steps_)}
+    subprocess.run(["rm", "-rf", str(run_dir / "checkpoints")])
+    return res
+
+
+def fwd_gflops(model_name: str) -> tuple[float, float]:
+    """Forward GFLOPs per sample of (image tower, text tower), counted on the real model."""
+    import open_clip
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = open_clip.create_model(model_name).cuda().eval()
+    img = torch.randn(8, 3, 224, 224, device="cuda")
+    txt = torch.randint(0, 1000, (8, 77), device="cuda")
+    res = []
+    with torch.no_grad():
+        for fn, x in ((model.encode_image, img), (model.encode_text, txt)):
+            with FlopCounterMode(display=False) as fc:
+                fn(x)
+            res.append(fc.get_total_flops() / 8 / 1e9)
+    return res[0], res[1]
+
+
+def _run(cmd: list[str], timeout: float, log: Path) -> str:
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.time()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
+        out = proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        out += "\nTIMEOUT"
+    log.write_text(out)
+    print(f"  ({time.time() - t0:.0f} s) " + out.strip().splitlines()[-1][:300] if out.strip() else "", flush=True)
+    return out
+
+
+def _median(xs) -> float:
+    xs = [x for x in xs if x == x]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    Path(a.logs).mkdir(parents=True, exist_ok=True)
+    spec = ensure_shards(a) if any(not r.startswith("openclip") for r in a.runs.split(",")) else ""
+    flops = {}
+    results = []
+    for run in a.runs.split(","):
+        kind, g, *rest = run.split(":")
+        g, steps = int(g), int(rest[0]) if rest else a.steps
+        if kind.startswith("openclip"):
+            res = run_openclip(a, g, steps, kind.endswith("compile"))
+        else:
+            res = run_ours(a, kind, g, steps, spec)
+        model = "ViT-B-16" if kind.startswith("lit") else "ViT-B-32"
+        if model not in flops:
+            flops[model] = fwd_gflops(model)
+        gi, gt = flops[model]
+        per_sample = (gi * (1 if kind.startswith("lit") else 4) + gt * 4) * 1e9
+        res["mfu_pct"] = 100 * res["samples_per_s"] * per_sample / (a.peak_tflops * 1e12)
+        res.update(kind=kind, global_batch=g, steps=steps)
+        results.append(res)
+        print(json.dumps(res), flush=True)
+    (Path(a.out) / "trainer.json").write_text(json.dumps({"flops_gflop": flops, "runs": results}, indent=1))
+    table = _table(results)
+    (Path(a.out) / "trainer.md").write_text(table)
+    print(table)
+
+
+def _table(results: list[dict]) -> str:
+    keys = [("samples_per_s", "samples/s", "{:,.0f}"), ("mfu_pct", "MFU %", "{:.1f}"), ("step_s", "step s", "{:.2f}"),
+            ("data_wait_s", "data wait s", "{:.2f}"), ("cache_s", "cache s", "{:.2f}"), ("loss_s", "loss s", "{:.3f}"),
+            ("replay_s", "replay s", "{:.2f}"), ("optim_s", "optim s", "{:.3f}"), ("loader_sps", "loader samples/s", "{:,.0f}"),
+            ("gpu_gb", "peak GPU GB", "{:.1f}"), ("host_rss_gb", "peak host RSS GB", "{:.1f}")]
+    lines = ["| run | global batch | " + " | ".join(k[1] for k in keys) + " |",
+             "|---|---|" + "---|" * len(keys)]
+    for r in results:
+        cells = [fmt.format(r[k]) if isinstance(r.get(k), (int, float)) and r.get(k) == r.get(k) else "—"
+                 for k, _, fmt in keys]
+        lines.append(f"| {r['kind']} | {r['global_batch']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -115,7 +115,8 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str) -> dict:
            "logging.wandb_mode=disabled", "checkpoint.every_n_steps=0", "eval.tasks=[]", f"run_dir={run_dir}",
            f"model.compile={str(kind.endswith('compile')).lower()}", *a.extra.split()]
     out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{global_batch}.log")
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mfile = run_dir / "metrics.jsonl"
+    recs = [json.loads(x) for x in mfile.read_text().splitlines()] if mfile.exists() else []
     steps_ = [r for r in recs if "samples_per_s" in r]
     steady = steps_[1:] or steps_
     pick = lambda k: _median(r.get(k, float("nan")) for r in steady)  # noqa: E731
@@ -123,7 +124,8 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str) -> dict:
            "data_wait_s": pick("time_data_wait"), "cache_s": pick("time_cache_pass"), "loss_s": pick("time_loss"),
            "replay_s": pick("time_replay"), "optim_s": pick("time_optim"),
            "loader_sps": pick("loader_samples_per_s"), "gpu_gb": _peak(out, "PEAK_GPU_GB"),
-           "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(steps_)}
+           "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(steps_)} if steps_ else {
+               "samples_per_s": float("nan"), "steps_seen": 0}
     subprocess.run(["rm", "-rf", str(run_dir / "checkpoints")])
     return res
 
@@ -189,7 +191,7 @@ def main(argv=None) -> None:
         res.update(kind=kind, global_batch=g, steps=steps)
         results.append(res)
         print(json.dumps(res), flush=True)
-    (Path(a.out) / "trainer.json").write_text(json.dumps({"flops_gflop": flops, "runs": results}, indent=1))
+        (Path(a.out) / "trainer.json").write_text(json.dumps({"flops_gflop": flops, "runs": results}, indent=1))
     table = _table(results)
     (Path(a.out) / "trainer.md").write_text(table)
     print(table)

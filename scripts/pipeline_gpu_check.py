@@ -1,7 +1,9 @@
 """On a CUDA machine: the step pipeline changes nothing that is trained. Runs train.py on a
 tiny model with offload (pinned buffers, copy stream, CUDA events) and compares the losses
-of (a) prefetch 0 / 1 / 2 and the synchronous path, (b) a locked image tower with streamed
-vs whole-step images. Prints one line per comparison; exits 1 on any difference.
+of (a) prefetch 0 / 2 and the synchronous path, (b) a locked image tower with streamed
+vs whole-step images; ``sync_again`` repeats the reference run, to tell the GPU's own
+run-to-run nondeterminism (atomics, autotuning) from the pipeline's. Prints one line per
+comparison; exits 1 on any difference. ``--amp fp32|bf16``.
 
     python scripts/pipeline_gpu_check.py --out /tmp/pgc
 """
@@ -37,12 +39,15 @@ def losses(out: Path, name: str, *overrides: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/pipeline_gpu_check")
-    out = Path(p.parse_args().out)
+    p.add_argument("--amp", default="bf16", choices=["bf16", "fp32"])
+    a = p.parse_args()
+    out = Path(a.out)
+    BASE[BASE.index("precision.amp=bf16")] = f"precision.amp={a.amp}"
     subprocess.run(["rm", "-rf", str(out)])
     bad = 0
     groups = {
-        "clip": [("sync", "memory.pipeline_thread=false"), ("p0", "memory.prefetch_steps=0"),
-                 ("p2", "memory.prefetch_steps=2")],
+        "clip": [("sync", "memory.pipeline_thread=false"), ("sync_again", "memory.pipeline_thread=false"),
+                 ("p0", "memory.prefetch_steps=0"), ("p2", "memory.prefetch_steps=2")],
         "lit": [("whole", "model.lock_image=true", "memory.stream_once_inputs=false"),
                 ("streamed", "model.lock_image=true", "memory.stream_rows=128")],
     }
@@ -58,7 +63,8 @@ def main() -> None:
             got = done[(group, name)]
             same = got == ref
             bad += not same
-            print(f"{group}: {name} vs {ref_name}: {'identical' if same else 'DIFFERENT'} {got if not same else ''}",
+            diff = max(abs(got[k] - ref[k]) for k in ref) if got.keys() == ref.keys() else float("nan")
+            print(f"{group} ({a.amp}): {name} vs {ref_name}: {'identical' if same else f'DIFFERENT, max |d loss| {diff:.2e}'}",
                   flush=True)
     raise SystemExit(1 if bad else 0)
 

@@ -81,14 +81,15 @@ class MemoryConfig:
     cache_dtype: str = "fp32"  # cached embeddings: "fp32" | "bf16"
     offload: bool = False  # keep the step's inputs in pinned CPU memory, stream micro-batches
     # Step pipeline (infclip/train/pipeline.py): a background thread assembles the next
-    # step(s) while the GPU trains, and the cache pass reads micro-batches as they arrive.
-    # Host memory: (1 + prefetch_steps) step buffers of per-rank batch x (3*H*W + 8*L) bytes
-    # (uint8 images, int64 tokens); 0 fills each step during its own cache pass (one buffer).
-    prefetch_steps: int = 1
-    # With the gradient cache and offload, inputs that only the cache pass reads (a locked
-    # LiT image tower's images) pass through a ring of stream_rows rows per buffer instead of
-    # being held for the whole step: host bytes for them are (1 + prefetch_steps) x stream_rows
-    # x 3*H*W, independent of the batch. false: hold them whole, as other inputs.
+    # step while the GPU trains; the cache pass reads micro-batches as they arrive, and host
+    # chunks freed by the replay are refilled for the next step at once. Pinned host memory
+    # per rank: (1 + prefetch_steps) x per-rank batch x (3*H*W + 8*L) bytes (uint8 images,
+    # int64 tokens): 0 still overlaps the loader with the replay; 1 also fills a whole step
+    # ahead through the cache pass. Fractions work (0.25 at 256k x 224 px = 49 GB, not 79).
+    prefetch_steps: float = 1.0
+    # cap on those pinned buffers per rank (GB); None: half the host's available memory
+    # shared by the ranks on the host. The pool never goes below one step.
+    host_buffer_gb: Optional[float] = None
     stream_once_inputs: bool = True
     stream_rows: int = 32768  # ring size in samples (rounded up to whole micro/loader batches)
     # false: fill each step in the trainer's thread (no overlap; debugging). data.workers=0
@@ -203,6 +204,8 @@ def _validate_numbers(cfg: Any) -> None:
     for key in _NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key} must be >= 0, got {_get(cfg, key)}")
+    if cfg.memory.host_buffer_gb is not None and not cfg.memory.host_buffer_gb > 0:
+        raise ConfigError(f"memory.host_buffer_gb must be > 0 (or null for the default), got {cfg.memory.host_buffer_gb}")
     for key, lo, hi in (("schedule.warmup_fraction", 0, 0.999999), ("schedule.min_lr_ratio", 0, 1)):
         if not lo <= _get(cfg, key) <= hi:
             raise ConfigError(f"{key} must be in [{lo}, {round(hi)}], got {_get(cfg, key)}")

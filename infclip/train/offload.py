@@ -71,15 +71,29 @@ class InputStager:
     def _stream_resident(self, inputs, micro, schedule):
         staged = {}
         for name in sorted({n for _, names in schedule for n in names}):
-            src = inputs.full(name)
-            buf = self._buffer(name, 0, src.shape, src.dtype)
-            buf.copy_(src, non_blocking=True)
-            staged[name] = buf
+            staged[name] = self._stage_whole(inputs, name)
         for k, names in schedule:
             yield {n: staged[n][k * micro:(k + 1) * micro] for n in names}
 
+    def _stage_whole(self, inputs, name: str) -> Tensor:
+        """Copy every row of ``name`` to its device buffer, piece by piece (a feed's chunks),
+        then release the host rows once the copies are done."""
+        first = inputs.rows(name, 0, min(inputs.piece_rows, inputs.num_rows))
+        n = inputs.num_rows
+        buf = self._buffer(name, 0, (n, *first.shape[1:]), first.dtype)
+        for a in range(0, n, inputs.piece_rows):
+            b = min(a + inputs.piece_rows, n)
+            buf[a:b].copy_(inputs.rows(name, a, b), non_blocking=True)
+        done = None
+        if self._cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        inputs.release(name, n, done)
+        return buf
+
     # -- offload: two micro-batch buffers per input, filled ahead on a side stream ------
     def _stream_offload(self, inputs, micro, schedule):
+        self._last_use = {(k, n): i for i, (k, names) in enumerate(schedule) for n in names}
         ready = self._issue(inputs, micro, schedule, 0)
         for i, (_, names) in enumerate(schedule):
             nxt = self._issue(inputs, micro, schedule, i + 1) if i + 1 < len(schedule) else None
@@ -101,7 +115,8 @@ class InputStager:
             for n in names:
                 src = inputs.rows(n, *rows)
                 self._buffer(n, slot, src.shape, src.dtype).copy_(src)
-                inputs.release(n, rows[1])
+                if self._last_use[(k, n)] == i:
+                    inputs.release(n, rows[1])
             return None
         srcs = {n: inputs.rows(n, *rows) for n in names}
         bufs = {n: self._buffer(n, slot, s.shape, s.dtype) for n, s in srcs.items()}  # on compute stream
@@ -113,8 +128,9 @@ class InputStager:
                 buf.copy_(src, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
-        for n in names:  # streamed host rows may be refilled once this copy is done
-            inputs.release(n, rows[1], ready)
+        for n in names:  # rows read for the last time this step: refillable once this copy is done
+            if self._last_use[(k, n)] == i:
+                inputs.release(n, rows[1], ready)
         return ready
 
     def _buffer(self, name: str, slot: int, shape, dtype) -> Tensor:

@@ -2,22 +2,26 @@
 works, so the step never starts by waiting for a whole step of data.
 
 A background *filler* thread pulls loader batches (``TrainData.batches()``) and copies them
-into host buffers, one :class:`StepFeed` per step. The trainer takes the next feed with
-:meth:`StepPipeline.next` as soon as its filling has *started*, and the engine reads rows as
-they arrive (:meth:`StepFeed.rows` blocks only on rows not yet filled), so:
+into pinned host memory, one :class:`StepFeed` per step. The trainer takes the next feed as
+soon as its filling has *started*, and the engine reads rows as they arrive
+(:meth:`StepFeed.rows` blocks only on rows not yet filled).
 
-* ``prefetch_steps = k >= 1``: while step t runs, up to k later steps are filled (host
-  memory: 1 + k step buffers). The GPU waits only when the loader is slower than the GPU.
-* ``prefetch_steps = 0``: one step buffer; step t+1 is filled while its own cache pass runs
-  (the cache pass consumes micro-batches as the loader delivers them), nothing ahead.
+Host memory is a *pool of chunks* per input field (``chunk_rows`` rows each, a multiple of
+the micro-batch and of the loader batch, so a micro-batch never straddles two chunks). The
+engine releases a chunk after its *last* read in the step (its copy to the device done): a
+field the replay re-reads (images and tokens of trained towers) after pass 2, a field only
+the cache pass reads (a locked LiT tower's images) after pass 1. The filler refills freed
+chunks at once, so the loader keeps working through the replay of step t for step t+1 even
+when the pool holds little more than one step:
 
-Inputs the engine reads only once per step (the images of a locked LiT image tower: pass 2
-re-runs only the text tower) can be *streamed*: they pass through a ring of ``ring_rows``
-rows that the engine frees micro-batch by micro-batch, and the step never holds them whole.
+* ``prefetch_steps = p`` (a float): the pool of a re-read field holds ``(1 + p)`` steps of
+  rows; ``p = 0`` still overlaps the loader with the replay (chunks free as the replay
+  passes them); ``p >= 1`` also fills ahead through the cache pass;
+* a read-once field (``streamed``) gets a pool of ``ring_rows`` rows, independent of the batch.
 
 Host bytes per sample (uint8 images of H×W, int64 tokens of length L):
-``(1 + prefetch_steps) * (3·H·W + 8·L)``, or for a streamed image field
-``(1 + prefetch_steps) * 8·L`` plus ``(1 + prefetch_steps) * ring_rows * 3·H·W`` in all.
+``(1 + p) * (3·H·W + 8·L)``; with streamed images ``(1 + p) * 8·L`` plus ``ring_rows * 3·H·W``
+in all.
 
 Resume: a feed carries the data position *after its last loader batch*
 (``TrainData.state_dict()`` taken by the filler between two loader batches); the trainer
@@ -56,62 +60,97 @@ class PipelineSettings:
 
     local: int  # rows per step on this rank (global batch / world size)
     pin: bool  # page-locked host buffers (CUDA with offload: asynchronous H2D copies)
-    prefetch_steps: int = 1  # whole steps filled ahead of the one training (0: none)
+    prefetch_steps: float = 1.0  # pool of a re-read field: (1 + p) steps of rows
     streamed: tuple[str, ...] = ()  # fields read once per step (see module docs)
-    ring_rows: int = 0  # rows of a streamed field's ring (multiple of the micro-batch; <= local)
+    ring_rows: int = 0  # pool rows of a streamed field (>= 2 chunks, <= local)
     threaded: bool = True  # False: fill in the caller's thread on next() (no overlap at all)
+    chunk_rows: int = 0  # rows per chunk (0: the whole step); divides local
+    budget_bytes: int = 0  # cap on all pools together (0: none); never below one step (+2 ring chunks)
+
+    @property
+    def chunk(self) -> int:
+        return self.chunk_rows or self.local
+
+    def pool_chunks(self, name: str) -> int:
+        rows = self.ring_rows if name in self.streamed else math.ceil((1 + self.prefetch_steps) * self.local)
+        return max(-(-rows // self.chunk), 2 if name in self.streamed else -(-self.local // self.chunk))
+
+
+class _Pool:
+    """``n`` chunks of ``rows`` rows of one field, allocated on the first loader batch."""
+
+    def __init__(self, n: int, rows: int, pin: bool):
+        self.n, self.rows, self.pin = n, rows, pin
+        self.buf: Optional[Tensor] = None
+        self.free: list[tuple[int, Any]] = [(i, None) for i in range(n)]  # (chunk, event before reuse)
+
+    def allocate(self, like: Tensor) -> None:
+        if self.buf is None:
+            self.buf = torch.empty((self.n, self.rows, *like.shape[1:]), dtype=like.dtype, pin_memory=self.pin)
 
 
 class StepFeed:
     """One step's per-rank inputs, filled in loader order by the filler thread.
 
-    Invariants: rows ``[0, filled)`` of every field are valid (streamed fields: those not
-    yet released); ``data_state`` is set before the last row is published.
+    Invariants: rows ``[0, filled)`` of every field are valid, except those released;
+    ``data_state`` is set before the last row is published; a micro-batch (or loader batch)
+    never straddles two chunks.
     """
 
-    def __init__(self, settings: PipelineSettings, index: int):
-        self.s, self.index = settings, index
-        self.buffers: dict[str, Tensor] = {}
-        self._cond = threading.Condition()
-        self._events: list[tuple[int, Any]] = []  # streamed: (rows released up to, copy-done event)
-        self.free_event: Any = None  # CUDA event: the device has finished reading this feed
-        self.reset(step=-1)
-
-    def reset(self, step: int) -> None:
-        self.step, self.filled, self.released = step, 0, 0
+    def __init__(self, pipe: "StepPipeline", step: int):
+        self.pipe, self.s, self.step = pipe, pipe.s, step
+        self._cond = pipe._cond
+        self.chunks: dict[str, list[int]] = {n: [] for n in FIELDS}
+        self.released: dict[str, int] = {n: 0 for n in FIELDS}  # rows released (a prefix)
+        self.filled = 0
         self.data_state: Optional[dict] = None
         self.error: Optional[BaseException] = None
         self.wait_s = 0.0  # time the consumer blocked on rows not yet filled
         self.fill_s = 0.0  # time the filler spent pulling loader batches and copying them
-        self._events.clear()
 
     # -- consumer side (the engine) -----------------------------------------------------
     def rows(self, name: str, start: int, stop: int) -> Tensor:
         """Host rows ``[start, stop)`` of field ``name``, waiting until they are filled."""
         self._wait_filled(stop)
-        buf = self.buffers[name]
-        if name in self.s.streamed:
-            if start < self.released:
-                raise RuntimeError(f"{name} rows {start}:{stop} were already released (streamed field)")
-            lo = start % self.s.ring_rows
-            if lo + (stop - start) > self.s.ring_rows:
-                raise RuntimeError(f"{name} rows {start}:{stop} wrap the ring of {self.s.ring_rows} rows")
-            return buf[lo:lo + (stop - start)]
-        return buf[start:stop]
+        c = self.s.chunk
+        j, lo = divmod(start, c)
+        if (stop - 1) // c != j:
+            raise RuntimeError(f"{name} rows {start}:{stop} straddle two chunks of {c} rows")
+        if start < self.released[name]:
+            raise RuntimeError(f"{name} rows {start}:{stop} were already released (their last read is done)")
+        return self.pipe.pools[name].buf[self.chunks[name][j]][lo:lo + (stop - start)]
+
+    @property
+    def piece_rows(self) -> int:
+        """Rows that :meth:`rows` returns in one piece (a chunk)."""
+        return self.s.chunk
+
+    @property
+    def num_rows(self) -> int:
+        return self.s.local
 
     def release(self, name: str, stop: int, event: Any = None) -> None:
-        """Rows before ``stop`` of a streamed field may be overwritten once ``event`` (a CUDA
-        event recorded after their copy to the device, or None) has completed."""
-        if name not in self.s.streamed:
-            return
+        """The step has read rows before ``stop`` of ``name`` for the last time; their chunks
+        may be refilled once ``event`` (a CUDA event after their copy, or None) completed."""
+        c = self.s.chunk
         with self._cond:
-            self._events.append((stop, event))
-            self.released = max(self.released, stop)
+            first = self.released[name] // c  # chunks before this one were already freed
+            last = min(stop, self.s.local) // c  # chunk j is done once rows up to (j + 1) c are
+            pool = self.pipe.pools[name]
+            for j in range(first, min(last, len(self.chunks[name]))):
+                pool.free.append((self.chunks[name][j], event))
+            self.released[name] = max(self.released[name], min(stop, self.s.local))
             self._cond.notify_all()
 
+    def release_all(self, event: Any = None) -> None:
+        for name in FIELDS:
+            self.release(name, self.s.local, event)
+
     def full(self, name: str) -> Tensor:
-        """The whole step of a kept field (waits for every row)."""
-        return self.rows(name, 0, self.s.local)
+        """The whole step of ``name`` (a copy when it spans several chunks)."""
+        c = self.s.chunk
+        parts = [self.rows(name, a, min(a + c, self.s.local)) for a in range(0, self.s.local, c)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def wait_complete(self) -> None:
         """Wait until every row arrived (then ``data_state`` is set)."""
@@ -121,7 +160,7 @@ class StepFeed:
         return name in self.s.streamed
 
     def _wait_filled(self, stop: int) -> None:
-        if self.filled >= stop:  # a racy read is fine: filled only grows within a step
+        if self.filled >= stop:  # a racy read is fine: filled only grows
             return
         t0 = time.perf_counter()
         with self._cond:
@@ -129,23 +168,19 @@ class StepFeed:
                 self._cond.wait(timeout=1.0)
         self.wait_s += time.perf_counter() - t0
         if self.filled < stop:
-            raise self.error if not isinstance(self.error, PipelineStopped) else PipelineStopped(
-                "the step pipeline was closed before the step's data arrived")
+            if isinstance(self.error, PipelineStopped):
+                raise PipelineStopped("the step pipeline was closed before the step's data arrived")
+            raise self.error
 
     # -- filler side ------------------------------------------------------------------
-    def put(self, images: Tensor, tokens: Tensor, last_state: Callable[[], dict], stopping) -> None:
+    def put(self, images: Tensor, tokens: Tensor, last_state: Callable[[], dict]) -> None:
         """Copy one loader batch in at row ``filled``; publish it (and, for the step's last
         batch, the data position ``last_state()``) to the consumer."""
         k, at = images.shape[0], self.filled
-        if not self.buffers:
-            self._allocate(images, tokens)
+        j, lo = divmod(at, self.s.chunk)
+        self.pipe._allocate(images, tokens)
         for name, src in zip(FIELDS, (images, tokens)):
-            if name in self.s.streamed:
-                self._wait_ring_space(at + k, stopping)
-                lo = at % self.s.ring_rows
-                self.buffers[name][lo:lo + k].copy_(src)
-            else:
-                self.buffers[name][at:at + k].copy_(src)
+            self.pipe.pools[name].buf[self.chunks[name][j]][lo:lo + k].copy_(src)
         if at + k >= self.s.local:
             self.data_state = last_state()
         with self._cond:
@@ -157,36 +192,15 @@ class StepFeed:
             self.error = error
             self._cond.notify_all()
 
-    def _wait_ring_space(self, stop: int, stopping) -> None:
-        """Block until rows ``[stop - ring_rows, ...)`` are released and their copies done."""
-        need = stop - self.s.ring_rows
-        with self._cond:
-            while self.released < need:
-                if stopping():
-                    raise PipelineStopped("closing")
-                self._cond.wait(timeout=0.5)
-            done = [ev for upto, ev in self._events if upto <= max(need, 0)]
-            self._events[:] = [(u, ev) for u, ev in self._events if u > max(need, 0)]
-        for ev in done:
-            if ev is not None:
-                ev.synchronize()
-
-    def _allocate(self, images: Tensor, tokens: Tensor) -> None:
-        for name, t in zip(FIELDS, (images, tokens)):
-            rows = self.s.ring_rows if name in self.s.streamed else self.s.local
-            self.buffers[name] = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=self.s.pin)
-
-    def host_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
 
 class TensorFeed:
     """A complete step given as tensors (tests, benchmarks, SimCLR views): the same
-    interface as :class:`StepFeed`, nothing to wait for, nothing streamed."""
+    interface as :class:`StepFeed`, nothing to wait for, nothing to release."""
 
     def __init__(self, tensors: dict[str, Tensor]):
         self.buffers = dict(tensors)
         self.wait_s = 0.0
+        self.num_rows = self.piece_rows = max(t.shape[0] for t in self.buffers.values())
 
     def rows(self, name: str, start: int, stop: int) -> Tensor:
         return self.buffers[name][start:stop]
@@ -215,15 +229,12 @@ class StepPipeline:
     def __init__(self, batches: Iterator, data_state: Callable[[], dict], settings: PipelineSettings):
         self.batches, self.data_state, self.s = batches, data_state, settings
         _check(settings)
-        n_feeds = 1 + max(settings.prefetch_steps, 0)
-        self._free: queue.Queue = queue.Queue()
-        for i in range(n_feeds):
-            self._free.put(StepFeed(settings, i))
+        self._cond = threading.Condition()
+        self.pools = {n: _Pool(settings.pool_chunks(n), settings.chunk, settings.pin) for n in FIELDS}
         self._ready: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._next_step = 0
         self._loader_rows, self._loader_s = 0, 0.0  # for the loader's own delivery rate
-        self._pending: Optional[StepFeed] = None  # unthreaded mode: filled on next()
         self._thread: Optional[threading.Thread] = None
         if settings.threaded:
             self._thread = threading.Thread(target=self._fill_forever, name="infclip-step-pipeline", daemon=True)
@@ -235,7 +246,7 @@ class StepPipeline:
         time spent waiting here for the filler to begin it."""
         t0 = time.perf_counter()
         if self._thread is None:
-            feed = self._free.get_nowait() if self._pending is None else self._pending
+            feed = self._new_feed()
             self._fill(feed)
         else:
             while True:
@@ -251,27 +262,28 @@ class StepPipeline:
         return feed
 
     def release(self, feed: StepFeed, device: Optional[torch.device] = None) -> None:
-        """The step is done with ``feed``: its buffers may be refilled once the device has
-        finished reading them. An event recorded on the current stream (which waited for
-        every host-to-device copy of the step) orders that; the filler waits on it."""
-        feed.free_event = None
+        """The step is done with ``feed``: chunks the engine did not release yet are freed
+        once the device has read them (an event on the current stream, which waited for
+        every host-to-device copy of the step; the filler waits on it)."""
+        event = None
         if device is not None and device.type == "cuda":
-            feed.free_event = torch.cuda.Event()
-            feed.free_event.record(torch.cuda.current_stream(device))
-        if self._thread is None:
-            self._pending = feed
-        else:
-            self._free.put(feed)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        feed.release_all(event)
 
     def loader_rate(self) -> float:
         """Samples per second the loader delivered while the filler was pulling (not waiting
-        for a free buffer): the loader's own speed, whatever the GPU does."""
+        for free host memory): the loader's own speed, whatever the GPU does."""
         return self._loader_rows / self._loader_s if self._loader_s > 0 else math.nan
+
+    def host_bytes(self) -> int:
+        return sum(p.buf.numel() * p.buf.element_size() for p in self.pools.values() if p.buf is not None)
 
     def close(self) -> None:
         """Stop the filler, close the loader generator, kill loader workers that outlive it."""
         self._stop.set()
-        self._free.put(None)  # wakes a filler waiting for a free buffer
+        with self._cond:
+            self._cond.notify_all()  # wakes a filler waiting for a free chunk
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         elif hasattr(self.batches, "close"):
@@ -283,12 +295,55 @@ class StepPipeline:
             self._thread.join(timeout=10.0)
 
     # -- filler ------------------------------------------------------------------------
+    def _new_feed(self) -> StepFeed:
+        feed = StepFeed(self, self._next_step)
+        self._next_step += 1
+        return feed
+
+    def _allocate(self, images: Tensor, tokens: Tensor) -> None:
+        """Allocate the pools on the first loader batch (row sizes known), shrinking the
+        prefetch part of the re-read fields' pools to ``budget_bytes`` if needed."""
+        if self.pools["images"].buf is not None:
+            return
+        row = {n: t[0].numel() * t.element_size() for n, t in zip(FIELDS, (images, tokens))}
+        c, s = self.s.chunk, self.s
+        if s.budget_bytes:
+            fixed = sum(self.pools[n].n * c * row[n] for n in s.streamed)
+            growable = [n for n in FIELDS if n not in s.streamed]
+            per_chunk = sum(c * row[n] for n in growable)
+            fit = max((s.budget_bytes - fixed) // max(per_chunk, 1), -(-s.local // c))
+            for n in growable:
+                pool = self.pools[n]
+                if fit < pool.n:
+                    print(f"step pipeline: host buffers capped at {s.budget_bytes / 2**30:.1f} GB "
+                          f"(memory.host_buffer_gb): {n} pool {pool.n} -> {fit} chunks of {c} rows "
+                          f"(prefetch {fit * c / s.local - 1:.2f} steps instead of {s.prefetch_steps})", flush=True)
+                    with self._cond:
+                        pool.n = fit
+                        pool.free = [(i, e) for i, e in pool.free if i < fit]
+        for n, t in zip(FIELDS, (images, tokens)):
+            self.pools[n].allocate(t)
+
+    def _acquire(self, name: str) -> int:
+        """A free chunk of ``name``'s pool (blocks until the consumer releases one)."""
+        pool = self.pools[name]
+        with self._cond:
+            while not pool.free:
+                if self._stop.is_set():
+                    raise PipelineStopped("closing")
+                if self._thread is None:
+                    raise RuntimeError(f"the {name} pool ({pool.n} chunks) is too small for one step "
+                                       "without the pipeline thread")
+                self._cond.wait(timeout=0.5)
+            chunk, event = pool.free.pop(0)
+        if event is not None:
+            event.synchronize()  # the device has finished copying the chunk's previous rows
+        return chunk
+
     def _fill_forever(self) -> None:
         try:
             while not self._stop.is_set():
-                feed = self._free.get()
-                if feed is None or self._stop.is_set():
-                    return
+                feed = self._new_feed()
                 self._ready.put(feed)
                 self._fill(feed)
         except PipelineStopped:
@@ -304,18 +359,19 @@ class StepPipeline:
                     print(f"step pipeline: closing the loader: {e}", flush=True)
 
     def _fill(self, feed: StepFeed) -> None:
-        if feed.free_event is not None:  # the device may still read the previous step's rows
-            feed.free_event.synchronize()
-        feed.reset(self._next_step)
-        self._next_step += 1
         try:
             while feed.filled < self.s.local:
+                if self._stop.is_set():
+                    raise PipelineStopped("closing")
+                if feed.filled % self.s.chunk == 0:  # room first: never hold a batch it cannot store
+                    for name in FIELDS:
+                        feed.chunks[name].append(self._acquire(name))
                 t0 = time.perf_counter()
                 images, tokens = next(self.batches)
                 t1 = time.perf_counter()
-                _check_batch(images, tokens, feed.filled, self.s.local)
-                feed.put(images, tokens, self.data_state, self._stop.is_set)
-                self._loader_s += t1 - t0 + _copy_seconds(feed, t1)
+                _check_batch(images, tokens, feed.filled, self.s)
+                feed.put(images, tokens, self.data_state)
+                self._loader_s += t1 - t0
                 self._loader_rows += images.shape[0]
                 feed.fill_s += time.perf_counter() - t0
         except BaseException as e:
@@ -323,34 +379,31 @@ class StepPipeline:
             raise
 
 
-def _copy_seconds(feed: StepFeed, t1: float) -> float:
-    """Copy time counted in the loader's rate; ring waits (the GPU being behind) are not."""
-    return 0.0 if feed.s.streamed else time.perf_counter() - t1
-
-
 def _check(s: PipelineSettings) -> None:
     if s.local <= 0:
         raise ValueError(f"the per-rank step batch must be positive, got {s.local}")
     if s.prefetch_steps < 0:
         raise ValueError(f"memory.prefetch_steps must be >= 0, got {s.prefetch_steps}")
+    if s.local % s.chunk:
+        raise ValueError(f"chunk_rows={s.chunk} must divide the per-rank step batch {s.local}")
     if s.streamed and not 0 < s.ring_rows <= s.local:
         raise ValueError(f"a streamed field needs 0 < ring_rows <= {s.local}, got {s.ring_rows}")
-    if s.streamed and not s.threaded and s.ring_rows < s.local:
-        raise ValueError("a streamed ring smaller than the step needs the threaded pipeline")
+    if not s.threaded and any(s.pool_chunks(n) * s.chunk < s.local for n in FIELDS):
+        raise ValueError("a pool smaller than one step needs the pipeline thread")
 
 
-def _check_batch(images: Tensor, tokens: Tensor, filled: int, local: int) -> None:
+def _check_batch(images: Tensor, tokens: Tensor, filled: int, s: PipelineSettings) -> None:
     k = images.shape[0]
     if tokens.shape[0] != k:
         raise ValueError(f"loader batch has {k} images but {tokens.shape[0]} token rows")
-    if filled + k > local:
+    if filled + k > s.local or filled // s.chunk != (filled + k - 1) // s.chunk:
         raise ValueError(
-            f"loader batches of {k} do not divide the per-rank step batch {local}; set data.loader_batch "
-            "to a divisor of batch.global_size / world_size")
+            f"loader batches of {k} do not divide the per-rank step batch {s.local} (chunks of {s.chunk}); "
+            "set data.loader_batch to a divisor of batch.global_size / world_size and of batch.micro_size")
 
 
 def ring_rows(local: int, micro: int, loader_batch: int, want_rows: int) -> int:
-    """Rows of a streamed ring: a multiple of lcm(micro, loader_batch) (so every micro-batch
+    """Rows of a streamed pool: a multiple of lcm(micro, loader_batch) (so every micro-batch
     and every loader batch is contiguous in it), at least two micro-batches' worth (the
     stager copies micro-batch k+1 while k is read), at most ``local``; ``want_rows``
     (memory.stream_rows) sets the size in between."""
@@ -375,11 +428,32 @@ def build_step_pipeline(cfg: Any, data: Any, engine: Any, device: torch.device, 
         rows = ring_rows(local, engine.s.micro, data.spec.loader_batch, mem.stream_rows) if streamed else 0
         if rows >= local:  # the ring would hold the whole step anyway
             streamed, rows = (), 0
+    # chunks of lcm(micro, loader batch) rows (both divide the step, so it does too): freed
+    # by the engine micro-batch by micro-batch; one chunk per step without the thread
+    chunk = math.lcm(engine.s.micro, data.spec.loader_batch) if threaded else 0
     settings = PipelineSettings(
         local=local, pin=bool(mem.offload and device.type == "cuda"), prefetch_steps=mem.prefetch_steps,
-        streamed=streamed, ring_rows=rows, threaded=threaded,
+        streamed=streamed, ring_rows=rows, threaded=threaded, chunk_rows=chunk,
+        budget_bytes=host_budget_bytes(mem.host_buffer_gb),
     )
     return StepPipeline(data.batches(), data.state_dict, settings)
+
+
+def host_budget_bytes(host_buffer_gb: Optional[float]) -> int:
+    """Bytes the pipeline may pin on this rank: ``memory.host_buffer_gb``, or by default half
+    the host's available memory shared by the ranks on the host (pinned pages cannot be
+    swapped; the loader workers and the page cache need the rest)."""
+    if host_buffer_gb is not None:
+        return int(host_buffer_gb * 2**30)
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return avail_kb * 1024 // 2 // max(ranks_here, 1)
 
 
 def duplicate_warning(global_size: int, epoch_samples: int, world_size: int, loader_batch: int,

@@ -1,7 +1,9 @@
 """The step pipeline: steps assembled ahead by a thread give exactly the rows, in exactly the
-order, of the synchronous batcher; the resume position travels with each step; streamed
-(read-once) inputs never occupy more than their ring; LiT with streamed images computes the
-same gradients as with the images held whole; errors and shutdown reach the trainer."""
+order, of the synchronous path; the resume position travels with each step; chunks released
+by the consumer are refilled for the next step at once (the loader works through the replay
+even when the pool holds one step); streamed (read-once) inputs never occupy more than their
+pool; LiT with streamed images computes the same gradients as with the images held whole;
+errors and shutdown reach the trainer."""
 
 from __future__ import annotations
 
@@ -57,7 +59,9 @@ def _take(pipe: StepPipeline, steps: int) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("kw", [dict(prefetch_steps=0), dict(prefetch_steps=1), dict(prefetch_steps=3),
-                                dict(prefetch_steps=1, threaded=False)], ids=["p0", "p1", "p3", "unthreaded"])
+                                dict(prefetch_steps=0.5, chunk_rows=4), dict(prefetch_steps=0, chunk_rows=4),
+                                dict(prefetch_steps=1, threaded=False)],
+                         ids=["p0", "p1", "p3", "p0.5-chunks", "p0-chunks", "unthreaded"])
 def test_rows_and_resume_position_per_step(kw):
     pipe = _pipeline(_Loader(), **kw)
     try:
@@ -83,6 +87,30 @@ def test_prefetch_fills_the_next_step_while_one_trains():
         assert loader.pos == 2 * LOCAL // LOADER
         time.sleep(0.2)
         assert loader.pos == 2 * LOCAL // LOADER, "the filler must not run further ahead than prefetch_steps"
+    finally:
+        pipe.close()
+
+
+def test_released_chunks_are_refilled_for_the_next_step_during_the_replay():
+    """Pool of exactly one step in chunks of one loader batch: as the consumer releases the
+    step's chunks (its replay passing them), the filler starts the next step at once."""
+    loader = _Loader()
+    pipe = _pipeline(loader, prefetch_steps=0, chunk_rows=LOADER)
+    try:
+        feed = pipe.next()
+        feed.wait_complete()
+        assert loader.pos == LOCAL // LOADER  # the pool is full: nothing of step 1 yet
+        feed.release("images", LOADER)
+        feed.release("tokens", LOADER)  # the first chunk's last read is done
+        deadline = time.monotonic() + 10
+        while loader.pos < LOCAL // LOADER + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert loader.pos == LOCAL // LOADER + 1, "exactly one freed chunk, exactly one loader batch refilled"
+        assert torch.equal(feed.rows("tokens", LOADER, 2 * LOADER)[:, 0], torch.arange(LOADER, 2 * LOADER))
+        pipe.release(feed)
+        nxt = pipe.next()
+        assert torch.equal(nxt.full("tokens")[:, 0], torch.arange(LOCAL, 2 * LOCAL))
     finally:
         pipe.close()
 
@@ -126,7 +154,7 @@ def test_close_stops_the_filler_and_closes_the_loader():
 
 def test_streamed_field_lives_in_a_ring():
     loader = _Loader()
-    pipe = _pipeline(loader, prefetch_steps=1, streamed=("images",), ring_rows=8)
+    pipe = _pipeline(loader, prefetch_steps=1, streamed=("images",), ring_rows=8, chunk_rows=4)
     try:
         for t in range(3):
             feed = pipe.next()
@@ -135,7 +163,8 @@ def test_streamed_field_lives_in_a_ring():
                 img = feed.rows("images", k, k + LOADER)
                 assert torch.equal(img[:, 0, 0, 0].long(), torch.arange(t * LOCAL + k, t * LOCAL + k + LOADER))
                 feed.release("images", k + LOADER)
-            assert feed.buffers["images"].shape[0] == 8 and feed.buffers["tokens"].shape[0] == LOCAL
+            assert pipe.pools["images"].buf.shape[:2] == (2, 4)  # a pool of 8 rows, whatever the step
+            assert pipe.pools["tokens"].buf.shape[:2] == (2 * LOCAL // 4, 4)  # (1 + prefetch) steps
             with pytest.raises(RuntimeError, match="released"):
                 feed.rows("images", 0, LOADER)
             pipe.release(feed)
@@ -165,12 +194,30 @@ def test_lit_streamed_images_same_gradients_and_no_whole_step_of_images(prefetch
     assert engine.streamable_inputs() == ("images",)
     rows = iter([(images[k:k + micro], tokens[k:k + micro]) for k in range(0, local, micro)])
     settings = PipelineSettings(local=local, pin=False, prefetch_steps=prefetch, streamed=("images",),
-                                ring_rows=ring_rows(local, micro, micro, 1))
+                                ring_rows=ring_rows(local, micro, micro, 1), chunk_rows=micro)
     pipe = StepPipeline(rows, dict, settings)
     try:
         feed = pipe.next()
         engine.step_feed(feed)
-        assert feed.buffers["images"].shape[0] == 2 * micro < local  # never a whole step of images
+        assert pipe.pools["images"].buf.shape[:2] == (2, micro)  # never a whole step of images
+        assert feed.released == {"images": local, "tokens": local}  # the engine freed every chunk after its last read
     finally:
         pipe.close()
     assert_grads_close(grads_of(model), grads_of(ref), atol=0, rtol=0)
+
+
+def test_host_budget_shrinks_prefetch_but_never_below_one_step():
+    row = 3 * 2 * 2 + 5 * 8  # bytes of one loader row (uint8 3x2x2 image, 5 int64 tokens)
+    pipe = _pipeline(_Loader(), prefetch_steps=3, chunk_rows=4, budget_bytes=row * (LOCAL + 4))
+    try:
+        _take(pipe, 2)
+        assert pipe.pools["images"].n == pipe.pools["tokens"].n == (LOCAL + 4) // 4
+    finally:
+        pipe.close()
+    pipe = _pipeline(_Loader(), prefetch_steps=3, chunk_rows=4, budget_bytes=1)
+    try:
+        rows, _ = _take(pipe, 3)  # one step of chunks still works (the replay frees them)
+        assert torch.equal(rows[2], torch.arange(2 * LOCAL, 3 * LOCAL))
+        assert pipe.pools["images"].n == LOCAL // 4
+    finally:
+        pipe.close()

@@ -221,3 +221,24 @@ def test_host_budget_shrinks_prefetch_but_never_below_one_step():
         assert pipe.pools["images"].n == LOCAL // 4
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("steps_of", [1, 4])
+def test_lit_host_bytes_per_sample_are_the_tokens_only(steps_of):
+    """Streamed images: host bytes = (1 + p) x local x 8·L for tokens + a fixed image pool;
+    growing the batch 4x grows only the token part."""
+    local = LOCAL * steps_of
+    loader = _Loader()
+    settings = PipelineSettings(local=local, pin=False, prefetch_steps=1, streamed=("images",), ring_rows=8,
+                                chunk_rows=4)
+    pipe = StepPipeline(loader.batches(), loader.state, settings)
+    try:
+        feed = pipe.next()
+        for k in range(0, local, LOADER):
+            feed.rows("images", k, k + LOADER)
+            feed.release("images", k + LOADER)
+        feed.wait_complete()
+        image_bytes, token_bytes = 3 * 2 * 2, 5 * 8
+        assert pipe.host_bytes() == 8 * image_bytes + 2 * local * token_bytes
+    finally:
+        pipe.close()

@@ -289,10 +289,7 @@ def load_zeroshot(task: EvalTaskConfig, transform: Callable, index: Optional[int
         raise DataError(f"{_where(task, index, 'root')}={task.root!r}: the dataset is empty "
                         f"(no image with a label in split {task.split!r})")
     names = load_classnames(task, index, folder_names)
-    bad = [y for y in labels if not 0 <= y < len(names)]
-    if bad:
-        raise DataError(f"{_where(task, index, 'classnames')}: {len(names)} class names but label {bad[0]} "
-                        f"occurs (labels must lie in [0, {len(names)})); use the class-name list of this dataset")
+    _check_wds_names(task, index, names, labels)
     return ZeroShotData(ImageList(refs, labels, transform), names, load_templates(task, index))
 
 

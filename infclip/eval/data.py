@@ -238,7 +238,7 @@ def _check_wds_names(task: EvalTaskConfig, index: Optional[int], names: list[str
 def load_templates(task: EvalTaskConfig, index: Optional[int]) -> list[Callable[[str], str]]:
     """Prompt templates as callables classname -> prompt (open_clip's or from a file)."""
     spec = task.templates
-    default_file = os.path.join(task.root, "zeroshot_classification_templates.txt")
+    default_file = os.path.abspath(os.path.join(task.root, "zeroshot_classification_templates.txt"))
     if spec is None:
         spec = default_file if os.path.isfile(default_file) else "openai_imagenet"
     if spec == "openai_imagenet":

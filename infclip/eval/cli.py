@@ -2,7 +2,7 @@
 
     python -m infclip.eval checkpoint=runs/quickstart
     python -m infclip.eval checkpoint=openai model=ViT-B-32 tasks=[imagenet,coco] data_root=/datasets
-    python -m infclip.eval checkpoint=RUN "tasks=[imagenet,{name: digits, kind: zeroshot, root: /d, format: imagefolder}]"
+    python -m infclip.eval checkpoint=RUN "tasks=[imagenet,{name: digits, kind: zeroshot, root: /d}]"
     python -m infclip.eval checkpoint=RUN tasks=[datacomp] data_root=/datasets
     torchrun --nproc-per-node 8 -m infclip.eval checkpoint=... tasks=[imagenet]
 
@@ -55,7 +55,8 @@ class EvalCommandConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     output: Optional[str] = None  # JSON results; None: <checkpoint folder>/eval.json or ./eval_results.json
     log_to_run: bool = True  # append the metrics to <run>/metrics.jsonl when the checkpoint is in a run folder
-    wandb_mode: Optional[str] = None  # "online" | "offline" | "disabled"; None: the run's logging.wandb_mode, else disabled
+    # "online" | "offline" | "disabled"; None: the run's logging.wandb_mode, else disabled
+    wandb_mode: Optional[str] = None
     wandb_project: str = "infclip"
 
 

@@ -51,7 +51,8 @@ _VTAB = ("vtab/caltech101", "vtab/cifar10", "vtab/cifar100", "vtab/clevr_count_a
          "vtab/kitti_closest_vehicle_distance", "vtab/flowers", "vtab/pets", "vtab/pcam", "vtab/resisc45",
          "vtab/smallnorb_label_azimuth", "vtab/smallnorb_label_elevation", "vtab/svhn")
 _MPCR = "mean_per_class_recall"
-_RETRIEVAL = [SuiteDataset("flickr30k", "retrieval", "mean_r1"), SuiteDataset("mscoco_captions", "retrieval", "mean_r1")]
+_RETRIEVAL = [SuiteDataset("flickr30k", "retrieval", "mean_r1"),
+              SuiteDataset("mscoco_captions", "retrieval", "mean_r1")]
 
 SUITES: dict[str, list[SuiteDataset]] = {
     # clip_benchmark 1.6.2's "vtab+" collection (its voc2007_multilabel left out: mAP, not top-1)

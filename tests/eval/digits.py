@@ -112,7 +112,8 @@ def _fit_projections(model, x: torch.Tensor, y: torch.Tensor, tokens: torch.Tens
     prompt_class = torch.arange(len(NAMES)).repeat_interleave(len(TEMPLATES))  # class-major prompts
     target = (y[:, None] == prompt_class[None, :]).float() / len(TEMPLATES)
     for _ in range(steps):
-        logits = params[2].exp() * F.normalize(feat_img @ params[0], dim=-1) @ F.normalize(feat_txt @ params[1], dim=-1).T
+        img, txt = F.normalize(feat_img @ params[0], dim=-1), F.normalize(feat_txt @ params[1], dim=-1)
+        logits = params[2].exp() * img @ txt.T
         loss = F.cross_entropy(logits, target)
         opt.zero_grad()
         loss.backward()

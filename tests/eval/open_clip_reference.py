@@ -89,7 +89,8 @@ def main(folder, root, out):
     with torch.no_grad():
         tree = os.path.join(root, "imagefolder")
         classes = sorted(os.listdir(tree))  # labels follow the sorted folder names
-        files = [(os.path.join(tree, c, f), y) for y, c in enumerate(classes) for f in sorted(os.listdir(os.path.join(tree, c)))]
+        files = [(os.path.join(tree, c, f), y) for y, c in enumerate(classes)
+                 for f in sorted(os.listdir(os.path.join(tree, c)))]
         results["digits_folder"] = zeroshot(model, preprocess, tokenizer, [Image.open(p) for p, _ in files],
                                             [y for _, y in files], classes, templates)
         wds = os.path.join(root, "wds_digits")

@@ -38,6 +38,8 @@ CONFIG_NAME = "open_clip_config.json"  # open_clip.constants.HF_CONFIG_NAME
 WEIGHTS_NAME = "open_clip_model.safetensors"  # open_clip.constants.HF_SAFE_WEIGHTS_NAME
 _PREPROCESS_KEYS = ("mean", "std", "interpolation", "resize_mode")  # what open_clip's save_config_for_hf writes
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TOKENIZER_FILES = ("special_tokens_map.json", "vocab.json", "vocab.txt", "merges.txt", "spiece.model",
+                    "sentencepiece.bpe.model", "added_tokens.json")  # what HF tokenizers' save_pretrained writes
 
 
 class ExportError(ValueError):
@@ -168,8 +170,8 @@ def export(ckpt: Path, out: Path, model: Optional[str] = None) -> Path:
     """Write ``ckpt``'s weights in open_clip's format into ``out``; returns ``out``."""
     if model is None and (ckpt / CONFIG_NAME).is_file() and (ckpt / WEIGHTS_NAME).is_file():
         out.mkdir(parents=True, exist_ok=True)
-        for name in os.listdir(ckpt):  # written at save time: copy them (and any tokenizer files)
-            if name not in ("model.pt", "train.pt") and not name.startswith("rank_") and (ckpt / name).is_file():
+        for name in os.listdir(ckpt):  # written at save time: copy them (and any HF tokenizer files)
+            if name in (CONFIG_NAME, WEIGHTS_NAME) or name in _TOKENIZER_FILES or name.startswith("tokenizer"):
                 shutil.copy2(ckpt / name, out / name)
         return out
     import open_clip

@@ -166,8 +166,11 @@ def plan_tasks(cfg: DictConfig) -> tuple[list[EvalTaskConfig], list[SuitePlan]]:
                          for t in suite_tasks)
         elif isinstance(entry, str):
             tasks.append(load_task(entry, cfg))
-        else:
+        elif OmegaConf.is_dict(entry) or isinstance(entry, dict):
             tasks.append(inline_task(entry, f"{key}[{i}]", cfg))
+        else:
+            raise EvalConfigError(f"{key}[{i}]={entry!r}: give a preset or suite name, or an inline task "
+                                  "{name: ..., kind: ..., root: ...}")
     if not tasks:
         where = ", ".join(f"{p.name} ({len(p.missing)} missing)" for p in suites)
         raise EvalConfigError(f"{key}: nothing to evaluate; no dataset of {where} is under data_root={cfg.data_root!r} "
@@ -271,6 +274,9 @@ def build(cfg: DictConfig, device: torch.device, pretrained: Optional[str]):
     if requested is not None and not _same_architecture(requested, arch):
         raise EvalConfigError(f"model={requested!r} but checkpoint {pretrained} is a {arch.name!r} model; "
                               f"drop model= (the checkpoint's own architecture is used) or set model={arch.name}")
+    if requested is None and pretrained is not None and not os.path.isfile(pretrained):
+        raise EvalConfigError(f"checkpoint={pretrained!r} is an open_clip pretrained tag: name its architecture "
+                              "with model=<open_clip model name> (e.g. model=ViT-B-32)")
     name = requested or arch.name or "infclip-tiny"
     if arch.local_dir is None or requested is not None:
         if open_clip.get_model_config(name) is None and not name.startswith("hf-hub:"):

@@ -59,6 +59,8 @@ def test_inline_tasks_refuse_unknown_keys_and_need_a_name():
         _plan(["tasks=[{name: d, kind: zeroshot, rot: /d}]"])
     with pytest.raises(EvalConfigError, match=r"tasks\[1\]: an inline task needs a name"):
         _plan(["tasks=[imagenet,{kind: zeroshot, root: /d}]"])
+    with pytest.raises(EvalConfigError, match=r"tasks\[0\]=.*give a preset or suite name"):
+        _plan(["tasks=[[imagenet]]"])
 
 
 # -- class names against labels ----------------------------------------------------------------
@@ -158,6 +160,8 @@ def test_an_architecture_mismatch_names_both_models(tmp_path, micro):
     with pytest.raises(EvalConfigError, match=r"model='infclip-tiny' but checkpoint .* is a 'infclip-micro' model; "
                                               r"drop model= .* or set model=infclip-micro"):
         build(cfg, torch.device("cpu"), str(step / "model.pt"))
+    with pytest.raises(EvalConfigError, match="open_clip pretrained tag: name its architecture with model="):
+        build(_compose(["checkpoint=none"]), torch.device("cpu"), "laion2b_s34b_b79k")
     loaded, _, _ = build(_compose(["checkpoint=none"]), torch.device("cpu"), str(step / "model.pt"))
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
 

@@ -174,3 +174,18 @@ def test_trainer_checkpoints_open_in_open_clip_alone(tmp_path):
             ours = (model.eval().encode_image(images),
                     model.encode_text(open_clip.get_tokenizer("infclip-micro")(["a red circle", "two"])))
         assert torch.equal(theirs["emb"][0], ours[0]) and torch.equal(theirs["emb"][1], ours[1])
+
+
+def test_open_clip_export_is_switchable_and_skips_non_clip_models():
+    """checkpoint.open_clip_export=false (or a SimCLR image tower) installs no export hook."""
+    import dataclasses
+
+    from infclip.config import ModelConfig, TrainConfig
+    from infclip.export import checkpoint_writer
+    from infclip.model import build_model
+
+    assert TrainConfig().checkpoint.open_clip_export is True
+    built = build_model(ModelConfig(name="infclip-micro"))
+    assert callable(checkpoint_writer(built, ModelConfig(name="infclip-micro")))
+    assert checkpoint_writer(built, ModelConfig(name="infclip-micro"), enabled=False) is None
+    assert checkpoint_writer(dataclasses.replace(built, model=built.model.visual), ModelConfig()) is None

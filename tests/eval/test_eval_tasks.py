@@ -160,6 +160,10 @@ def test_an_architecture_mismatch_names_both_models(tmp_path, micro):
     with pytest.raises(EvalConfigError, match=r"model='infclip-tiny' but checkpoint .* is a 'infclip-micro' model; "
                                               r"drop model= .* or set model=infclip-micro"):
         build(cfg, torch.device("cpu"), str(step / "model.pt"))
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes((step / "model.pt").read_bytes()[:1000])
+    with pytest.raises(EvalConfigError, match=r"damaged.pt does not load into model='infclip-tiny' .*corrupted.*damaged"):
+        build(_compose(["checkpoint=none"]), torch.device("cpu"), str(damaged))
     with pytest.raises(EvalConfigError, match="open_clip pretrained tag: name its architecture with model="):
         build(_compose(["checkpoint=none"]), torch.device("cpu"), "laion2b_s34b_b79k")
     loaded, _, _ = build(_compose(["checkpoint=none"]), torch.device("cpu"), str(step / "model.pt"))

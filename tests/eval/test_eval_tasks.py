@@ -220,7 +220,8 @@ def test_the_suite_command_prints_the_table_and_writes_run_metrics(tmp_path, mic
     write_wds(str(tmp_path / "data" / "wds_imagenet-a"), [0, 1, 2, 1], ["a", "b", "c"])
     cmd = [sys.executable, "-m", "infclip.eval", f"checkpoint={run}", "tasks=[imagenet_robustness]",
            f"data_root={tmp_path / 'data'}", "eval.workers=0"]
-    env = {**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # CI sets it; the run's mode is tested
+    env.update(WANDB_SILENT="true", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("skipping") == 4 and "1 of 5 datasets found" in proc.stdout

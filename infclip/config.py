@@ -101,6 +101,9 @@ class MemoryConfig:
 class CheckpointConfig:
     every_n_steps: int = 0  # 0: only at the end
     keep_last: int = 3  # keep-last-k pruning (never removes the checkpoint resumed from)
+    # also write open_clip's format (open_clip_config.json + open_clip_model.safetensors) into each
+    # checkpoint folder, so open_clip / clip_benchmark load it as local-dir:<folder>; doubles weight bytes
+    open_clip_export: bool = True
 
 
 @dataclass

@@ -31,6 +31,7 @@ class BuiltModel:
     mean: tuple[float, ...]  # per-channel normalization mean
     std: tuple[float, ...]  # per-channel normalization std
     preprocess_val: Callable[[Any], torch.Tensor]  # PIL -> normalized float (open_clip's val transform)
+    name: str = ""  # the open_clip model name it was built from (a config file's stem for model.config_file)
 
 
 def register_config_file(path: str) -> str:
@@ -81,7 +82,8 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
         model.set_grad_checkpointing(True)
     pp = model.visual.preprocess_cfg
     size = pp["size"] if isinstance(pp["size"], int) else pp["size"][0]
-    return BuiltModel(model, open_clip.get_tokenizer(name), size, tuple(pp["mean"]), tuple(pp["std"]), preprocess_val)
+    return BuiltModel(model, open_clip.get_tokenizer(name), size, tuple(pp["mean"]), tuple(pp["std"]), preprocess_val,
+                      name)
 
 
 def clamp_logit_scale(model: torch.nn.Module, max_value: float = math.log(100)) -> None:

@@ -12,15 +12,17 @@ from omegaconf import DictConfig
 from infclip.eval import cli
 from infclip.eval.config import EvalConfigError
 from infclip.eval.runner import make_autocast, run_evals
+from infclip.eval.suites import format_suite, summarize
 
 cli.register()
 
 
 @hydra.main(version_base=None, config_path=str(cli.CONFIG_DIR), config_name="eval")
 def main(cfg: DictConfig) -> dict:
-    """Evaluate; rank 0 prints the table and writes the JSON file. Returns the metrics."""
+    """Evaluate; rank 0 prints the tables and writes the results. Returns the metrics."""
     dist_info = cli.init_distributed(cfg.device)
-    ecfg = cli.build_eval_config(cfg)
+    tasks, suites = cli.plan_tasks(cfg)
+    ecfg = cli._eval_config(cfg, tasks)
     pretrained = cli.resolve_checkpoint(cfg.checkpoint)
     model, tokenizer, preprocess = cli.build(cfg, dist_info.device, pretrained)
     try:
@@ -32,13 +34,29 @@ def main(cfg: DictConfig) -> dict:
     except EvalConfigError as e:  # name the command-line key too: eval.tasks[i] is task.<name> here
         raise EvalConfigError(f"{e}\n(on this command line: +task.<task name>.<field>=..., or data_root=...)") from e
     if dist_info.rank == 0:
-        output = cfg.output or cli.default_output(pretrained)
-        cli.write_results(output, cfg, pretrained, ecfg, metrics, dist_info.world_size)
-        print(cli.format_table(metrics))
-        print(f"results written to {output}")
+        _report(cfg, pretrained, ecfg, metrics, suites, dist_info.world_size)
     if dist_info.world_size > 1:
         torch.distributed.destroy_process_group()
     return metrics
+
+
+def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, world_size: int) -> None:
+    """Print the task table and one table per suite; write the JSON file, the run's metrics, wandb."""
+    print(cli.format_table(metrics))
+    for plan in suites:
+        summary = summarize(plan, metrics)
+        print(format_suite(plan, summary))
+        metrics.update(summary)
+    output = cfg.output or cli.default_output(pretrained)
+    cli.write_results(output, cfg, pretrained, ecfg, metrics, world_size)
+    print(f"results written to {output}")
+    run, step = cli.run_folder(pretrained), cli.checkpoint_step(pretrained)
+    if cfg.log_to_run and run is not None:
+        cli.log_to_run(run, step, metrics, cfg)
+        print(f"metrics appended to {run / 'metrics.jsonl'}")
+    mode = cli.wandb_mode(cfg, run)
+    if mode != "disabled":
+        cli.log_wandb(mode, cfg, run, step, metrics, suites)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
-"""``python -m infclip.eval``: evaluate a checkpoint or an open_clip model on task presets.
+"""``python -m infclip.eval``: evaluate a checkpoint or an open_clip model.
 
-    python -m infclip.eval checkpoint=runs/quickstart model=infclip-tiny
+    python -m infclip.eval checkpoint=runs/quickstart
     python -m infclip.eval checkpoint=openai model=ViT-B-32 tasks=[imagenet,coco] data_root=/datasets
+    python -m infclip.eval checkpoint=RUN "tasks=[imagenet,{name: digits, kind: zeroshot, root: /d}]"
+    python -m infclip.eval checkpoint=RUN tasks=[datacomp] data_root=/datasets
     torchrun --nproc-per-node 8 -m infclip.eval checkpoint=... tasks=[imagenet]
 
 ``checkpoint`` is a model.pt file, a checkpoint step folder, a run folder (its latest
-checkpoint), an open_clip pretrained tag, or ``none`` (random init). Task presets live in
-``configs/eval_task/<name>.yaml``; ``${data_root}`` and ``${synthetic_root}`` in them are
-filled from this config, and ``task.<name>.<field>=value`` overrides one preset field.
-Prints a table on rank 0 and writes a JSON result file (``output``).
+checkpoint), an open_clip pretrained tag, or ``none`` (random init). ``tasks`` (or the
+trainer's key ``eval.tasks``: the same list) mixes preset names (``configs/eval_task/<name>.yaml``;
+``${data_root}`` and ``${synthetic_root}`` in them are filled from this config), suite names
+(:mod:`infclip.eval.suites`) and inline task dicts (fields of EvalTaskConfig);
+``task.<name>.<field>=value`` overrides one field of a task. ``model`` defaults to the
+checkpoint's own architecture. Prints a table on rank 0 and writes a JSON result file
+(``output``), the run's metrics.jsonl and wandb.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,6 +29,7 @@ import torch
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from infclip.eval.config import EvalConfig, EvalConfigError, EvalTaskConfig, validate_eval
+from infclip.eval.suites import SUITES, SuitePlan, plan_suite
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -34,16 +40,24 @@ class EvalCommandConfig:
     """Schema of ``configs/eval.yaml``."""
 
     checkpoint: str = MISSING  # model.pt | step dir | run dir (latest) | open_clip tag | none
-    model: str = "infclip-tiny"  # open_clip model name (or one of infclip/model_configs)
+    # open_clip model name; None: the checkpoint's own (its open_clip_config.json or its run's
+    # config.yaml), else infclip-tiny. A name that differs from the checkpoint's is an error.
+    model: Optional[str] = None
     model_config_file: Optional[str] = None  # custom open_clip JSON config (registered under its stem)
-    tasks: list[str] = field(default_factory=lambda: ["synthetic_zeroshot", "synthetic_retrieval"])
-    task: dict[str, Any] = field(default_factory=dict)  # per-preset overrides: task.imagenet.root=/x
+    # preset names, suite names and inline task dicts, mixed; None: eval.tasks (the trainer's
+    # key, same syntax) or, when that is empty too, the synthetic presets
+    tasks: Optional[list[Any]] = None
+    task: dict[str, Any] = field(default_factory=dict)  # per-task overrides: task.imagenet.root=/x
     data_root: str = "data"  # ${data_root} in the presets
     synthetic_root: Optional[str] = None  # ${synthetic_root}; None: the data package's default cache
     eval: EvalConfig = field(default_factory=EvalConfig)  # batch size, workers, chunk, all_ranks
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast for the encoders)
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     output: Optional[str] = None  # JSON results; None: <checkpoint folder>/eval.json or ./eval_results.json
+    log_to_run: bool = True  # append the metrics to <run>/metrics.jsonl when the checkpoint is in a run folder
+    # "online" | "offline" | "disabled"; None: the run's logging.wandb_mode, else disabled
+    wandb_mode: Optional[str] = None
+    wandb_project: str = "infclip"
 
 
 def register() -> None:
@@ -92,12 +106,17 @@ def _synthetic_root(cfg: DictConfig) -> str:
     return ensure_synthetic(DataConfig(synthetic_root=cfg.synthetic_root)).root
 
 
+DEFAULT_TASKS = ("synthetic_zeroshot", "synthetic_retrieval")
+_TASK_FIELDS = tuple(f.name for f in fields(EvalTaskConfig))
+
+
 def load_task(name: str, cfg: DictConfig) -> EvalTaskConfig:
     """Preset ``configs/eval_task/<name>.yaml`` with roots filled in and ``task.<name>`` applied."""
     path = CONFIG_DIR / "eval_task" / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in (CONFIG_DIR / "eval_task").glob("*.yaml"))
-        raise EvalConfigError(f"tasks: unknown task {name!r}; presets in {path.parent}: {known}")
+        raise EvalConfigError(f"tasks: unknown task {name!r}; presets in {path.parent}: {known}; "
+                              f"suites: {sorted(SUITES)}; or an inline task {{name: ..., kind: ..., root: ...}}")
     text = path.read_text()
     syn = _synthetic_root(cfg) if "${synthetic_root}" in text else cfg.synthetic_root
     wrap = OmegaConf.create({"data_root": cfg.data_root, "synthetic_root": syn, "t": OmegaConf.load(path)})
@@ -106,13 +125,71 @@ def load_task(name: str, cfg: DictConfig) -> EvalTaskConfig:
     return OmegaConf.to_object(merged)
 
 
-def build_eval_config(cfg: DictConfig) -> EvalConfig:
-    """The EvalConfig of the command: its batch settings and the selected presets (validated)."""
-    unknown = set(cfg.task) - set(cfg.tasks)
+def inline_task(entry: Any, where: str, cfg: DictConfig) -> EvalTaskConfig:
+    """An inline task dict (the trainer's eval.tasks entry syntax) as an EvalTaskConfig."""
+    entry = OmegaConf.to_container(entry, resolve=True) if OmegaConf.is_config(entry) else dict(entry)
+    unknown = sorted(set(entry) - set(_TASK_FIELDS))
     if unknown:
-        raise EvalConfigError(f"task.{sorted(unknown)[0]} overrides a task that is not in tasks={list(cfg.tasks)}")
+        raise EvalConfigError(f"{where}: unknown key {unknown[0]!r} in an inline task; its keys: {list(_TASK_FIELDS)}")
+    if not entry.get("name"):
+        raise EvalConfigError(f"{where}: an inline task needs a name (it keys the results: eval/<name>/...), "
+                              "e.g. {name: digits, kind: zeroshot, root: /data/digits, format: imagefolder}")
+    merged = OmegaConf.merge(OmegaConf.structured(EvalTaskConfig), entry, cfg.task.get(entry["name"], {}))
+    return OmegaConf.to_object(merged)
+
+
+def _task_entries(cfg: DictConfig) -> tuple[str, list[Any]]:
+    """(key, entries): ``tasks`` or ``eval.tasks`` (one of them), or the default presets."""
+    given_eval = len(cfg.eval.tasks) > 0
+    if cfg.tasks is not None and given_eval:
+        raise EvalConfigError("tasks=[...] and eval.tasks=[...] both given: they are the same list; keep one")
+    if cfg.tasks is not None:
+        return "tasks", list(cfg.tasks)
+    if given_eval:
+        return "eval.tasks", list(cfg.eval.tasks)
+    return "tasks", list(DEFAULT_TASKS)
+
+
+def plan_tasks(cfg: DictConfig) -> tuple[list[EvalTaskConfig], list[SuitePlan]]:
+    """Every task of the command, in order (suites expanded to their datasets found under
+    data_root; each missing one is printed on one line), and the suite plans."""
+    key, entries = _task_entries(cfg)
+    tasks: list[EvalTaskConfig] = []
+    suites: list[SuitePlan] = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str) and entry in SUITES:
+            plan, suite_tasks = plan_suite(entry, cfg.data_root)
+            for ds, root in plan.missing:
+                print(f"suite {entry}: skipping {ds.name} ({root}/test not found)")
+            suites.append(plan)
+            tasks.extend(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(t), cfg.task.get(t.name, {})))
+                         for t in suite_tasks)
+        elif isinstance(entry, str):
+            tasks.append(load_task(entry, cfg))
+        elif OmegaConf.is_dict(entry) or isinstance(entry, dict):
+            tasks.append(inline_task(entry, f"{key}[{i}]", cfg))
+        else:
+            raise EvalConfigError(f"{key}[{i}]={entry!r}: give a preset or suite name, or an inline task "
+                                  "{name: ..., kind: ..., root: ...}")
+    if not tasks:
+        where = ", ".join(f"{p.name} ({len(p.missing)} missing)" for p in suites)
+        raise EvalConfigError(f"{key}: nothing to evaluate; no dataset of {where} is under data_root={cfg.data_root!r} "
+                              "(each as wds_<name>/test/*.tar); set data_root to the folder holding them")
+    unknown = set(cfg.task) - {t.name for t in tasks}
+    if unknown:
+        raise EvalConfigError(f"task.{sorted(unknown)[0]} overrides a task that is not in "
+                              f"{key}={[t.name for t in tasks]}")
+    return tasks, suites
+
+
+def build_eval_config(cfg: DictConfig) -> EvalConfig:
+    """The EvalConfig of the command: its batch settings and every task (validated)."""
+    return _eval_config(cfg, plan_tasks(cfg)[0])
+
+
+def _eval_config(cfg: DictConfig, tasks: list[EvalTaskConfig]) -> EvalConfig:
     ecfg: EvalConfig = OmegaConf.to_object(cfg.eval)
-    ecfg.tasks = [load_task(name, cfg) for name in cfg.tasks]
+    ecfg.tasks = tasks
     validate_eval(ecfg)
     return ecfg
 
@@ -146,13 +223,79 @@ def init_distributed(device: str) -> Dist:
     return Dist(rank, world, dev, dist.group.WORLD)
 
 
-def build(cfg: DictConfig, device: torch.device, pretrained: Optional[str]):
-    """(model, tokenizer, val preprocess) through the project's open_clip factory (weights_only load)."""
-    from infclip.config import ModelConfig
-    from infclip.model import build_model
+@dataclass
+class Architecture:
+    """What a checkpoint file says about the model it belongs to (all None when nothing does)."""
 
-    built = build_model(ModelConfig(name=cfg.model, config_file=cfg.model_config_file, pretrained=pretrained),
-                        device=device)
+    name: Optional[str] = None  # model name recorded with it
+    model_cfg: Optional[dict] = None  # open_clip model config (open_clip_config.json)
+    local_dir: Optional[Path] = None  # a folder open_clip loads as local-dir:
+
+
+def checkpoint_architecture(pretrained: Optional[str]) -> Architecture:
+    """From the checkpoint folder's open_clip_config.json, else its run's config.yaml."""
+    from infclip.export import CONFIG_NAME, WEIGHTS_NAME
+
+    if not pretrained or not os.path.isfile(pretrained):
+        return Architecture()
+    folder = Path(pretrained).parent
+    if (folder / CONFIG_NAME).is_file() and (folder / WEIGHTS_NAME).is_file():
+        saved = json.loads((folder / CONFIG_NAME).read_text())
+        return Architecture(saved.get("model_name"), saved.get("model_cfg"), folder)
+    run_cfg = folder.parent.parent / "config.yaml"
+    if folder.parent.name == "checkpoints" and run_cfg.is_file():
+        model = OmegaConf.load(run_cfg).get("model", {})
+        name = Path(model.config_file).stem if model.get("config_file") else model.get("name")
+        return Architecture(name)
+    return Architecture()
+
+
+def _same_architecture(requested: str, arch: Architecture) -> bool:
+    import open_clip
+
+    wanted = open_clip.get_model_config(requested)
+    if arch.model_cfg is not None and wanted is not None:
+        saved = {k: v for k, v in arch.model_cfg.items() if k != "init_logit_bias"}
+        return saved == wanted
+    return arch.name is None or arch.name == requested
+
+
+def build(cfg: DictConfig, device: torch.device, pretrained: Optional[str]):
+    """(model, tokenizer, val preprocess). ``model`` unset: the checkpoint's own architecture
+    (loaded by open_clip as local-dir: when the folder holds open_clip's files); set: it must be
+    the checkpoint's, else an error names both."""
+    import open_clip
+
+    from infclip.config import ModelConfig
+    from infclip.model import build_model, register_config_file
+
+    requested = register_config_file(cfg.model_config_file) if cfg.model_config_file else cfg.model
+    arch = checkpoint_architecture(pretrained)
+    if requested is not None and not _same_architecture(requested, arch):
+        raise EvalConfigError(f"model={requested!r} but checkpoint {pretrained} is a {arch.name!r} model; "
+                              f"drop model= (the checkpoint's own architecture is used) or set model={arch.name}")
+    if requested is None and pretrained is not None and not os.path.isfile(pretrained):
+        raise EvalConfigError(f"checkpoint={pretrained!r} is an open_clip pretrained tag: name its architecture "
+                              "with model=<open_clip model name> (e.g. model=ViT-B-32)")
+    name = requested or arch.name or "infclip-tiny"
+    if arch.local_dir is None or requested is not None:
+        if open_clip.get_model_config(name) is None and not name.startswith("hf-hub:"):
+            raise EvalConfigError(f"model={name!r} is not an open_clip model config; give an open_clip model "
+                                  "name (open_clip.list_models()) or model_config_file=/path/to/config.json")
+    try:
+        if requested is None and arch.local_dir is not None:
+            spec = f"local-dir:{arch.local_dir}"
+            model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)
+            return model, open_clip.get_tokenizer(spec), preprocess
+        built = build_model(ModelConfig(name=name, config_file=cfg.model_config_file, pretrained=pretrained),
+                            device=device)
+    except Exception as e:  # a load failure: wrong architecture or a damaged file
+        if pretrained is None:
+            raise
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise EvalConfigError(f"checkpoint {pretrained} does not load into model={name!r} "
+                              f"({type(e).__name__}: {first}); give the architecture it was trained with "
+                              "(model=<name>), or another checkpoint if this file is damaged") from e
     return built.model, built.tokenizer, built.preprocess_val
 
 
@@ -177,10 +320,9 @@ def default_output(pretrained: Optional[str]) -> str:
 
 def write_results(path: str, cfg: DictConfig, pretrained: Optional[str], ecfg: EvalConfig,
                   metrics: dict[str, float], world_size: int) -> None:
-    step = re.search(r"step_(\d{8})", pretrained or "")
     record = {
         "checkpoint": cfg.checkpoint, "resolved": pretrained, "model": cfg.model,
-        "step": int(step.group(1)) if step else None, "precision": cfg.precision, "world_size": world_size,
+        "step": checkpoint_step(pretrained), "precision": cfg.precision, "world_size": world_size,
         "tasks": {t.name: asdict(t) for t in ecfg.tasks}, "metrics": metrics,
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -188,3 +330,53 @@ def write_results(path: str, cfg: DictConfig, pretrained: Optional[str], ecfg: E
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)
     os.replace(tmp, path)
+
+
+def checkpoint_step(pretrained: Optional[str]) -> Optional[int]:
+    step = re.search(r"step_(\d{8})", pretrained or "")
+    return int(step.group(1)) if step else None
+
+
+def run_folder(pretrained: Optional[str]) -> Optional[Path]:
+    """The run folder of a ``<run>/checkpoints/step_N/model.pt`` checkpoint (None otherwise)."""
+    if not pretrained or not os.path.isfile(pretrained):
+        return None
+    folder = Path(pretrained).parent
+    return folder.parent.parent if folder.parent.name == "checkpoints" else None
+
+
+def log_to_run(run: Path, step: Optional[int], metrics: dict[str, float], cfg: DictConfig) -> None:
+    """Append one record to the run's metrics.jsonl (the trainer's format, marked as this command's)."""
+    import time
+
+    record = {"step": step, "time": time.time(), "event": "eval_command", "checkpoint": cfg.checkpoint, **metrics}
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def wandb_mode(cfg: DictConfig, run: Optional[Path]) -> str:
+    """``wandb_mode``, or the run's own logging.wandb_mode, or disabled."""
+    if cfg.wandb_mode is not None:
+        return cfg.wandb_mode
+    if run is not None and (run / "config.yaml").is_file():
+        return str(OmegaConf.load(run / "config.yaml").get("logging", {}).get("wandb_mode", "disabled"))
+    return "disabled"
+
+
+def log_wandb(mode: str, cfg: DictConfig, run: Optional[Path], step: Optional[int], metrics: dict[str, float],
+              suites: list[SuitePlan]) -> None:
+    """One wandb run (job_type eval, grouped with the training run) holding the metrics and a
+    table per suite (dataset, metric, value)."""
+    import wandb
+
+    where = run if run is not None else Path(".")
+    name = f"{where.resolve().name}-eval" + (f"-step{step}" if step is not None else "")
+    wb = wandb.init(project=cfg.wandb_project, mode=mode, dir=str(where), job_type="eval", name=name,
+                    group=where.resolve().name, config={"checkpoint": cfg.checkpoint, "step": step})
+    try:
+        wb.log({**metrics, **({"step": step} if step is not None else {})})
+        for plan in suites:
+            rows = [[ds.name, ds.metric, metrics[f"eval/{plan.name}/{ds.name}"]] for ds in plan.found]
+            wb.log({f"eval/{plan.name}/table": wandb.Table(columns=["dataset", "metric", "value"], data=rows)})
+    finally:
+        wb.finish()

@@ -6,11 +6,13 @@ and Flickr30k are all presets (``configs/eval_task/*.yaml``) of the two task kin
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 KINDS = ("zeroshot", "retrieval")
-FORMATS = {"zeroshot": ("wds", "imagefolder"), "retrieval": ("flat", "karpathy")}
+FORMATS = {"zeroshot": ("wds", "imagefolder"), "retrieval": ("flat", "karpathy", "wds")}
+MAX_AUTO_WORKERS = 8  # eval.workers=null: one per core available to this rank, at most this many
 
 
 @dataclass
@@ -28,6 +30,8 @@ class EvalTaskConfig:
       retrieval/karpathy    annotations = Karpathy's dataset_{coco,flickr30k}.json (images[] with
                             filepath?/filename/split/sentences[].raw); rows with split == `split`
                             are used; images at <root>/<filepath>/<filename>.
+      retrieval/wds         root = clip_benchmark retrieval wds dir ({split}/*.tar holding
+                            {key}.jpg|.png|.webp + {key}.txt with one caption per line).
     """
 
     name: str = ""  # label used in metric keys, e.g. "imagenet" -> eval/imagenet/top1
@@ -37,7 +41,8 @@ class EvalTaskConfig:
     split: str = "test"  # wds split folder / Karpathy split / flat JSON stem
     annotations: Optional[str] = None  # retrieval: annotation file
     # zeroshot class names: "imagenet" (open_clip's IMAGENET_CLASSNAMES), a file with one name
-    # per line, or None: <root>/classnames.txt (wds) or the folder names (imagefolder).
+    # per line, a JSON file {folder: name} (imagefolder), or None: <root>/classnames.txt (wds) or
+    # the folder names (imagefolder). Checked against the labels (see infclip.eval.data).
     classnames: Optional[str] = None
     # zeroshot prompt templates: "openai_imagenet" (open_clip's 80 OPENAI_IMAGENET_TEMPLATES),
     # "simple_imagenet", a file with one template per line ("{c}" or "{}" marks the class name),
@@ -53,7 +58,7 @@ class EvalConfig:
 
     tasks: list[EvalTaskConfig] = field(default_factory=list)
     batch_size: int = 256  # images (or prompts/captions) per encoder pass per rank
-    workers: int = 2  # DataLoader workers per rank for image decoding (0: in-process)
+    workers: Optional[int] = None  # DataLoader workers per rank (0: in-process; None: the cores this rank has, <= 8)
     chunk_size: int = 4096  # retrieval similarity chunk (rows) -- never a full N x M beyond it
     all_ranks: bool = True  # True: shard the eval over ranks; False: rank 0 only
 
@@ -73,8 +78,8 @@ def validate_eval(cfg: EvalConfig) -> None:
     for key in ("batch_size", "chunk_size"):
         if getattr(cfg, key) <= 0:
             raise EvalConfigError(f"eval.{key} must be > 0, got {getattr(cfg, key)}")
-    if cfg.workers < 0:
-        raise EvalConfigError(f"eval.workers must be >= 0, got {cfg.workers}")
+    if cfg.workers is not None and cfg.workers < 0:
+        raise EvalConfigError(f"eval.workers must be >= 0 (or null: one per available core), got {cfg.workers}")
     names = [t.name for t in cfg.tasks]
     if len(set(names)) != len(names):
         raise EvalConfigError(f"eval.tasks names must be unique (they key the metrics), got {names}")
@@ -97,3 +102,16 @@ def validate_task(task: EvalTaskConfig, index: Optional[int] = None) -> None:
         raise EvalConfigError(f"{task_key(task, index, 'every_n_steps')} must be >= 0")
     if task.max_samples is not None and task.max_samples <= 0:
         raise EvalConfigError(f"{task_key(task, index, 'max_samples')} must be > 0 (or null for all)")
+
+
+def resolve_workers(workers: Optional[int]) -> int:
+    """``eval.workers``, or when None the CPU cores this process may run on (its affinity mask,
+    shared among the node's ranks), capped at MAX_AUTO_WORKERS: never more workers than cores."""
+    if workers is not None:
+        return workers
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return max(0, min(MAX_AUTO_WORKERS, cores // ranks_here))

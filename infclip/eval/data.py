@@ -97,10 +97,11 @@ def _natural_key(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def scan_tar(path: str) -> list[tuple[TarRef, int]]:
-    """(image ref, label) for every key of one shard holding an image and a ``.cls`` member."""
+def scan_tar(path: str, payload_ext: str = "cls") -> list[tuple[TarRef, str]]:
+    """(image ref, text of the ``payload_ext`` member) for every key of one shard holding both:
+    ``cls`` = the integer label (classification), ``txt`` = captions, one per line (retrieval)."""
     images: dict[str, TarRef] = {}
-    labels: dict[str, int] = {}
+    payloads: dict[str, str] = {}
     order: list[str] = []
     with tarfile.open(path, "r:") as tar:
         for m in tar:
@@ -110,9 +111,9 @@ def scan_tar(path: str) -> list[tuple[TarRef, int]]:
             if ext in IMAGE_EXTS and key not in images:
                 images[key] = (path, m.offset_data, m.size)
                 order.append(key)
-            elif ext == "cls":
-                labels[key] = int(tar.extractfile(m).read().decode().strip())
-    return [(images[k], labels[k]) for k in order if k in labels]
+            elif ext == payload_ext:
+                payloads[key] = tar.extractfile(m).read().decode()
+    return [(images[k], payloads[k]) for k in order if k in payloads]
 
 
 def wds_samples(task: EvalTaskConfig, index: Optional[int] = None) -> tuple[list[TarRef], list[int]]:
@@ -123,7 +124,7 @@ def wds_samples(task: EvalTaskConfig, index: Optional[int] = None) -> tuple[list
             break  # no need to scan the remaining shards
         for ref, label in scan_tar(path):
             refs.append(ref)
-            labels.append(label)
+            labels.append(int(label.strip()))
     return refs, labels
 
 
@@ -143,24 +144,101 @@ def _read_lines(path: str) -> list[str]:
         return [line.strip() for line in f if line.strip()]
 
 
+_WNID = re.compile(r"^n\d{8}$")
+
+
 def load_classnames(task: EvalTaskConfig, index: Optional[int], folder_names: Optional[list[str]]) -> list[str]:
-    """Class names: open_clip's ImageNet list, a file, <root>/classnames.txt, or folder names."""
+    """Class names in label order: open_clip's ImageNet list, a file, a JSON mapping
+    {folder: name} (image folders), <root>/classnames.txt, or the folder names.
+
+    Image folders (labels = sorted folder names): a plain list must hold exactly the folder
+    names (any order; each folder keeps its own name), ``imagenet`` needs 1000 wnid folders,
+    a mapping must name every folder. Anything else raises DataError naming both sizes.
+    """
     spec = task.classnames
     if spec == "imagenet":
-        return list(open_clip.IMAGENET_CLASSNAMES)
+        names = list(open_clip.IMAGENET_CLASSNAMES)
+        if folder_names is not None:
+            _check_imagenet_folders(task, index, folder_names)
+        return names
     if spec is None and folder_names is not None:
         return list(folder_names)
     path = _in_root(task, spec or "classnames.txt")
     if not os.path.isfile(path):
         raise DataError(f"{_where(task, index, 'classnames')}: class-name file {path!r} not found; "
                         "set classnames to 'imagenet' or a file with one class name per line")
-    return _read_lines(path)
+    if path.endswith(".json"):
+        return _mapped_names(task, index, path, folder_names)
+    names = _read_lines(path)
+    if folder_names is not None:
+        return _folder_names_from_list(task, index, path, names, folder_names)
+    return names
+
+
+def _mismatch(task: EvalTaskConfig, index: Optional[int], what: str, fix: str) -> DataError:
+    return DataError(f"{_where(task, index, 'classnames')}: {what}; {fix}")
+
+
+_FOLDER_FIX = ("fix: classnames=null (the folder names), or a JSON file mapping every folder to its name "
+               "(classnames=names.json holding {\"<folder>\": \"<name>\", ...})")
+
+
+def _check_imagenet_folders(task: EvalTaskConfig, index: Optional[int], folders: list[str]) -> None:
+    """ImageNet's names are in sorted-wnid order: only a tree of the 1000 wnid folders fits them."""
+    if len(folders) != len(open_clip.IMAGENET_CLASSNAMES) or not all(_WNID.match(f) for f in folders):
+        raise _mismatch(task, index, f"'imagenet' gives {len(open_clip.IMAGENET_CLASSNAMES)} class names in "
+                        f"ImageNet's wnid order, but {task.root!r} holds {len(folders)} class folders"
+                        f"{'' if all(_WNID.match(f) for f in folders) else ' that are not wnids'}", _FOLDER_FIX)
+
+
+def _folder_names_from_list(task: EvalTaskConfig, index: Optional[int], path: str, names: list[str],
+                            folders: list[str]) -> list[str]:
+    """A plain list for an image folder must be the folder names themselves (labels follow the
+    sorted folders, so a list of other names -- or in another order -- would mislabel)."""
+    if len(names) != len(folders):
+        raise _mismatch(task, index, f"{len(names)} class names in {path!r} but {len(folders)} class folders "
+                        f"in {task.root!r}", _FOLDER_FIX)
+    if sorted(names) != sorted(folders):
+        other = sorted(set(names) - set(folders))[:3]
+        raise _mismatch(task, index, f"the {len(names)} names in {path!r} are not the {len(folders)} folder names "
+                        f"of {task.root!r} (e.g. {other}), so their order cannot be checked", _FOLDER_FIX)
+    return list(folders)
+
+
+def _mapped_names(task: EvalTaskConfig, index: Optional[int], path: str,
+                  folders: Optional[list[str]]) -> list[str]:
+    with open(path) as f:
+        mapping = json.load(f)
+    if folders is None or not isinstance(mapping, dict):
+        raise _mismatch(task, index, f"{path!r} is a JSON file: a {{folder: name}} mapping is for image folders "
+                        "(format=imagefolder)", "give a text file with one class name per label instead")
+    if set(mapping) != set(folders):
+        missing, extra = sorted(set(folders) - set(mapping))[:3], sorted(set(mapping) - set(folders))[:3]
+        raise _mismatch(task, index, f"{len(mapping)} entries in {path!r} but {len(folders)} class folders in "
+                        f"{task.root!r} (folders without a name: {missing}; names of no folder: {extra})",
+                        "map every folder name to its class name")
+    return [str(mapping[f]) for f in folders]
+
+
+def _check_wds_names(task: EvalTaskConfig, index: Optional[int], names: list[str], labels: list[int]) -> None:
+    """A wds dataset's own classnames.txt fixes its class count: other names must match it."""
+    own = os.path.join(task.root, "classnames.txt")
+    if task.classnames is not None and os.path.isfile(own):
+        count = len(_read_lines(own))
+        if count != len(names):
+            raise _mismatch(task, index, f"{len(names)} class names ({task.classnames!r}) but the dataset's own "
+                            f"{own!r} lists {count}", "fix: classnames=null (the dataset's classnames.txt), "
+                            f"or a file with {count} names in label order")
+    bad = [y for y in labels if not 0 <= y < len(names)]
+    if bad:
+        raise _mismatch(task, index, f"{len(names)} class names but label {bad[0]} occurs (labels must lie in "
+                        f"[0, {len(names)}))", "use the class-name list of this dataset")
 
 
 def load_templates(task: EvalTaskConfig, index: Optional[int]) -> list[Callable[[str], str]]:
     """Prompt templates as callables classname -> prompt (open_clip's or from a file)."""
     spec = task.templates
-    default_file = os.path.join(task.root, "zeroshot_classification_templates.txt")
+    default_file = os.path.abspath(os.path.join(task.root, "zeroshot_classification_templates.txt"))
     if spec is None:
         spec = default_file if os.path.isfile(default_file) else "openai_imagenet"
     if spec == "openai_imagenet":
@@ -211,10 +289,7 @@ def load_zeroshot(task: EvalTaskConfig, transform: Callable, index: Optional[int
         raise DataError(f"{_where(task, index, 'root')}={task.root!r}: the dataset is empty "
                         f"(no image with a label in split {task.split!r})")
     names = load_classnames(task, index, folder_names)
-    bad = [y for y in labels if not 0 <= y < len(names)]
-    if bad:
-        raise DataError(f"{_where(task, index, 'classnames')}: {len(names)} class names but label {bad[0]} "
-                        f"occurs (labels must lie in [0, {len(names)})); use the class-name list of this dataset")
+    _check_wds_names(task, index, names, labels)
     return ZeroShotData(ImageList(refs, labels, transform), names, load_templates(task, index))
 
 
@@ -263,8 +338,23 @@ def _karpathy_records(data: dict, image_root: str, split: str) -> list[tuple[str
     return out
 
 
+def _wds_records(task: EvalTaskConfig, index: Optional[int]) -> list[tuple[TarRef, list[str]]]:
+    """(image ref, captions) of a clip_benchmark retrieval wds split (``.txt``: one caption per line)."""
+    if not os.path.isdir(task.root):
+        raise DataError(f"{_where(task, index, 'root')}={task.root!r} does not exist")
+    records = []
+    for path in _shard_paths(task, index):
+        if task.max_samples is not None and len(records) >= task.max_samples:
+            break
+        records.extend((ref, [c.strip() for c in text.splitlines() if c.strip()]) for ref, text in
+                       scan_tar(path, "txt"))
+    return records
+
+
 def load_retrieval(task: EvalTaskConfig, transform: Callable, index: Optional[int] = None) -> RetrievalData:
-    """Open a retrieval task: flat LAVIS-style JSON or Karpathy's dataset_*.json."""
+    """Open a retrieval task: flat LAVIS-style JSON, Karpathy's dataset_*.json or clip_benchmark wds."""
+    if task.format == "wds":
+        return _retrieval_data(task, index, _wds_records(task, index)[: task.max_samples], task.root, transform)
     path = _annotation_path(task, index)
     with open(path) as f:
         data = json.load(f)
@@ -280,9 +370,17 @@ def load_retrieval(task: EvalTaskConfig, transform: Callable, index: Optional[in
     if not os.path.isfile(records[0][0]):
         raise DataError(f"{_where(task, index, 'root')}={task.root!r}: image {records[0][0]!r} "
                         "not found; root must be the folder the annotation's image paths are relative to")
+    return _retrieval_data(task, index, records, path, transform)
+
+
+def _retrieval_data(task: EvalTaskConfig, index: Optional[int], records: list, source: str,
+                    transform: Callable) -> RetrievalData:
+    if not records:
+        raise DataError(f"{_where(task, index, 'root')}: {source!r} holds no image with captions "
+                        f"(split {task.split!r}); check the path and the split")
     empty = [p for p, caps in records if not caps]
     if empty:
-        raise DataError(f"{_where(task, index, 'annotations')}: image {empty[0]!r} has no caption in {path!r}")
+        raise DataError(f"{_where(task, index, 'annotations')}: image {empty[0]!r} has no caption in {source!r}")
     captions, txt2img = [], []
     for i, (_, caps) in enumerate(records):
         captions.extend(caps)

@@ -15,7 +15,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Union
 import torch
 from omegaconf import OmegaConf
 
-from infclip.eval.config import EvalConfig, EvalTaskConfig, validate_eval
+from infclip.eval.config import EvalConfig, EvalTaskConfig, resolve_workers, validate_eval
 from infclip.eval.data import load_retrieval, load_zeroshot
 from infclip.eval.embed import Runtime, split_preprocess
 from infclip.eval.retrieval import evaluate_retrieval
@@ -90,11 +90,10 @@ def run_task(model, tokenizer, preprocess, task: EvalTaskConfig, index: int, cfg
     """Metrics of one task (unprefixed keys), identical on every rank of ``rt``."""
     cpu_tf, on_device = split_preprocess(preprocess)
     data = _load(task, index, cpu_tf)
+    workers = resolve_workers(cfg.workers)
     if task.kind == "zeroshot":
-        return evaluate_zeroshot(model, tokenizer, data, on_device, cfg.batch_size, cfg.workers,
-                                 cfg.chunk_size, rt)
-    return evaluate_retrieval(model, tokenizer, data, on_device, cfg.batch_size, cfg.workers,
-                              cfg.chunk_size, rt)
+        return evaluate_zeroshot(model, tokenizer, data, on_device, cfg.batch_size, workers, cfg.chunk_size, rt)
+    return evaluate_retrieval(model, tokenizer, data, on_device, cfg.batch_size, workers, cfg.chunk_size, rt)
 
 
 def run_evals(model, tokenizer, preprocess, cfg: EvalConfig, *, step: int, final: bool,

@@ -6,6 +6,7 @@ Layout: ``<run_dir>/checkpoints/step_00000100/`` holding
                     and ``torch.load(path, weights_only=True)``
     train.pt        optimizer, scheduler, GradScaler, step, counters (rank 0)
     rank_00000.pt   per-rank RNG states (python, numpy, torch CPU/CUDA) and data position
+    (+ files of ``on_publish``, e.g. open_clip_config.json / open_clip_model.safetensors)
 
 Invariant: a directory named ``step_*`` is complete. Every rank writes into
 ``.step_N.tmp``; after a barrier rank 0 renames it, so a kill during the write leaves
@@ -81,11 +82,13 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: str | Path, keep_last: int, rank: int, barrier: Callable[[], None],
-                 agree: Optional[Callable[[bool], bool]] = None):
+                 agree: Optional[Callable[[bool], bool]] = None,
+                 on_publish: Optional[Callable[[Path, dict], None]] = None):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last, self.rank = keep_last, rank
         self.agree = agree or (lambda ok: (barrier(), ok)[1])
         self.protected: Optional[Path] = None  # the checkpoint this run resumed from
+        self.on_publish = on_publish  # rank 0: (tmp folder, model_state) -> writes extra files before the rename
 
     def save(self, step: int, model_state: dict, train_state: dict, rank_state: dict) -> Path:
         final = self.root / f"step_{step:08d}"
@@ -109,6 +112,8 @@ class Checkpointer:
         """Rank 0: the shared files, then the atomic rename that makes the checkpoint exist."""
         _save(model_state, tmp / "model.pt")
         _save(train_state, tmp / "train.pt")
+        if self.on_publish is not None:
+            self.on_publish(tmp, model_state)
         old = final.with_name(f".{final.name}.old")
         if final.exists():  # re-saving a step: move the old one aside, never delete it first
             shutil.rmtree(old, ignore_errors=True)

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from infclip.config import validate
 from infclip.eval import check_tasks
+from infclip.export import checkpoint_writer
 from infclip.model import BuiltModel, build_model, clamp_logit_scale, compile_towers
 from infclip.train import checkpoint as ckpt
 from infclip.train.distributed import DistInfo, all_ok, barrier, init_distributed, on_rank0, shutdown
@@ -116,7 +117,8 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
         scaler=scaler, group=group, world_size=info.world_size,
     )
     checkpointer = ckpt.Checkpointer(
-        run_dir, cfg.checkpoint.keep_last, info.rank, lambda: barrier(info), agree=lambda ok: all_ok(ok, info)
+        run_dir, cfg.checkpoint.keep_last, info.rank, lambda: barrier(info), agree=lambda ok: all_ok(ok, info),
+        on_publish=checkpoint_writer(built, cfg.model, cfg.checkpoint.open_clip_export),  # open_clip's format
     )
     logger = MetricsLogger(
         run_dir, cfg.logging, info.is_main, cfg.steps, OmegaConf.to_container(cfg, resolve=True)

@@ -22,3 +22,11 @@ def micro():
     torch.manual_seed(0)
     model, _, preprocess = open_clip.create_model_and_transforms(MODEL)
     return model.eval(), open_clip.get_tokenizer(MODEL), preprocess
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    """scikit-learn's digits in four layouts and a tiny CLIP fitted to them (tests/eval/digits.py)."""
+    import digits as digits_module
+
+    return digits_module.make(tmp_path_factory.mktemp("digits"))

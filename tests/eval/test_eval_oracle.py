@@ -162,8 +162,8 @@ def test_missing_images_and_bad_templates(tmp_path):
 
 
 def test_invalid_task_config_is_rejected():
-    bad = EvalTaskConfig(name="x", kind="retrieval", format="wds")
-    with pytest.raises(EvalConfigError, match=r"eval\.tasks\[0\]\.format='wds'.*flat"):
+    bad = EvalTaskConfig(name="x", kind="retrieval", format="imagefolder")
+    with pytest.raises(EvalConfigError, match=r"eval\.tasks\[0\]\.format='imagefolder'.*flat"):
         evaluate(OracleModel(), bad)
     with pytest.raises(EvalConfigError, match="unique"):
         evaluate(OracleModel(), zs_task("a"), zs_task("b"))

@@ -106,3 +106,86 @@ def test_a_failed_write_raises_on_every_rank_instead_of_hanging(tmp_path):
     with pytest.raises(RuntimeError, match="failed on another rank"):
         _save(c, 1)
     assert not ckpt.list_checkpoints(tmp_path)
+
+
+def test_on_publish_files_are_in_the_published_folder_and_failures_publish_nothing(tmp_path):
+    """The open_clip export hook writes into the temporary folder before the atomic rename:
+    its files exist in every published checkpoint, and a failing hook publishes no checkpoint."""
+    seen = []
+
+    def hook(folder, model_state):
+        seen.append(folder.name)
+        (folder / "extra.txt").write_text(str(float(model_state["w"][0])))
+
+    c = ckpt.Checkpointer(tmp_path, keep_last=2, rank=0, barrier=lambda: None, on_publish=hook)
+    path = _save(c, 3)
+    assert seen == [".step_00000003.tmp"] and (path / "extra.txt").read_text() == "3.0"
+
+    def broken(folder, model_state):
+        raise OSError("disk full")
+
+    c.on_publish = broken
+    try:
+        _save(c, 4)
+    except OSError:
+        pass
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000003"]
+
+
+def test_trainer_checkpoints_open_in_open_clip_alone(tmp_path):
+    """A real train.py run: every checkpoint folder loads with open_clip's local-dir: in a
+    process that never imports infclip, and its embeddings equal the trainer's model.pt ones."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = tmp_path / "run"
+    cmd = [sys.executable, "train.py", "model.name=infclip-micro", f"run_dir={run}", "steps=2",
+           "batch.global_size=8", "batch.micro_size=8", "eval.tasks=[]", "logging.progress=false",
+           "data.workers=0", "data.loader_batch=8", "checkpoint.every_n_steps=1", "checkpoint.keep_last=5",
+           f"data.synthetic_root={tmp_path / 'syn'}", "data.synthetic_train=16", "data.synthetic_eval=8",
+           "data.synthetic_image_size=32", "logging.wandb_mode=disabled"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folders = ckpt.list_checkpoints(run)
+    assert [p.name for p in folders] == ["step_00000001", "step_00000002"]
+    script = textwrap.dedent("""
+        import sys, torch, open_clip
+        folder, out = sys.argv[1], sys.argv[2]
+        model, _, preprocess = open_clip.create_model_and_transforms("local-dir:" + folder)
+        tokenizer = open_clip.get_tokenizer("local-dir:" + folder)
+        torch.manual_seed(0)
+        images = torch.rand(3, 3, 32, 32)
+        with torch.no_grad():
+            emb = (model.eval().encode_image(images), model.encode_text(tokenizer(["a red circle", "two"])))
+        torch.save({"emb": emb, "infclip_imported": any(m.startswith("infclip") for m in sys.modules)}, out)
+    """)
+    import open_clip
+
+    import infclip.model  # noqa: F401  registers infclip-micro for the reference model
+    for folder in folders:
+        out = tmp_path / f"{folder.name}.pt"
+        proc = subprocess.run([sys.executable, "-c", script, str(folder), str(out)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        theirs = torch.load(out)
+        assert theirs["infclip_imported"] is False
+        model, _, _ = open_clip.create_model_and_transforms("infclip-micro", pretrained=str(folder / "model.pt"))
+        torch.manual_seed(0)
+        images = torch.rand(3, 3, 32, 32)
+        with torch.no_grad():
+            ours = (model.eval().encode_image(images),
+                    model.encode_text(open_clip.get_tokenizer("infclip-micro")(["a red circle", "two"])))
+        assert torch.equal(theirs["emb"][0], ours[0]) and torch.equal(theirs["emb"][1], ours[1])
+
+
+def test_open_clip_export_is_switchable_and_skips_non_clip_models():
+    """checkpoint.open_clip_export=false (or a SimCLR image tower) installs no export hook."""
+    import dataclasses
+
+    from infclip.config import ModelConfig, TrainConfig
+    from infclip.export import checkpoint_writer
+    from infclip.model import build_model
+
+    assert TrainConfig().checkpoint.open_clip_export is True
+    built = build_model(ModelConfig(name="infclip-micro"))
+    assert callable(checkpoint_writer(built, ModelConfig(name="infclip-micro")))
+    assert checkpoint_writer(built, ModelConfig(name="infclip-micro"), enabled=False) is None
+    assert checkpoint_writer(dataclasses.replace(built, model=built.model.visual), ModelConfig()) is None

@@ -215,19 +215,23 @@ def test_strip_path_policy():
 
 @pytest.mark.parametrize("strips", ["never", "always"])
 def test_positive_pair_gradient_folded_into_dx(strips):
-    """g_diag: the backward of sum g_row.row_lse + g_col.col_lse - sum g_diag_i x_ii."""
+    """g_diag: the backward of sum g_row.row_lse + g_col.col_lse - sum g_diag_i x_ii, with
+    the LSEs relative to the offsets s <a_i, t_i> (the positives' dot products)."""
     b, c = 37, 200
     a, t = _feats(b, c), _feats(b, c)
     s = torch.tensor(10.0, device=DEV)
-    row, col = (v.float() for v in lse_pair_reference(a, t, s))
+    pos = (a * t).sum(-1)
+    row, col = (v.float() - s * pos for v in lse_pair_reference(a, t, s))
     g_row, g_col, g_d = (torch.randn(b, device=DEV) for _ in range(3))
     ops = TritonTileOps(poison=True, strips=strips)
-    dimg, dtxt, ds = ops.backward(a, t, s, row, col, g_row, g_col, g_diag=g_d)
+    dimg, dtxt, ds = ops.backward(a, t, s, row, col, g_row, g_col, g_diag=g_d, offsets=(pos, pos))
     ref_a, ref_b, ref_ds = lse_grad_reference(a, t, s, g_row, g_col)
     ref_a = ref_a - s.double() * g_d.double()[:, None] * t.double()
     ref_b = ref_b - s.double() * g_d.double()[:, None] * a.double()
     ref_ds = ref_ds - (g_d.double() * (a.double() * t.double()).sum(-1)).sum()
     assert _rel(dimg, ref_a) < 1e-5 and _rel(dtxt, ref_b) < 1e-5
     assert abs(ds.item() - ref_ds.item()) < 1e-5 * max(1.0, abs(ref_ds.item()))
+    with pytest.raises(ValueError, match="offsets"):
+        ops.backward(a, t, s, row, col, g_row, g_col, g_diag=g_d)
     with pytest.raises(ValueError, match="square"):
-        ops.backward(a, t[:5], s, row, col[:5], g_row, g_col[:5], g_diag=g_d)
+        ops.backward(a, t[:5], s, row, col[:5], g_row, g_col[:5], g_diag=g_d, offsets=(pos, pos[:5]))

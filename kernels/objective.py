@@ -9,10 +9,9 @@ buffers and builds the common launch arguments.
 
 Paths, per gradient direction: "auto" takes the strip path for 16-bit CUDA inputs, the
 fused kernel otherwise; "always" / "never" force one (tests). The strip scratch holds
-max(48 MB, ``launch.STRIP_MIN_ROWS`` rows) of s * dX: 48 MB up to b = 64k in bf16, then
-O(b) (768 B per column: 192 MB at b = 256k, 768 MB at 1M). Unlike the CLIP loss (which
-keeps 48 MB and switches to its fused kernel above 64k), these objectives spend that
-memory: their fused kernels run at 22-25 % of peak at 256k on an H200, the strips at ~33 %.
+48 MB + 768 B per column of s * dX (``launch.strip_rows``, as the CLIP loss: at least
+``launch.STRIP_MIN_ROWS`` rows in 16-bit at every b; 240 MB at b = 256k, 816 MB at 1M):
+the fused kernels run at 22-25 % of peak at 256k on an H200, the strips at ~33 %.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 ``lse_forward`` (both LSEs, partial buffers capped at 32 MB), ``grad_rows`` (fused
 backward of one direction) and ``grad_rows_strips`` (strip backward: s * dX for R rows
-into a 48 MB scratch, then a cuBLAS product) take plain tensors and explicit configs; ``pick_config``
+into a 48 MB + 768 B x b scratch, then a cuBLAS product) take plain tensors and explicit
+configs; ``pick_config``
 chooses a config per problem class (feature dim, dtype, precision, size bucket) by timing
 the candidates once on the GPU (under ``TRITON_INTERPRET=1`` or with
 ``INFCLIP_TRITON_TUNE=0`` it takes the first candidate that fits).
@@ -117,13 +118,28 @@ class StripConfig:
     num_stages: int = 3
 
 
-STRIP_BUDGET_BYTES = 48 << 20  # the strip path's scratch (s * dX for R rows), fixed, any b
+# The loss's extra-memory rule: at most the two feature gradients + 1 KB x b + 64 MB. The
+# strip scratch (s * dX for R rows, input dtype) takes 48 MB + 768 B per column of the
+# block: R = 384 + 48 MB / (2 b) rows in bf16 at any b (768 at 64k, 576 -> 512 at 128k,
+# 408 -> 384 at 1M), so the strip path serves every b (the fused kernel, at 18-27 % of
+# peak past 64k, was the cliff). The rest of the rule's room: the positives' fp32 product
+# temporary (R x c fp32, <= 16 MB, see ``strip_rows``), partial LSEs (<= 32 MB, forward
+# only) and O(b) vectors (~40 B x b).
+STRIP_BUDGET_BYTES = 48 << 20  # fixed part of the strip scratch
+STRIP_BYTES_PER_COLUMN = 768  # O(b) part of the strip scratch
+STRIP_TEMP_BYTES = 16 << 20  # cap on the fp32 (R, c) product temporary of the positives' fixup
 STRIP_MIN_ROWS = 384  # below this cuBLAS's (R, n) @ (n, c) product gets too skinny to pay
 
 
-def strip_rows(n: int, esize: int, budget: int | None = None) -> int:
-    """Rows per strip that fit the scratch budget (a multiple of 128 when >= 128)."""
-    rows = (STRIP_BUDGET_BYTES if budget is None else budget) // (esize * max(n, 1))
+def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0) -> int:
+    """Rows per strip that fit the scratch budget, 48 MB + 768 B x n by default (a multiple
+    of 128 when >= 128), and keep an fp32 (rows, k) temporary within 16 MB."""
+    n = max(n, 1)
+    if budget is None:
+        budget = STRIP_BUDGET_BYTES + STRIP_BYTES_PER_COLUMN * n
+    rows = budget // (esize * n)
+    if k:
+        rows = min(rows, max(STRIP_TEMP_BYTES // (4 * k), STRIP_MIN_ROWS))
     return rows // 128 * 128 if rows >= 128 else rows
 
 

@@ -35,8 +35,10 @@ class TritonTileOps:
             tensor cores with fp32 accumulation.
         poison: fill every buffer the kernels must write with NaN first (tests).
         strips: backward path. "auto" takes the strip path (scratch s * dX for a strip of
-            rows, then cuBLAS) for fresh bf16 gradients when a strip of at least
-            ``launch.STRIP_MIN_ROWS`` rows fits the 48 MB scratch (b <= 64k); otherwise the
+            rows, then cuBLAS) for fresh bf16 gradients on CUDA: its scratch of 48 MB + 768 B
+            x b (``launch.strip_rows``) holds at least ``launch.STRIP_MIN_ROWS`` rows at
+            every b, so the extra memory stays within the rule (the two feature gradients
+            + 1 KB x b + 64 MB). Otherwise (fp32/fp16, accumulating into a buffer) the
             fused kernel (fp32 accumulator in registers). "always"/"never" force one.
     """
 
@@ -114,7 +116,7 @@ class TritonTileOps:
     def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec, g_d=None,
               off_a=None, off_b=None):
         """out (+)= s * dX @ b for the rows of a; returns ds when ``compute_ds``."""
-        rows = launch.strip_rows(b.shape[0], a.element_size())
+        rows = launch.strip_rows(b.shape[0], a.element_size(), k=a.shape[1])
         vecs = dict(g_d=g_d, off_a=off_a, off_b=off_b)
         if self._use_strips(a, out, accumulate, rows):
             cfg = self._strip_cfg(a, b, prec, scale, rows)

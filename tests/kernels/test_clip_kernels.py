@@ -192,6 +192,7 @@ def test_forward_kernel_variants(bk, m, n, c):
 def test_strip_backward_matches_float64(monkeypatch, m, n, c):
     """Strip path: s * dX for a few rows at a time into a scratch, then a GEMM per strip."""
     monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * max(m, n) * 40)  # 40-row strips
+    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
     a, b = _feats(m, c), _feats(n, c)
     s = torch.tensor(10.0, device=DEV)
     row, col = (v.float() for v in lse_pair_reference(a, b, s))
@@ -235,3 +236,15 @@ def test_positive_pair_gradient_folded_into_dx(strips):
         ops.backward(a, t, s, row, col, g_row, g_col, g_diag=g_d)
     with pytest.raises(ValueError, match="square"):
         ops.backward(a, t[:5], s, row, col[:5], g_row, g_col[:5], g_diag=g_d, offsets=(pos, pos[:5]))
+
+
+@pytest.mark.parametrize("c", [512, 768, 1024])
+def test_strip_path_fits_the_memory_rule_at_every_b(c):
+    """Issue 15 item 2: the bf16 strip backward (the fast path) gets >= STRIP_MIN_ROWS rows
+    at every b, and its scratch + fp32 fixup temporary + O(b) vectors stay within the
+    loss's rule of 1 KB x b + 64 MB beyond the two feature gradients."""
+    for b in (1024, 8192, 16384, 65536, 131072, 262144, 1 << 20, 4 << 20):
+        rows = launch.strip_rows(b, 2, k=c)
+        assert rows >= min(b, launch.STRIP_MIN_ROWS), (b, c, rows)
+        extra = 2 * min(rows, b) * b + 4 * min(rows, b) * c + 64 * b  # scratch, temp, vectors
+        assert extra <= 1024 * b + (64 << 20), (b, c, rows, extra)

@@ -189,7 +189,7 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
         return ds_part.sum()
 
     def positives(r0: int, r: int, prod: Tensor) -> None:  # + s dX_ii b_i, fp32, before the rounding
-        prod.addcmul_(d_vec[:r, None], b[r0:r0 + r].float())
+        prod.addcmul_(d_vec[:r, None], b[r0:r0 + r])
 
     return strip_backward(a, b, out, rows, False, fill, alloc, positives if g_d is not None else None)
 

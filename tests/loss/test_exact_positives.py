@@ -191,3 +191,27 @@ def test_siglip_positives_already_folded(impl):
     got = _errs(run(lambda *a: siglip_loss(*a, impl=impl), torch.float32), ref)
     for name, e, v in zip(("loss", "dimg", "dtxt", "ds", "dbias"), got, van):
         assert e < max(1e-5, 2 * v), f"{impl} {name}: {e:.3g} (vanilla fp32 {v:.3g})"
+
+
+@pytest.mark.parametrize("strips", ["always", "never"])
+def test_triton_both_backward_paths_exact_and_poisoned(strips, monkeypatch):
+    """The strip backward (s dX into a scratch, then a GEMM; positives added in fp32 before
+    the rounding) and the fused one, every output buffer NaN-poisoned first: peaked fp32
+    as above (several ragged strips), b = 1 bf16 exactly zero."""
+    from infclip.kernels.clip import TritonTileOps, clip_loss_triton, launch
+
+    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 70 * 32)  # 32-row strips: 3 strips
+    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
+    ops = TritonTileOps(poison=True, strips=strips)
+
+    def fn(i, t, sc):
+        return clip_loss_triton(i, t, sc, ops=ops)
+
+    img, txt, s = _inputs("peaked", 70, 200, seed=0)
+    ref = _truth(img, txt, s)
+    van = _errs(_grads(vanilla_loss, img, txt, s, torch.float32), ref)
+    errs = _errs(_grads(fn, img, txt, s, torch.float32), ref)
+    assert all(e < max(1e-5, 2 * v) for e, v in zip(errs, van)), (errs, van)
+    img, txt, s = _inputs("unnormalized", 1, 40, seed=3, dtype=torch.bfloat16)
+    loss, di, dt, ds = _grads(fn, img, txt, s * 3, torch.bfloat16)
+    assert loss.item() == 0.0 and ds.item() == 0.0 and not di.any() and not dt.any()

@@ -25,8 +25,10 @@ For the CLIP loss (g = 1/(2m) on every local row and column) that is s * eps * m
 per row and eps * max|<I, T>| for the scale. The forward pass (the loss value) is exact.
 
 Off by default: ``clip_loss`` never filters; ``filtered_clip_loss`` (or ``loss.grad_filter
-> 0`` through ``build_loss``) opts in. This is the PyTorch backend; the Triton kernels do not
-filter yet.
+> 0`` through ``build_loss``) opts in. Two backends: ``FilteredTileOps`` (PyTorch, blocks of
+tile x block) and the Triton CLIP kernels (``TritonTileOps(grad_filter=(eps, b))``: the fused
+backward skips the update product of every BM x BN tile below the threshold, same rule and
+bound; the logits are still recomputed, so a skipped tile saves half its FLOPs).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import math
 import torch
 from torch import Tensor
 
-from infclip.loss.tiled import row_blocks
+from infclip.loss.tiled import lazy, pick_backend, row_blocks
 from infclip.loss.tiled import TorchTileOps, _acc_dtype, _offsets, fold_positives, shifted_dots
 
 
@@ -125,15 +127,23 @@ def error_bound(img: Tensor, txt: Tensor, scale: Tensor, g_row: Tensor, g_col: T
 
 
 def filtered_clip_loss(image_features: Tensor, text_features: Tensor, logit_scale: Tensor, *,
-                       eps: float, group=None, tile: int = 256, block: int = 256) -> Tensor:
-    """``clip_loss`` (PyTorch tiles) with gradient filtering at threshold eps / b; see module docs.
+                       eps: float, group=None, tile: int = 256, block: int = 256, impl: str = "torch",
+                       ops=None) -> Tensor:
+    """``clip_loss`` with gradient filtering at threshold eps / b; see module docs.
 
     The value is exact; gradients obey the module's bound. eps = 0 gives ``clip_loss``'s
     gradients. Works on one process and across ranks (``group``, same ring as ``clip_loss``).
+    impl: "torch" (``FilteredTileOps``, tile x block granularity), "triton" (the Triton
+    kernels, their own tile granularity; CUDA or TRITON_INTERPRET=1) or "auto" (Triton on
+    CUDA). ops: a prebuilt tile backend (tests read its kept / total counts).
     """
     from infclip.loss import _check_inputs, _tiled_loss, _world
 
     _check_inputs(image_features, text_features, logit_scale)
     world = _world(group) if group is not None else 1
-    ops = FilteredTileOps(eps, columns=image_features.shape[0] * world, tile=tile, block=block)
+    columns = image_features.shape[0] * world
+    if ops is None:
+        ops = pick_backend(impl, image_features.device,
+                           lambda: FilteredTileOps(eps, columns=columns, tile=tile, block=block),
+                           lazy("infclip.kernels.clip", "TritonTileOps", grad_filter=(eps, columns)))
     return _tiled_loss(image_features, text_features, logit_scale, ops, group if world > 1 else None)

@@ -157,19 +157,36 @@ def _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, rows, cols, ok, row
              BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr):
     """dX (fp32, zero where not ``ok``) of one tile from its dot products (diagonal already
     replaced), base-2 LSEs and upstream gradients; the positives folded in (HAS_DIAG)."""
+    p, _ = _dx_tile_peak(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, rows, cols, ok, row0, j0,
+                         BM, BN, HAS_OFF, HAS_DIAG, False)
+    return p
+
+
+@triton.jit
+def _dx_tile_peak(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, rows, cols, ok, row0, j0,
+                  BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
+                  PEAK: tl.constexpr):
+    """(dX as ``_dx_tile``, and with PEAK the tile's largest base-2 log softmax entry
+    max_ij max(log2 P_ij, log2 Q_ij) over ``ok``: the gradient filter's criterion)."""
     xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
-    p = g_a[:, None] * tl.exp2(xr - lse_a[:, None]) + g_b[None, :] * tl.exp2(xc - lse_b[None, :])
+    ur = xr - lse_a[:, None]
+    uc = xc - lse_b[None, :]
+    p = g_a[:, None] * tl.exp2(ur) + g_b[None, :] * tl.exp2(uc)
     p = _fold_positives(p, lse_a, lse_b, g_a, g_b, g_d, rows, cols, row0, j0, BM, BN, HAS_DIAG)
-    return tl.where(ok, p, 0.0)
+    peak = float("-inf")
+    if PEAK:
+        peak = tl.max(tl.max(tl.where(ok, tl.maximum(ur, uc), float("-inf")), 1), 0)
+    return tl.where(ok, p, 0.0), peak
 
 
 @triton.jit
 def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr,
-                 g_a_ptr, g_b_ptr, g_d_ptr, out_ptr, ds_ptr, M, N, K, stride_a, stride_b, stride_o,
+                 g_a_ptr, g_b_ptr, g_d_ptr, out_ptr, ds_ptr, kept_ptr, log2_thr,
+                 M, N, K, stride_a, stride_b, stride_o,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
                  EVEN_K: tl.constexpr, RESIDENT: tl.constexpr, ACCUM: tl.constexpr,
                  COMPUTE_DS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                 PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                 FILTER: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """out[rows, dcols] (+)= s * sum_j dX_ij B_j[dcols]; ds_part[program] = its share of ds.
 
     RESIDENT (needs DC >= K, one feature chunk): the (BM, K) block of A stays on chip and
@@ -178,6 +195,11 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
     g_a, g_b, g_d are divided by gnorm = max |g| so that dX is O(1) before its cast to the
     input dtype (fp16 would flush tiny gradients to zero); the result is multiplied back.
     HAS_DIAG (square block pair): the positives folded into dX (module docs).
+    FILTER (gradient filtering, after Cut Cross-Entropy; ``infclip.loss.filtering`` states
+    the rule and its error bound): a tile whose P and Q entries are all below 2^log2_thr
+    skips its update product (half of the kernel's FLOPs); its ds share is still summed.
+    The positives never drop (they are applied in fp32 at the end). kept[program] counts
+    the tiles updated.
     """
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -194,6 +216,7 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
     acc = tl.zeros((BM, DC), dtype=tl.float32)
     ds_row = tl.zeros((BM,), dtype=tl.float32)
     d_vec = tl.zeros((BM,), dtype=tl.float32)  # dX_ii (HAS_DIAG), applied in fp32 at the end
+    kept = 0
     if RESIDENT:
         a_res = tl.load(a_blk + r_ld[:, None] * stride_a + d[None, :], mask=d_ok[None, :], other=0.0)
         if DOT_F32:
@@ -213,19 +236,26 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
         g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32) / gn
         o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
         dot = _diag_dots(dot, o_a, row0 + r, j0 + cn, row0, j0, BM, BN, HAS_DIAG)
-        p = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, row0 + r, j0 + cn,
-                     row_ok[:, None] & col_ok[None, :], row0, j0, BM, BN, HAS_OFF, HAS_DIAG)
+        p, peak = _dx_tile_peak(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, row0 + r, j0 + cn,
+                                row_ok[:, None] & col_ok[None, :], row0, j0, BM, BN, HAS_OFF, HAS_DIAG, FILTER)
         if COMPUTE_DS:  # from fp32 dX (positives included), before its rounding
             ds_row += tl.sum(p * dot, 1)
         p, d_vec = _split_diag(p, d_vec, row0 + r, j0 + cn, row0, j0, BM, BN, HAS_DIAG)
-        if RESIDENT:  # B's tile is on chip already: reuse it for the update
-            acc = tl.dot(p.to(b_ptr.dtype.element_ty).to(t.dtype), t, acc, input_precision=PREC)
-        else:
-            acc = update_rows(acc, p, b_blk, c_ld, d, d_ok, stride_b, PREC, DOT_F32)
+        keep = True
+        if FILTER:
+            keep = peak >= log2_thr
+        if keep:
+            kept += 1
+            if RESIDENT:  # B's tile is on chip already: reuse it for the update
+                acc = tl.dot(p.to(b_ptr.dtype.element_ty).to(t.dtype), t, acc, input_precision=PREC)
+            else:
+                acc = update_rows(acc, p, b_blk, c_ld, d, d_ok, stride_b, PREC, DOT_F32)
     if COMPUTE_DS:  # sum_ij dX_ij <A_i, B_j> = gnorm * sum_ij p_ij dot_ij
         ds = tl.sum(ds_row, 0) * gn
         ds = tl.where(pid_c == 0, ds, 0.0)  # every feature chunk saw all logits: count once
         tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_c, ds)
+    if FILTER:
+        tl.store(kept_ptr + pid_m * tl.num_programs(1) + pid_c, kept)
     res = acc * (gn * s)
     if HAS_DIAG:  # + s dX_ii B_i in fp32 (square pair: B row i pairs with A row i)
         b_i = tl.load(b_ptr + row0.to(tl.int64) * stride_b + r_ld[:, None] * stride_b + d[None, :],

@@ -230,12 +230,15 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
 def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
               g_b: Tensor, out: Tensor, accumulate: bool, compute_ds: bool, cfg: BwdConfig,
               prec: str, g_d: Tensor | None = None, off_a: Tensor | None = None,
-              off_b: Tensor | None = None) -> Tensor | None:
+              off_b: Tensor | None = None, threshold: float | None = None,
+              kept: list | None = None) -> Tensor | None:
     """out (+)= s * dX @ b for the rows of ``a``; returns ds (0-d fp32) if ``compute_ds``.
 
     off_a (m,), off_b (n,): lse_a / lse_b are relative to s * off (see ``lse_forward``).
     g_d (m,) (square block pair, with the offsets = the positives' dot products): the
-    gradient of -sum_i g_d_i x_ii, folded into dX_ii in fp32 (ds includes it)."""
+    gradient of -sum_i g_d_i x_ii, folded into dX_ii in fp32 (ds includes it).
+    threshold (gradient filtering; None: off): tiles whose softmax entries are all below it
+    skip their update product; (kept tiles, all tiles) as 0-d tensors go to ``kept``."""
     m, k = a.shape
     n = b.shape[0]
     if cfg.resident and cfg.DC < k:
@@ -247,12 +250,17 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     gnorm = gnorm.float().clamp_min(1e-30)
     nrb, ncb = cdiv(m, cfg.BM), cdiv(k, cfg.DC)
     ds_part = torch.empty(nrb * ncb if compute_ds else 1, device=a.device, dtype=torch.float32)
-    args = (a, b, scale, gnorm, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, out, ds_part,
+    filt = threshold is not None
+    kept_part = torch.empty(nrb * ncb if filt else 1, device=a.device, dtype=torch.int32)
+    log2_thr = math.log2(threshold) if filt and threshold > 0 else float("-inf")
+    args = (a, b, scale, gnorm, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, out, ds_part, kept_part, log2_thr,
             m, n, k, a.stride(0), b.stride(0), out.stride(0))
     meta = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DC=cfg.DC, EVEN_K=k % cfg.BK == 0, ACCUM=accumulate,
-                COMPUTE_DS=compute_ds, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
+                COMPUTE_DS=compute_ds, FILTER=filt, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **flags)
     _grad_kernel[(nrb, ncb)](*args, RESIDENT=cfg.resident, **meta)
+    if filt and kept is not None:
+        kept.append((kept_part.sum(), torch.tensor(nrb * ncb * cdiv(n, cfg.BN))))
     return ds_part.sum() if compute_ds else None
 
 

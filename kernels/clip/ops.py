@@ -45,7 +45,12 @@ class TritonTileOps:
     name = "triton"
     writes_out_dtype = True  # backward(..., out_dtype=img.dtype) writes fresh grads directly
 
-    def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto"):
+    def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
+                 grad_filter: tuple[float, int] | None = None):
+        if grad_filter is not None and (grad_filter[0] < 0 or grad_filter[1] < 1):
+            raise ValueError(f"grad_filter must be (eps >= 0, columns >= 1), got {grad_filter}")
+        self.threshold = None if grad_filter is None else grad_filter[0] / grad_filter[1]
+        self.kept: list = []  # (kept, total) tile counts of each filtered backward direction
         if fp32_precision not in PRECISIONS:
             raise ValueError(f"fp32_precision must be one of {sorted(PRECISIONS)}, got {fp32_precision!r}")
         if strips not in ("auto", "always", "never"):
@@ -118,6 +123,10 @@ class TritonTileOps:
         """out (+)= s * dX @ b for the rows of a; returns ds when ``compute_ds``."""
         rows = launch.strip_rows(b.shape[0], a.element_size(), k=a.shape[1])
         vecs = dict(g_d=g_d, off_a=off_a, off_b=off_b)
+        if self.threshold is not None:
+            cfg = self._bwd_cfg(a, b, prec, scale)
+            return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
+                                    threshold=self.threshold, kept=self.kept, **vecs)
         if self._use_strips(a, out, accumulate, rows):
             cfg = self._strip_cfg(a, b, prec, scale, rows)
             ds = launch.grad_rows_strips(a, b, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec,

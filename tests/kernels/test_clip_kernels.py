@@ -248,3 +248,50 @@ def test_strip_path_fits_the_memory_rule_at_every_b(c):
         assert rows >= min(b, launch.STRIP_MIN_ROWS), (b, c, rows)
         extra = 2 * min(rows, b) * b + 4 * min(rows, b) * c + 64 * b  # scratch, temp, vectors
         assert extra <= 1024 * b + (64 << 20), (b, c, rows, extra)
+
+
+def _filter_case(b: int, c: int, eps: float):
+    """(exact grads through the fused kernel, filtered grads, ops) of the CLIP loss on peaked
+    features (texts = perturbed images, s = 100: late training)."""
+    from infclip.loss.filtering import filtered_clip_loss
+
+    g = torch.Generator().manual_seed(9)
+    img = torch.nn.functional.normalize(torch.randn(b, c, generator=g), dim=-1)
+    txt = torch.nn.functional.normalize(img + 0.5 * torch.randn(b, c, generator=g) / c ** 0.5, dim=-1)
+    img, txt, s = img.to(DEV), txt.to(DEV), torch.tensor(100.0, device=DEV)
+    ops = TritonTileOps(poison=True, grad_filter=(eps, b))
+    out = []
+    for fn in (lambda *x: clip_loss_triton(*x, ops=TritonTileOps(strips="never")),
+               lambda *x: filtered_clip_loss(*x, eps=eps, impl="triton", ops=ops)):
+        xs = [v.clone().requires_grad_() for v in (img, txt, s)]
+        loss = fn(*xs)
+        loss.backward()
+        out.append((loss.detach(), *(v.grad for v in xs)))
+    return out, ops, (img, txt, s)
+
+
+def test_triton_grad_filter_off_at_eps_zero_is_exact():
+    """Issue 15 item 5: eps = 0 keeps every tile; the gradients equal the unfiltered ones bit for bit."""
+    (exact, got), ops, _ = _filter_case(96, 16, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(exact, got))
+    kept, total = (sum(int(k[i]) for k in ops.kept) for i in (0, 1))
+    assert kept == total > 0
+
+
+def test_triton_grad_filter_skips_tiles_within_the_bound():
+    """Peaked softmax: most tiles skip their update product; the gradients stay within the
+    documented bound (``infclip.loss.filtering.error_bound``); the loss value is exact."""
+    from infclip.loss.filtering import error_bound
+
+    b, eps = 256, 2 ** -7
+    (exact, got), ops, (img, txt, s) = _filter_case(b, 16, eps)
+    kept, total = (sum(int(k[i]) for k in ops.kept) for i in (0, 1))
+    assert kept < total / 2, (kept, total)
+    assert torch.equal(exact[0], got[0])
+    g = torch.full((b,), 0.5 / b, device=DEV)
+    bound = error_bound(img, txt, s, g, g, eps)
+    errs = ((got[1] - exact[1]).norm(dim=-1).max(), (got[2] - exact[2]).norm(dim=-1).max(),
+            (got[3] - exact[3]).abs())
+    for err, bnd in zip(errs, bound):
+        assert float(err) <= bnd + 1e-7, (float(err), bnd)
+    assert not torch.equal(exact[1], got[1])  # something was dropped

@@ -29,7 +29,15 @@ magnitude s |<A, B>| is rounded; on the square block pair that holds the CLIP po
 fp32 vector used by every pass), so LSE_j x_ij - x_ii comes out without cancellation, and
 the backward folds the positive term into dX in fp32 before any rounding or product:
 dX_ii = g_a (p_ii - 1) + g_b (p'_ii - 1) + (g_a + g_b - g_d), with p_ii - 1 = expm1(-lse_a)
-(``_fold_positives``). d scale is summed from that same dX.
+(``_take_positives``, on (BM,) vectors). d scale is summed from that same dX. dX_ii never
+goes through the 16-bit product: it is taken out of the tile and s dX_ii B_i is added in
+fp32 (the fused kernel's epilogue; the strip path's host fixup). The forward handles the
+tiles that cross the diagonal in a loop of their own (``_fwd_step`` with DIAG), so the
+replacement costs the other tiles nothing (no registers held across a runtime branch).
+
+Consistency: the backward recomputes the dot products in the forward's K order (same BK
+chunks; on the GPU a K-chained tl.dot accumulates in the same order for any tile shape),
+so p_ij = exp(x_ij - lse_i) sums to 1 over j as the forward's LSE did.
 
 Out-of-range rows/columns are clamped to the last valid index for loading (no masks in
 the inner loop) and masked out of every reduction and store.
@@ -53,21 +61,6 @@ def _load_vec(ptr, idx, HAS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _near_diag(row0, j0, BM: tl.constexpr, BN: tl.constexpr):
-    """Whether the tile (rows row0.., columns j0..) crosses the diagonal i == j."""
-    return (j0 < row0 + BM) & (j0 + BN > row0)
-
-
-@triton.jit
-def _diag_dots(dot, o_a, rows, cols, row0, j0, BM: tl.constexpr, BN: tl.constexpr, HAS_DIAG: tl.constexpr):
-    """dot with its diagonal entries (i == j) replaced by the offsets o_a (HAS_DIAG)."""
-    if HAS_DIAG:
-        if _near_diag(row0, j0, BM, BN):
-            dot = tl.where(rows[:, None] == cols[None, :], o_a[:, None], dot)
-    return dot
-
-
-@triton.jit
 def _shifted(dot, o_a, o_b, s2, HAS_OFF: tl.constexpr):
     """(row-direction, column-direction) base-2 logits less the offsets: s2 (dot - o)."""
     xr = dot * s2
@@ -87,29 +80,51 @@ def _expm1(u):
 
 
 @triton.jit
-def _fold_positives(p, lse_a, lse_b, g_a, g_b, g_d, rows, cols, row0, j0,
-                    BM: tl.constexpr, BN: tl.constexpr, HAS_DIAG: tl.constexpr):
-    """p with dX_ii = g_a (p_ii - 1) + g_b (p'_ii - 1) + (g_a + g_b - g_d) on the diagonal:
-    the positive term folded in fp32; p_ii = 2^-lse_a (base-2 LSEs relative to x_ii)."""
-    if HAS_DIAG:
-        if _near_diag(row0, j0, BM, BN):
-            dii = (g_a[:, None] * _expm1(-lse_a[:, None] * LN2) + g_b[None, :] * _expm1(-lse_b[None, :] * LN2)
-                   + ((g_a[:, None] + g_b[None, :]) - g_d[:, None]))
-            p = tl.where(rows[:, None] == cols[None, :], dii, p)
-    return p
+def _positive_dx(lse_a, g_a, g_d, lse_b_ptr, g_b_ptr, idx, g_div):
+    """(BM,) dX_ii = g_a (p_ii - 1) + g_b (p'_ii - 1) + (g_a + g_b - g_d), in fp32: the
+    positive term folded before any rounding; p_ii = 2^-lse (base-2 LSEs relative to x_ii),
+    p_ii - 1 by ``_expm1``. ``idx``: the rows' indices (= their diagonal columns)."""
+    lse_b = tl.load(lse_b_ptr + idx).to(tl.float32) * LOG2E
+    g_b = tl.load(g_b_ptr + idx).to(tl.float32) / g_div
+    return g_a * _expm1(-lse_a * LN2) + g_b * _expm1(-lse_b * LN2) + ((g_a + g_b) - g_d)
 
 
 @triton.jit
-def _split_diag(p, d_vec, rows, cols, row0, j0, BM: tl.constexpr, BN: tl.constexpr, HAS_DIAG: tl.constexpr):
-    """(p with its diagonal zeroed, d_vec + that diagonal per row) (HAS_DIAG). The positives'
-    dX_ii (the largest entry of a flat softmax's dX row) never goes through the 16-bit
-    product: the caller adds dX_ii B_i in fp32 (as vanilla fp32 would; never worse)."""
-    if HAS_DIAG:
-        if _near_diag(row0, j0, BM, BN):
-            on = rows[:, None] == cols[None, :]
-            d_vec += tl.sum(tl.where(on, p, 0.0), 1)
-            p = tl.where(on, 0.0, p)
-    return p, d_vec
+def _take_positives(p, d_ii, o_a, rows, cols, row_ok, j0, d_vec, ds_row, BN: tl.constexpr):
+    """The tile's diagonal out of p (zeroed) into d_vec (+= dX_ii for the rows whose diagonal
+    column is in this tile) and ds_row (+= dX_ii o_i, the positives' dot products)."""
+    has = row_ok & (rows >= j0) & (rows < j0 + BN)
+    d_vec += tl.where(has, d_ii, 0.0)
+    ds_row += tl.where(has, d_ii * o_a, 0.0)
+    p = tl.where(rows[:, None] == cols[None, :], 0.0, p)
+    return p, d_vec, ds_row
+
+
+@triton.jit
+def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr,
+              stride_cp, pid_m, col_start, j0, hi, K, s2, m_i, l_i,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+              HAS_OFF: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """One column tile of the forward: updates (m_i, l_i) of the rows, stores the tile's
+    column partials. DIAG: the tile may cross the diagonal, whose dot products are replaced
+    by the offsets (the positives' <A_i, B_i>)."""
+    cn, col_ok, c_ld, b_blk = col_tile(j0, hi, b_ptr, stride_b, BN)
+    # -- compute tile --: base-2 logits of (BM rows) x (BN columns), less the offsets.
+    dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
+    o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
+    if DIAG:
+        dot = tl.where((row0 + r)[:, None] == (j0 + cn)[None, :], o_a[:, None], dot)
+    xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
+    # Row direction: online max / rescaled sum, kept in registers.
+    xr = tl.where(col_ok[None, :], xr, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(xr, 1))
+    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(xr - m_new[:, None]), 1)
+    # Column direction: this tile's LSE over the program's BM rows.
+    xc = tl.where(row_ok[:, None], xc, float("-inf"))
+    cm = tl.max(xc, 0)
+    cl = tl.sum(tl.exp2(xc - cm[None, :]), 0)
+    tl.store(col_part_ptr + pid_m * stride_cp + (j0 - col_start) + cn, (cm + tl.log2(cl)) * LN2, mask=col_ok)
+    return m_new, l_i
 
 
 @triton.jit
@@ -120,7 +135,8 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
                     EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
                     PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """row_part[pid_s, rows] and col_part[pid_m, cols - col_start]: partial LSEs (natural),
-    relative to s * offsets when HAS_OFF."""
+    relative to s * offsets when HAS_OFF. The column tiles crossing the diagonal (HAS_DIAG)
+    run in a loop of their own, between the tiles before and after them."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     s2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
@@ -130,53 +146,43 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
     l_i = tl.zeros((BM,), tl.float32)
     lo = col_start + pid_s * cols_per_split
     hi = tl.minimum(lo + cols_per_split, col_stop)
-    for j0 in range(lo, hi, BN):
-        cn, col_ok, c_ld, b_blk = col_tile(j0, hi, b_ptr, stride_b, BN)
-        # -- compute tile --: base-2 logits of (BM rows) x (BN columns), less the offsets.
-        dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b,
-                         BM, BN, BK, EVEN_K, PREC, DOT_F32)
-        o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
-        dot = _diag_dots(dot, o_a, row0 + r, j0 + cn, row0, j0, BM, BN, HAS_DIAG)
-        xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
-        # Row direction: online max / rescaled sum, kept in registers.
-        xr = tl.where(col_ok[None, :], xr, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(xr, 1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(xr - m_new[:, None]), 1)
-        m_i = m_new
-        # Column direction: this tile's LSE over the program's BM rows.
-        xc = tl.where(row_ok[:, None], xc, float("-inf"))
-        cm = tl.max(xc, 0)
-        cl = tl.sum(tl.exp2(xc - cm[None, :]), 0)
-        cp_ptrs = col_part_ptr + pid_m * stride_cp + (j0 - col_start) + cn
-        tl.store(cp_ptrs, (cm + tl.log2(cl)) * LN2, mask=col_ok)
+    d_lo = hi  # [d_lo, d_hi): the tiles (starting at lo + k BN) that cross rows [row0, row0 + BM)
+    d_hi = hi
+    if HAS_DIAG:
+        d_lo = tl.minimum(lo + (tl.maximum(row0 - lo, 0) // BN) * BN, hi)
+        d_hi = tl.maximum(tl.minimum(lo + tl.cdiv(tl.maximum(row0 + BM - lo, 0), BN) * BN, hi), d_lo)
+    args = (a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr, stride_cp,
+            pid_m, col_start)
+    for j0 in range(lo, d_lo, BN):
+        m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32)
+    if HAS_DIAG:
+        for j0 in range(d_lo, d_hi, BN):
+            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, True, PREC, DOT_F32)
+        for j0 in range(d_hi, hi, BN):
+            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC,
+                                 DOT_F32)
     tl.store(row_part_ptr + pid_s * M + row0 + r, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
 
 
 @triton.jit
-def _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, rows, cols, ok, row0, j0,
-             BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr):
-    """dX (fp32, zero where not ``ok``) of one tile from its dot products (diagonal already
-    replaced), base-2 LSEs and upstream gradients; the positives folded in (HAS_DIAG)."""
-    p, _ = _dx_tile_peak(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, rows, cols, ok, row0, j0,
-                         BM, BN, HAS_OFF, HAS_DIAG, False)
-    return p
-
-
-@triton.jit
-def _dx_tile_peak(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, rows, cols, ok, row0, j0,
-                  BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                  PEAK: tl.constexpr):
-    """(dX as ``_dx_tile``, and with PEAK the tile's largest base-2 log softmax entry
-    max_ij max(log2 P_ij, log2 Q_ij) over ``ok``: the gradient filter's criterion)."""
+def _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF: tl.constexpr, PEAK: tl.constexpr):
+    """(dX (fp32, zero where not ``ok``) of one tile without its positives, and with PEAK the
+    tile's largest base-2 log softmax entry max_ij max(log2 P_ij, log2 Q_ij) over ``ok``:
+    the gradient filter's criterion)."""
     xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
     ur = xr - lse_a[:, None]
     uc = xc - lse_b[None, :]
     p = g_a[:, None] * tl.exp2(ur) + g_b[None, :] * tl.exp2(uc)
-    p = _fold_positives(p, lse_a, lse_b, g_a, g_b, g_d, rows, cols, row0, j0, BM, BN, HAS_DIAG)
     peak = float("-inf")
     if PEAK:
         peak = tl.max(tl.max(tl.where(ok, tl.maximum(ur, uc), float("-inf")), 1), 0)
     return tl.where(ok, p, 0.0), peak
+
+
+@triton.jit
+def _near_diag(row0, j0, BM: tl.constexpr, BN: tl.constexpr):
+    """Whether the tile (rows row0.., columns j0..) crosses the diagonal i == j."""
+    return (j0 < row0 + BM) & (j0 + BN > row0)
 
 
 @triton.jit
@@ -209,13 +215,16 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
     row0, r, row_ok, r_ld, a_blk = row_block(pid_m, M, a_ptr, stride_a, BM)
     lse_a = tl.load(lse_a_ptr + row0 + r_ld).to(tl.float32) * LOG2E
     g_a = tl.where(row_ok, tl.load(g_a_ptr + row0 + r_ld).to(tl.float32) / gn, 0.0)
-    g_d = _load_vec(g_d_ptr, row0 + r_ld, HAS_DIAG, BM) / gn
     o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
     d = pid_c * DC + tl.arange(0, DC)
     d_ok = d < K
     acc = tl.zeros((BM, DC), dtype=tl.float32)
     ds_row = tl.zeros((BM,), dtype=tl.float32)
     d_vec = tl.zeros((BM,), dtype=tl.float32)  # dX_ii (HAS_DIAG), applied in fp32 at the end
+    d_ii = d_vec
+    if HAS_DIAG:
+        g_d = tl.load(g_d_ptr + row0 + r_ld).to(tl.float32) / gn
+        d_ii = _positive_dx(lse_a, g_a, g_d, lse_b_ptr, g_b_ptr, row0 + r_ld, gn)
     kept = 0
     if RESIDENT:
         a_res = tl.load(a_blk + r_ld[:, None] * stride_a + d[None, :], mask=d_ok[None, :], other=0.0)
@@ -235,12 +244,13 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
         lse_b = tl.load(lse_b_ptr + j0 + c_ld).to(tl.float32) * LOG2E
         g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32) / gn
         o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
-        dot = _diag_dots(dot, o_a, row0 + r, j0 + cn, row0, j0, BM, BN, HAS_DIAG)
-        p, peak = _dx_tile_peak(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, row0 + r, j0 + cn,
-                                row_ok[:, None] & col_ok[None, :], row0, j0, BM, BN, HAS_OFF, HAS_DIAG, FILTER)
-        if COMPUTE_DS:  # from fp32 dX (positives included), before its rounding
+        p, peak = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, row_ok[:, None] & col_ok[None, :],
+                           HAS_OFF, FILTER)
+        if HAS_DIAG:
+            if _near_diag(row0, j0, BM, BN):
+                p, d_vec, ds_row = _take_positives(p, d_ii, o_a, row0 + r, j0 + cn, row_ok, j0, d_vec, ds_row, BN)
+        if COMPUTE_DS:  # from fp32 dX (positives included above), before its rounding
             ds_row += tl.sum(p * dot, 1)
-        p, d_vec = _split_diag(p, d_vec, row0 + r, j0 + cn, row0, j0, BM, BN, HAS_DIAG)
         keep = True
         if FILTER:
             keep = peak >= log2_thr
@@ -290,19 +300,20 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
     row0 = row_start + r0
     lse_a = tl.load(lse_a_ptr + row0 + r_ld).to(tl.float32) * LOG2E
     g_a = tl.load(g_a_ptr + row0 + r_ld).to(tl.float32)
-    g_d = _load_vec(g_d_ptr, row0 + r_ld, HAS_DIAG, BM)
     o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
     lse_b = tl.load(lse_b_ptr + j0 + c_ld).to(tl.float32) * LOG2E
     g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32)
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
-    dot = _diag_dots(dot, o_a, row0 + r, j0 + cn, row0, j0, BM, BN, HAS_DIAG)
     ok = row_ok[:, None] & col_ok[None, :]
-    p = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, g_d, row0 + r, j0 + cn, ok, row0, j0,
-                 BM, BN, HAS_OFF, HAS_DIAG)
-    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * dot, 1), 0))
+    p, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, False)
+    ds_row = tl.zeros((BM,), dtype=tl.float32)
     if HAS_DIAG:
-        d_vec = tl.zeros((BM,), dtype=tl.float32)
-        p, d_vec = _split_diag(p, d_vec, row0 + r, j0 + cn, row0, j0, BM, BN, HAS_DIAG)
-        mine = row_ok & (row0 + r >= j0) & (row0 + r < j0 + BN)  # each row's diagonal is in one tile
-        tl.store(dv_ptr + r0 + r, d_vec * s, mask=mine)
+        if _near_diag(row0, j0, BM, BN):
+            g_d = tl.load(g_d_ptr + row0 + r_ld).to(tl.float32)
+            d_ii = _positive_dx(lse_a, g_a, g_d, lse_b_ptr, g_b_ptr, row0 + r_ld, 1.0)
+            d_vec = tl.zeros((BM,), dtype=tl.float32)
+            p, d_vec, ds_row = _take_positives(p, d_ii, o_a, row0 + r, j0 + cn, row_ok, j0, d_vec, ds_row, BN)
+            has = row_ok & (row0 + r >= j0) & (row0 + r < j0 + BN)  # each row's diagonal is in one tile
+            tl.store(dv_ptr + r0 + r, d_vec * s, mask=has)
+    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * dot, 1) + ds_row, 0))
     store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)

@@ -31,7 +31,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("compiled")]
     assert len(lines) == 6 + 6, proc.stdout
-    lines = [line for line in lines if "clip" not in line]
+    lines = lines[:6]  # SigLIP / NT-Xent (the CLIP kernels come last)
     assert all("0 bytes spill stores" in line for line in lines), "register spills:\n" + "\n".join(lines)
 
 

@@ -29,7 +29,8 @@ magnitude s |<A, B>| is rounded; on the square block pair that holds the CLIP po
 fp32 vector used by every pass), so LSE_j x_ij - x_ii comes out without cancellation, and
 the backward folds the positive term into dX in fp32 before any rounding or product:
 dX_ii = g_a (p_ii - 1) + g_b (p'_ii - 1) + (g_a + g_b - g_d), with p_ii - 1 = expm1(-lse_a)
-(``_take_positives``, on (BM,) vectors). d scale is summed from that same dX. dX_ii never
+(``_take_positives``, on (BM,) vectors). d scale is summed from that same dX, in a form
+that uses each softmax row's sum of 1 analytically (``_dx_tile``). dX_ii never
 goes through the 16-bit product: it is taken out of the tile and s dX_ii B_i is added in
 fp32 (the fused kernel's epilogue; the strip path's host fixup). The forward handles the
 tiles that cross the diagonal in a loop of their own (``_fwd_step`` with DIAG), so the
@@ -90,14 +91,14 @@ def _positive_dx(lse_a, g_a, g_d, lse_b_ptr, g_b_ptr, idx, g_div):
 
 
 @triton.jit
-def _take_positives(p, d_ii, o_a, rows, cols, row_ok, j0, d_vec, ds_row, BN: tl.constexpr):
-    """The tile's diagonal out of p (zeroed) into d_vec (+= dX_ii for the rows whose diagonal
-    column is in this tile) and ds_row (+= dX_ii o_i, the positives' dot products)."""
+def _take_positives(p, q, d_ii, e_o, rows, cols, row_ok, j0, d_vec, ds_row, BN: tl.constexpr):
+    """The tile's diagonal out of p and q (zeroed) into d_vec (+= dX_ii for the rows whose
+    diagonal column is in this tile) and ds_row (+= e_o, their share of d scale)."""
     has = row_ok & (rows >= j0) & (rows < j0 + BN)
     d_vec += tl.where(has, d_ii, 0.0)
-    ds_row += tl.where(has, d_ii * o_a, 0.0)
-    p = tl.where(rows[:, None] == cols[None, :], 0.0, p)
-    return p, d_vec, ds_row
+    ds_row += tl.where(has, e_o, 0.0)
+    on = rows[:, None] == cols[None, :]
+    return tl.where(on, 0.0, p), tl.where(on, 0.0, q), d_vec, ds_row
 
 
 @triton.jit
@@ -166,17 +167,24 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
 
 @triton.jit
 def _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF: tl.constexpr, PEAK: tl.constexpr):
-    """(dX (fp32, zero where not ``ok``) of one tile without its positives, and with PEAK the
-    tile's largest base-2 log softmax entry max_ij max(log2 P_ij, log2 Q_ij) over ``ok``:
-    the gradient filter's criterion)."""
+    """(p, q, peak) of one tile, zero where not ``ok``: p = dX (fp32) without the positives'
+    -1; q = g_a P (x - s o_a) + g_b Q (x - s o_b) (base 2), whose sum / s2 is the tile's share
+    of d scale; with PEAK the tile's largest log2 P or Q (the gradient filter's criterion).
+
+    d scale = sum_ij dX_ij <A_i, B_j> is summed as sum_ij q_ij / s2 (+ sum_i (g_a + g_b -
+    g_d)_i o_i, added by the caller): that drops o_i g_a_i sum_j (P_ij - [i = j]), which is 0
+    because each softmax row sums to 1, and so does not depend on the backward recomputing
+    the forward's dot products bit for bit (on the GPU it need not: other tile shapes may sum
+    K in another order). The positives add nothing: x_ii - s o_i = 0."""
     xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
     ur = xr - lse_a[:, None]
     uc = xc - lse_b[None, :]
-    p = g_a[:, None] * tl.exp2(ur) + g_b[None, :] * tl.exp2(uc)
+    pr = g_a[:, None] * tl.exp2(ur)
+    pc = g_b[None, :] * tl.exp2(uc)
     peak = float("-inf")
     if PEAK:
         peak = tl.max(tl.max(tl.where(ok, tl.maximum(ur, uc), float("-inf")), 1), 0)
-    return tl.where(ok, p, 0.0), peak
+    return tl.where(ok, pr + pc, 0.0), tl.where(ok, pr * xr + pc * xc, 0.0), peak
 
 
 @triton.jit
@@ -222,9 +230,12 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
     ds_row = tl.zeros((BM,), dtype=tl.float32)
     d_vec = tl.zeros((BM,), dtype=tl.float32)  # dX_ii (HAS_DIAG), applied in fp32 at the end
     d_ii = d_vec
+    e_o = d_vec  # (g_a + g_b - g_d)_i o_i s2: the positives' share of d scale (0 for CLIP)
     if HAS_DIAG:
         g_d = tl.load(g_d_ptr + row0 + r_ld).to(tl.float32) / gn
         d_ii = _positive_dx(lse_a, g_a, g_d, lse_b_ptr, g_b_ptr, row0 + r_ld, gn)
+        g_bd = tl.load(g_b_ptr + row0 + r_ld).to(tl.float32) / gn
+        e_o = ((g_a + g_bd) - g_d) * o_a * s2
     kept = 0
     if RESIDENT:
         a_res = tl.load(a_blk + r_ld[:, None] * stride_a + d[None, :], mask=d_ok[None, :], other=0.0)
@@ -244,13 +255,14 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
         lse_b = tl.load(lse_b_ptr + j0 + c_ld).to(tl.float32) * LOG2E
         g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32) / gn
         o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
-        p, peak = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, row_ok[:, None] & col_ok[None, :],
-                           HAS_OFF, FILTER)
+        p, q, peak = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, row_ok[:, None] & col_ok[None, :],
+                              HAS_OFF, FILTER)
         if HAS_DIAG:
             if _near_diag(row0, j0, BM, BN):
-                p, d_vec, ds_row = _take_positives(p, d_ii, o_a, row0 + r, j0 + cn, row_ok, j0, d_vec, ds_row, BN)
-        if COMPUTE_DS:  # from fp32 dX (positives included above), before its rounding
-            ds_row += tl.sum(p * dot, 1)
+                p, q, d_vec, ds_row = _take_positives(p, q, d_ii, e_o, row0 + r, j0 + cn, row_ok, j0, d_vec,
+                                                      ds_row, BN)
+        if COMPUTE_DS:  # from the fp32 dX, before its rounding (see _dx_tile)
+            ds_row += tl.sum(q, 1)
         keep = True
         if FILTER:
             keep = peak >= log2_thr
@@ -260,8 +272,8 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
                 acc = tl.dot(p.to(b_ptr.dtype.element_ty).to(t.dtype), t, acc, input_precision=PREC)
             else:
                 acc = update_rows(acc, p, b_blk, c_ld, d, d_ok, stride_b, PREC, DOT_F32)
-    if COMPUTE_DS:  # sum_ij dX_ij <A_i, B_j> = gnorm * sum_ij p_ij dot_ij
-        ds = tl.sum(ds_row, 0) * gn
+    if COMPUTE_DS:  # sum_ij dX_ij <A_i, B_j> = (gnorm / s2) * sum_ij q_ij (see _dx_tile)
+        ds = tl.sum(ds_row, 0) * (gn / s2)
         ds = tl.where(pid_c == 0, ds, 0.0)  # every feature chunk saw all logits: count once
         tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_c, ds)
     if FILTER:
@@ -305,15 +317,17 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
     g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32)
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
     ok = row_ok[:, None] & col_ok[None, :]
-    p, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, False)
+    p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, False)
     ds_row = tl.zeros((BM,), dtype=tl.float32)
     if HAS_DIAG:
         if _near_diag(row0, j0, BM, BN):
             g_d = tl.load(g_d_ptr + row0 + r_ld).to(tl.float32)
             d_ii = _positive_dx(lse_a, g_a, g_d, lse_b_ptr, g_b_ptr, row0 + r_ld, 1.0)
+            g_bd = tl.load(g_b_ptr + row0 + r_ld).to(tl.float32)
+            e_o = ((g_a + g_bd) - g_d) * o_a * s2
             d_vec = tl.zeros((BM,), dtype=tl.float32)
-            p, d_vec, ds_row = _take_positives(p, d_ii, o_a, row0 + r, j0 + cn, row_ok, j0, d_vec, ds_row, BN)
+            p, q, d_vec, ds_row = _take_positives(p, q, d_ii, e_o, row0 + r, j0 + cn, row_ok, j0, d_vec, ds_row, BN)
             has = row_ok & (row0 + r >= j0) & (row0 + r < j0 + BN)  # each row's diagonal is in one tile
             tl.store(dv_ptr + r0 + r, d_vec * s, mask=has)
-    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * dot, 1) + ds_row, 0))
+    tl.store(ds_ptr + pid, tl.sum(tl.sum(q, 1) + ds_row, 0) / s2)
     store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)

@@ -62,7 +62,9 @@ def _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live
     """dX = g_k exp(x - lse_k) (base-2 lse; x = s2 (dot - o_k) with HAS_OFF), k the side that
     owns the softmax (the rows' vectors given, the columns' loaded at j0 + c_ld); on the
     positives (HAS_POS) g_k expm1(-lse_k): the positive term folded in fp32. Zero where
-    not ``live``."""
+    not ``live``. Returns (p, x): sum p x / s2 is the tile's share of d scale, which drops
+    o_k g_k sum (P - [positive]) = 0 (each softmax sums to 1), so it does not depend on the
+    backward recomputing the forward's dot products bit for bit."""
     if LSE_ON_A:
         x = dot * s2
         if HAS_OFF:
@@ -84,7 +86,7 @@ def _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live
             near, on = _positive_mask(rows, cols, row0, j0, half, BM, BN)
             if near:
                 p = tl.where(on, g_b[None, :] * _expm1(-lse_b[None, :] * LN2), p)
-    return tl.where(live, p, 0.0)
+    return tl.where(live, p, 0.0), x
 
 
 @triton.jit
@@ -172,14 +174,14 @@ def _masked_grad_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, off_ptr, out_pt
         # -- compute tile --: dX = g exp(x - lse) of the side that owns the softmax; masked.
         live = row_ok[:, None] & col_ok[None, :] & ((rows[:, None] - (j0 + cn)[None, :]) != diag)
         dot = _pos_dots(dot, o_a, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
-        p = _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live, rows, j0 + cn, row0,
-                       half, BM, BN, LSE_ON_A, HAS_OFF, HAS_POS)
+        p, x = _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live, rows, j0 + cn,
+                          row0, half, BM, BN, LSE_ON_A, HAS_OFF, HAS_POS)
         if COMPUTE_DS:
-            ds_row += tl.sum(p * dot, 1)
+            ds_row += tl.sum(p * x, 1)
         p, d_vec = _split_pos(p, d_vec, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
         acc = update_rows(acc, p, b_blk, c_ld, d, d_ok, stride_b, PREC, DOT_F32)
     if COMPUTE_DS:
-        ds = tl.where(pid_c == 0, tl.sum(ds_row, 0), 0.0)  # every feature chunk saw all logits
+        ds = tl.where(pid_c == 0, tl.sum(ds_row, 0) / s2, 0.0)  # every feature chunk saw all logits
         tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_c, ds)
     res = acc * s
     if HAS_POS:  # + s dX_i,pos(i) B_pos(i) in fp32
@@ -212,9 +214,9 @@ def _masked_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, off_ptr, p_ptr
     ok = row_ok[:, None] & col_ok[None, :]
     live = ok & ((rows[:, None] - (j0 + cn)[None, :]) != diag)
     dot = _pos_dots(dot, o_a, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
-    p = _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live, rows, j0 + cn, row0,
-                   half, BM, BN, LSE_ON_A, HAS_OFF, HAS_POS)
-    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * dot, 1), 0))
+    p, x = _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live, rows, j0 + cn, row0,
+                      half, BM, BN, LSE_ON_A, HAS_OFF, HAS_POS)
+    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * x, 1), 0) / s2)
     if HAS_POS:  # positives to dv (s dX, fp32), for the host to add s dX B_pos in fp32
         d_vec = tl.zeros((BM,), dtype=tl.float32)
         p, d_vec = _split_pos(p, d_vec, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)

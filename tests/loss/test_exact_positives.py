@@ -215,3 +215,39 @@ def test_triton_both_backward_paths_exact_and_poisoned(strips, monkeypatch):
     img, txt, s = _inputs("unnormalized", 1, 40, seed=3, dtype=torch.bfloat16)
     loss, di, dt, ds = _grads(fn, img, txt, s * 3, torch.bfloat16)
     assert loss.item() == 0.0 and ds.item() == 0.0 and not di.any() and not dt.any()
+
+
+def test_triton_d_scale_robust_to_forward_backward_dot_order(monkeypatch):
+    """On the GPU the forward and the backward may sum a dot product in different orders
+    (other tiles: H200, 37 x 40 peaked fp32 gave d scale 1.9e-5 vs vanilla 1.4e-6 before
+    this test). Emulated here with a forward in K chunks of 8 and a backward in chunks of
+    32: d scale must stay within 2x vanilla, as must the feature gradients."""
+    from infclip.kernels.clip import launch
+    from infclip.kernels.clip.launch import FwdConfig
+
+    monkeypatch.setattr(launch, "fwd_candidates", lambda k, esize: [FwdConfig(32, 32, 8)])
+    monkeypatch.setattr(launch, "_TUNED", {})
+    for b, c in SHAPES:
+        img, txt, s = _inputs("peaked", b, c, seed=0)
+        ref = _truth(img, txt, s)
+        van = _errs(_grads(vanilla_loss, img, txt, s, torch.float32), ref)
+        got = _errs(_grads(lambda i, t, sc: clip_loss(i, t, sc, impl="triton"), img, txt, s, torch.float32), ref)
+        for name, e, v in zip(("loss", "dimg", "dtxt", "ds"), got, van):
+            assert e < max(1e-5, 2 * v), f"{b}x{c} {name}: {e:.3g} (vanilla fp32 {v:.3g})"
+
+
+def test_nt_xent_d_temperature_robust_to_dot_order(monkeypatch):
+    """As the CLIP test above: NT-Xent's forward in K chunks of 8, its backward in 16 (a guard:
+    this draw passed with the earlier sum p dot form too)."""
+    from infclip.kernels import objective
+    from infclip.kernels.clip import launch
+    from infclip.kernels.clip.launch import FwdConfig
+
+    monkeypatch.setattr(objective, "fwd_candidates", lambda esize: [FwdConfig(16, 16, 8, 1, 1)])
+    monkeypatch.setattr(launch, "_TUNED", {})
+    f = _nt_inputs(35, 40, seed=5, sigma=1.2)
+    ref = _nt_grads("vanilla", f, 0.01, torch.float64)
+    van = _errs(_nt_grads("vanilla", f, 0.01, torch.float32), ref)
+    got = _errs(_nt_grads("triton", f, 0.01, torch.float32), ref)
+    for name, e, v in zip(("loss", "df", "dtemp"), got, van):
+        assert e < max(1e-5, 2 * v), f"{name}: {e:.3g} (vanilla fp32 {v:.3g})"

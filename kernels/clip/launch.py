@@ -238,7 +238,8 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     g_d (m,) (square block pair, with the offsets = the positives' dot products): the
     gradient of -sum_i g_d_i x_ii, folded into dX_ii in fp32 (ds includes it).
     threshold (gradient filtering; None: off): tiles whose softmax entries are all below it
-    skip their update product; (kept tiles, all tiles) as 0-d tensors go to ``kept``."""
+    skip their update product; ``kept`` = [kept tiles (0-d tensor), all tiles (int)] is
+    incremented."""
     m, k = a.shape
     n = b.shape[0]
     if cfg.resident and cfg.DC < k:
@@ -259,8 +260,9 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
                 COMPUTE_DS=compute_ds, FILTER=filt, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **flags)
     _grad_kernel[(nrb, ncb)](*args, RESIDENT=cfg.resident, **meta)
-    if filt and kept is not None:
-        kept.append((kept_part.sum(), torch.tensor(nrb * ncb * cdiv(n, cfg.BN))))
+    if filt and kept is not None:  # running counts, on the device (no host sync)
+        kept[0] = kept[0] + kept_part.sum()
+        kept[1] += nrb * ncb * cdiv(n, cfg.BN)
     return ds_part.sum() if compute_ds else None
 
 

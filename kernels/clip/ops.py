@@ -50,7 +50,7 @@ class TritonTileOps:
         if grad_filter is not None and (grad_filter[0] < 0 or grad_filter[1] < 1):
             raise ValueError(f"grad_filter must be (eps >= 0, columns >= 1), got {grad_filter}")
         self.threshold = None if grad_filter is None else grad_filter[0] / grad_filter[1]
-        self.kept: list = []  # (kept, total) tile counts of each filtered backward direction
+        self.kept: list = [0, 0]  # [kept tiles (0-d tensor), all tiles], summed over filtered backwards
         if fp32_precision not in PRECISIONS:
             raise ValueError(f"fp32_precision must be one of {sorted(PRECISIONS)}, got {fp32_precision!r}")
         if strips not in ("auto", "always", "never"):

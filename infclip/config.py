@@ -217,8 +217,9 @@ def _validate_numbers(cfg: Any) -> None:
 def _validate_loss(cfg: Any) -> None:
     loss = cfg.loss
     if loss.grad_filter < 0 or (loss.grad_filter > 0 and (loss.kind, loss.impl) not in
-                                (("clip", "auto"), ("clip", "torch"))):
-        raise ConfigError("loss.grad_filter must be >= 0 and needs loss.kind=clip with loss.impl=auto or torch")
+                                (("clip", "auto"), ("clip", "torch"), ("clip", "triton"))):
+        raise ConfigError("loss.grad_filter must be >= 0 and needs loss.kind=clip with loss.impl=auto, torch "
+                          "or triton")
     if loss.impl == "local" and loss.kind != "clip":
         raise ConfigError(f"loss.impl=local is CLIP-only; use auto, torch or triton for loss.kind={loss.kind}")
     if loss.kind == "nt_xent" and loss.temperature <= 0:

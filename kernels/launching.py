@@ -71,13 +71,14 @@ def product_into(out: Tensor, p: Tensor, b: Tensor, accumulate: bool) -> None:
 
 def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: bool,
                    fill: Callable[[int, int, Tensor], Tensor], alloc=torch.empty,
-                   after: Callable[[int, int], None] | None = None) -> Tensor:
+                   fixup: Callable[[int, int, Tensor], None] | None = None) -> Tensor:
     """out (+)= (s dX) @ b over the rows of ``a``, ``rows`` at a time; returns the sum over
     strips of what ``fill`` returned.
 
     fill(r0, r, scratch) writes P = s * dX[r0:r0 + r] into scratch[:r] (input dtype) and
-    returns that strip's partials (a tensor of a fixed shape). after(r0, r), if given,
-    runs on each finished strip of ``out``."""
+    returns that strip's partials (a tensor of a fixed shape). fixup(r0, r, prod), if
+    given, adds to the strip's fp32 product (r, c) before its one rounding to out's dtype
+    (then the product goes through an fp32 (rows, c) temporary)."""
     m, n = a.shape[0], b.shape[0]
     rows = max(1, min(rows, m))
     scratch = alloc(rows, n, device=a.device, dtype=a.dtype)
@@ -85,7 +86,10 @@ def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: boo
     for r0 in range(0, m, rows):
         r = min(rows, m - r0)
         parts.append(fill(r0, r, scratch))
-        product_into(out[r0:r0 + r], scratch[:r], b, accumulate)
-        if after is not None:
-            after(r0, r)
+        if fixup is None:
+            product_into(out[r0:r0 + r], scratch[:r], b, accumulate)
+            continue
+        prod = mm_f32(scratch[:r], b)
+        fixup(r0, r, prod)
+        out[r0:r0 + r].add_(prod) if accumulate else out[r0:r0 + r].copy_(prod)
     return torch.stack(parts).sum(0)

@@ -9,10 +9,9 @@ buffers and builds the common launch arguments.
 
 Paths, per gradient direction: "auto" takes the strip path for 16-bit CUDA inputs, the
 fused kernel otherwise; "always" / "never" force one (tests). The strip scratch holds
-max(48 MB, ``launch.STRIP_MIN_ROWS`` rows) of s * dX: 48 MB up to b = 64k in bf16, then
-O(b) (768 B per column: 192 MB at b = 256k, 768 MB at 1M). Unlike the CLIP loss (which
-keeps 48 MB and switches to its fused kernel above 64k), these objectives spend that
-memory: their fused kernels run at 22-25 % of peak at 256k on an H200, the strips at ~33 %.
+48 MB + 768 B per column of s * dX (``launch.strip_rows``, as the CLIP loss: at least
+``launch.STRIP_MIN_ROWS`` rows in 16-bit at every b; 240 MB at b = 256k, 816 MB at 1M):
+the fused kernels run at 22-25 % of peak at 256k on an H200, the strips at ~33 %.
 """
 
 from __future__ import annotations
@@ -111,17 +110,18 @@ class ObjectiveTiles:
         prec = self.fp32_precision if a.dtype == torch.float32 else "tf32"
         return launch.pick_config(f"{self.family}_{kind}", a, b, prec, cands, run)
 
-    def _row_forward(self, kernel, a: Tensor, b: Tensor, args: tuple, diag: int, merge) -> Tensor:
+    def _row_forward(self, kernel, a: Tensor, b: Tensor, args: tuple, diag: int, merge, tail: tuple = (),
+                     flags: dict | None = None) -> Tensor:
         """merge(part) where part (splits, m) fp32 holds the forward kernel's per-row partials
         over column splits: kernel[(row blocks, splits)](a, b, *args, part, m, n, k,
-        stride_a, stride_b, diag, columns per split)."""
+        stride_a, stride_b, diag, columns per split, *tail, **flags)."""
         def run(cfg, a_: Tensor, b_: Tensor) -> Tensor:
             m_, n_ = a_.shape[0], b_.shape[0]
             nrb = cdiv(m_, cfg.BM)
             splits, per = column_splits(nrb, n_, cfg.BN, a_.device)
             part = self._alloc(splits, m_, device=a_.device, dtype=torch.float32)
             kernel[(nrb, splits)](a_, b_, *args, part, m_, n_, a_.shape[1], a_.stride(0), b_.stride(0), diag, per,
-                                  **self._meta(cfg, a_))
+                                  *tail, **(flags or {}), **self._meta(cfg, a_))
             return merge(part)
 
         return run(self._pick("fwd", a, b, fwd_candidates(a.element_size()), run), a, b)

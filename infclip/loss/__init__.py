@@ -115,9 +115,9 @@ def _world(group) -> int:
 
 
 def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> Tensor:
-    """Local-rows loss from the two LSE vectors and the (local) positives, one autograd node."""
-    row_lse, col_lse, pos = lse_pair(img, txt, scale, ops, group)
-    loss = 0.5 * (row_lse.mean() + col_lse.mean()) - pos.mean()
+    """Local-rows loss from the per-row terms LSE - x_ii of both directions, one autograd node."""
+    row_loss, col_loss = lse_pair(img, txt, scale, ops, group)
+    loss = 0.5 * (row_loss.mean() + col_loss.mean())
     return loss if loss.dtype == torch.float64 else loss.float()
 
 

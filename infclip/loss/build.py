@@ -3,8 +3,8 @@
 Every callable has the engine's signature ``loss_fn(image_emb, text_emb, logit_scale,
 logit_bias=None) -> scalar`` (the engine passes ``logit_bias`` when the model has one):
 
-* ``clip``: ``clip_loss``; with ``loss.grad_filter > 0`` the filtered PyTorch backward
-  (``infclip.loss.filtering``).
+* ``clip``: ``clip_loss``; with ``loss.grad_filter > 0`` the filtered backward
+  (``infclip.loss.filtering``; PyTorch tiles or the Triton kernels, by ``loss.impl``).
 * ``siglip``: ``siglip_loss``; needs the model's ``logit_bias`` (``model.init_logit_bias``).
 * ``nt_xent``: SimCLR's loss on ``cat([image_emb, text_emb])``, i.e. the two slots carry
   view 1 and view 2 of the same images; fixed ``loss.temperature``, ``logit_scale`` unused
@@ -44,9 +44,9 @@ def _clip(loss_cfg: Any, group) -> LossFn:
 
     eps = float(getattr(loss_cfg, "grad_filter", 0.0) or 0.0)
     if eps > 0:
-        if loss_cfg.impl not in ("auto", "torch"):
-            raise ValueError(f"loss.grad_filter needs loss.impl=torch (or auto), got {loss_cfg.impl!r}")
-        fn = functools.partial(filtered_clip_loss, eps=eps, group=group)
+        if loss_cfg.impl not in ("auto", "torch", "triton"):
+            raise ValueError(f"loss.grad_filter needs loss.impl=auto, torch or triton, got {loss_cfg.impl!r}")
+        fn = functools.partial(filtered_clip_loss, eps=eps, group=group, impl=loss_cfg.impl)
     else:
         fn = functools.partial(clip_loss, impl=loss_cfg.impl, group=group, fp32_precision=loss_cfg.fp32_precision)
 

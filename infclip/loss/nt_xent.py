@@ -16,10 +16,17 @@ dF = s (dX + dX^T) F: the dX F part stays local, the dX^T F part of each travell
 goes home behind it (``infclip.loss.sweep``), as in the CLIP ring.
 
 Tile-operation protocol (``TorchMaskedLSEOps``; ``infclip.kernels.nt_xent.TritonMaskedLSEOps``):
-    forward(a (m,c), b (n,c), scale, mask_diag) -> row_lse (m,) fp32 over this block pair,
-        excluding the pairs (i, i) when ``mask_diag`` (a and b are the same block).
-    backward(a, b, scale, row_lse, g_row, mask_diag, da=None, db=None)
+    forward(a (m,c), b (n,c), scale, mask_diag, offsets=None) -> row_lse (m,) fp32 over
+        this block pair, excluding the pairs (i, i) when ``mask_diag`` (a and b are the
+        same block).
+    backward(a, b, scale, row_lse, g_row, mask_diag, da=None, db=None, offsets=None)
         -> (da (m,c), db (n,c), dscale 0-d) fp32, row_lse the final (global) LSEs.
+    offsets (m,): the rows' positives' dot products o_i = <F_i, F_pos(i)>. The LSEs are
+        taken and returned relative to s o (computed as LSE_j s (<F_i, F_j> - o_i): the
+        per-row loss itself, no difference of two large numbers); on the own block the
+        positives' dot products are *defined* as o (the same fp32 numbers in every pass)
+        and their gradient -g_i is folded into dX in fp32 before any rounding or product
+        (dX_i,pos(i) = g_i expm1(-lse_i)), the way ``infclip.loss.function`` does for CLIP.
 Gradient semantics across ranks as ``clip_loss``: feature gradients are d(sum over ranks of
 the losses)/d(local features); the temperature gradient is this rank's part.
 """
@@ -39,81 +46,100 @@ class TorchMaskedLSEOps(RowTiledOps):
     """Row LSEs of a self-similarity block pair in plain PyTorch, one row block at a time."""
 
     @staticmethod
-    def _logits(a: Tensor, b32: Tensor, lo: int, hi: int, s: Tensor, mask_diag: bool):
-        """(dot, x) of rows lo:hi; x_ii = -inf where masked."""
+    def _logits(a: Tensor, b32: Tensor, lo: int, hi: int, s: Tensor, mask_diag: bool, off: Tensor | None):
+        """(dot, u) of rows lo:hi: u = s (dot - o_i) (o = 0 without offsets), -inf where
+        masked; with offsets on the own block the positives' dot products are set to o."""
         dot = a[lo:hi].to(b32.dtype) @ b32.T
-        x = s * dot
-        if mask_diag and lo < b32.shape[0]:
-            x[:, lo:hi].diagonal().fill_(float("-inf"))
-        return dot, x
+        own = mask_diag and lo < b32.shape[0]
+        if own and off is not None:
+            rows = torch.arange(lo, hi, device=dot.device)
+            dot[rows - lo, _positive_of(rows, b32.shape[0])] = off[lo:hi]
+        u = s * (dot - off[lo:hi, None]) if off is not None else s * dot
+        if own:
+            u[:, lo:hi].diagonal().fill_(float("-inf"))
+        return dot, u
 
-    def forward(self, a: Tensor, b: Tensor, scale: Tensor, mask_diag: bool) -> Tensor:
+    def forward(self, a: Tensor, b: Tensor, scale: Tensor, mask_diag: bool, offsets: Tensor | None = None) -> Tensor:
         acc = _acc_dtype(a)
         b32, s = b.to(acc), scale.to(acc)
+        off = None if offsets is None else offsets.to(acc)
         lse = torch.empty(a.shape[0], dtype=acc, device=a.device)
         for lo, hi in row_blocks(a.shape[0], b.shape[0], self.tile):
             # -- compute tile --
-            _, x = self._logits(a, b32, lo, hi, s, mask_diag)
-            lse[lo:hi] = torch.logsumexp(x, dim=1)
+            _, u = self._logits(a, b32, lo, hi, s, mask_diag, off)
+            lse[lo:hi] = torch.logsumexp(u, dim=1)
         return lse
 
     def backward(self, a: Tensor, b: Tensor, scale: Tensor, row_lse: Tensor, g_row: Tensor,
-                 mask_diag: bool, da: Tensor | None = None, db: Tensor | None = None):
+                 mask_diag: bool, da: Tensor | None = None, db: Tensor | None = None,
+                 offsets: Tensor | None = None):
         acc = _acc_dtype(a)
         b32, s, g = b.to(acc), scale.to(acc), g_row.to(acc)
+        off = None if offsets is None else offsets.to(acc)
         da = torch.zeros(a.shape, dtype=acc, device=a.device) if da is None else da
         db = torch.zeros(b.shape, dtype=acc, device=a.device) if db is None else db
         ds = torch.zeros((), dtype=acc, device=a.device)
         for lo, hi in row_blocks(a.shape[0], b.shape[0], self.tile):
-            dot, x = self._logits(a, b32, lo, hi, s, mask_diag)
-            # -- compute tile --: dX = g_i softmax_ij (exp(-inf) = 0 on the masked diagonal).
-            dx = g[lo:hi, None] * torch.exp(x - row_lse[lo:hi, None].to(acc))
+            dot, u = self._logits(a, b32, lo, hi, s, mask_diag, off)
+            # -- compute tile --: dX = g_i softmax_ij (exp(-inf) = 0 on the masked diagonal),
+            # the positives' -g_i folded in: g_i (p - 1) = g_i expm1(-lse_i).
+            lse = row_lse[lo:hi].to(acc)
+            dx = g[lo:hi, None] * torch.exp(u - lse[:, None])
+            if mask_diag and off is not None and lo < b.shape[0]:
+                rows = torch.arange(lo, hi, device=dx.device)
+                dx[rows - lo, _positive_of(rows, b.shape[0])] = g[lo:hi] * torch.expm1(-lse)
             ds += (dx * dot).sum()
             da[lo:hi] += s * (dx @ b32)
             db += s * (dx.T @ a[lo:hi].to(acc))
         return da, db, ds
 
 
+def _positive_of(rows: Tensor, m: int) -> Tensor:
+    """Column of each row's positive in the own block: i <-> i + m/2."""
+    return (rows + m // 2) % m
+
+
 class _NTXentRows(torch.autograd.Function):
     """Per-row losses lse_i - x_{i,pos(i)} (2n,); saves O(n) beyond the features.
 
-    The positive term lives inside the Function so that both gradient parts are summed in
-    fp32 and rounded to the feature dtype once (they nearly cancel late in training).
+    The positive term lives inside the tiles (their offsets, see the module docs), so the
+    per-row loss is formed without cancellation and its gradient is folded into dX in fp32
+    and rounded to the feature dtype once.
     """
 
     @staticmethod
     def forward(ctx, f, scale, ops, group):
-        lse = ops.forward(f, f, scale, True) if group is None else _ring_forward(f, scale, ops, group)
-        ctx.save_for_backward(f, scale, lse)
+        off = positive_dots(f)
+        if group is None:
+            rows = ops.forward(f, f, scale, True, offsets=off)
+        else:
+            rows = _ring_forward(f, scale, ops, group, off)
+        ctx.save_for_backward(f, scale, rows, off)
         ctx.ops, ctx.group = ops, group
-        f32, p32 = _with_positives(f, lse.dtype)
-        return lse - scale.to(lse.dtype) * (f32 * p32).sum(-1)
+        return rows
 
     @staticmethod
     def backward(ctx, g_row):
-        f, scale, lse = ctx.saved_tensors
-        g_row = g_row.to(lse.dtype).contiguous()
+        f, scale, rows, off = ctx.saved_tensors
+        g_row = g_row.to(rows.dtype).contiguous()
         if ctx.group is None:
-            d_rows, d_cols, ds = ctx.ops.backward(f, f, scale, lse, g_row, True)
+            d_rows, d_cols, ds = ctx.ops.backward(f, f, scale, rows, g_row, True, offsets=off)
         else:
-            d_rows, d_cols, ds = _ring_backward(f, scale, lse, g_row, ctx.ops, ctx.group)
-        # -x_pos_i = -s <f_i, f_p(i)>, p an involution: d/df_k = -s (g_k + g_p(k)) f_p(k).
-        f32, p32 = _with_positives(f, lse.dtype)
-        n = f.shape[0] // 2
+            d_rows, d_cols, ds = _ring_backward(f, scale, rows, g_row, ctx.ops, ctx.group, off)
         d_rows += d_cols
-        d_rows -= scale.to(lse.dtype) * (g_row + g_row.roll(n))[:, None] * p32
-        ds = ds - (g_row * (f32 * p32).sum(-1)).sum()
         df = d_rows.to(f.dtype) if ctx.needs_input_grad[0] else None
         return df, (ds.to(scale.dtype) if ctx.needs_input_grad[1] else None), None, None
 
 
-def _with_positives(f: Tensor, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(f, f[pos]) in the accumulation dtype; row i's positive is row (i + n) mod 2n."""
-    f32 = f.to(acc)
-    return f32, f32.roll(f.shape[0] // 2, dims=0)
+def positive_dots(f: Tensor) -> Tensor:
+    """(2n,) <f_i, f_pos(i)> in the accumulation dtype (no autograd); pos(i) = (i + n) mod 2n."""
+    from infclip.loss.tiled import row_dot
+
+    with torch.no_grad():
+        return row_dot(f.detach(), f.detach().roll(f.shape[0] // 2, dims=0))
 
 
-def _ring_forward(f: Tensor, scale: Tensor, ops, group) -> Tensor:
+def _ring_forward(f: Tensor, scale: Tensor, ops, group, off: Tensor) -> Tensor:
     from infclip.loss.ring import Ring, check_equal_shapes
     from infclip.loss.sweep import ring_sweep
 
@@ -122,13 +148,13 @@ def _ring_forward(f: Tensor, scale: Tensor, ops, group) -> Tensor:
     lse = torch.full((f.shape[0],), float("-inf"), dtype=_acc_dtype(f), device=f.device)
 
     def tile(k, blocks, _):
-        torch.logaddexp(lse, ops.forward(f, blocks[0], scale, k == 0), out=lse)
+        torch.logaddexp(lse, ops.forward(f, blocks[0], scale, k == 0, offsets=off), out=lse)
 
     ring_sweep(ring, [f], tile)
     return lse
 
 
-def _ring_backward(f: Tensor, scale: Tensor, lse: Tensor, g_row: Tensor, ops, group):
+def _ring_backward(f: Tensor, scale: Tensor, lse: Tensor, g_row: Tensor, ops, group, off: Tensor):
     from infclip.loss.ring import Ring
     from infclip.loss.sweep import ring_sweep
 
@@ -137,7 +163,7 @@ def _ring_backward(f: Tensor, scale: Tensor, lse: Tensor, g_row: Tensor, ops, gr
     ds = torch.zeros((), dtype=acc, device=f.device)
 
     def tile(k, blocks, part):
-        ds.add_(ops.backward(f, blocks[0], scale, lse, g_row, k == 0, da=d_rows, db=part)[2])
+        ds.add_(ops.backward(f, blocks[0], scale, lse, g_row, k == 0, da=d_rows, db=part, offsets=off)[2])
 
     d_cols = ring_sweep(Ring.of(group), [f], tile, acc_like=f, acc_dtype=acc)
     return d_rows, d_cols, ds

@@ -13,7 +13,8 @@ with the tile backend ``ops`` (``TorchTileOps`` on CPU, ``TritonTileOps`` on CUD
 protocol is in ``infclip.loss.tiled``). Before the tile starts, the transfers of step k
 are posted:
 
-* the current block itself (plus, in backward, its col_lse and g_col) goes to r+1, where
+* the current block itself (with its positives' dot products; in backward also its col_lse and
+  g_col) goes to r+1, where
   it is used at step k+1 (double-buffered: two receive buffers alternate);
 * the block's accumulator (column-LSE partial in forward, dT partial in backward) travels
   one step *behind* its block: rank r receives the accumulator of block r-k (from rank r-1,
@@ -167,17 +168,23 @@ def _post_step(ring, k: int, blocks: list[Tensor], bufs: list, acc_out, new_acc)
     return ring.post(sends, recvs), nxt, acc_in
 
 
-def ring_forward(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> tuple[Tensor, Tensor]:
-    """(row_lse (m,), col_lse (m,)) over the global batch; the caller's autograd saves them."""
+def ring_forward(img: Tensor, txt: Tensor, scale: Tensor, ops, group, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """(row_loss (m,), col_loss (m,)) over the global batch: LSE_j x_ij - x_ii for the local
+    images and LSE_i x_ij - x_jj for the local texts; the caller's autograd saves them.
+
+    pos (m,): the local positives' dot products <I_i, T_i> (``function.positive_dots``). They
+    are every tile's offsets (rows: the local ones; columns: those of the travelling text
+    block, which travel with it) and, at step 0, the logits of the diagonal block's
+    positives, so every partial LSE is already relative to the positive logit."""
     ring = Ring.of(group)
     if isinstance(ring, Ring):
         check_equal_shapes(img, txt, scale, ring.group)
-    blocks, bufs = [txt.contiguous()], []
+    blocks, bufs = [txt.contiguous(), pos.contiguous()], []
     row_lse, acc = None, None  # acc: column-LSE accumulator of the block of the last step
     for k in range(ring.world):
         works, nxt, acc_in = _post_step(ring, k, blocks, bufs, acc, lambda: torch.empty_like(acc))
         # -- compute tile -- (I_r, T_{r-k}) while the next block and acc_in are in flight.
-        row_part, col_part = ops.forward(img, blocks[0], scale)
+        row_part, col_part = ops.forward(img, blocks[0], scale, offsets=(pos, blocks[1]), diag=k == 0)
         row_lse = row_part if row_lse is None else torch.logaddexp(row_lse, row_part)
         ring.wait(works)
         acc = col_part if acc_in is None else torch.logaddexp(acc_in, col_part)
@@ -211,24 +218,28 @@ class _Pool:
 
 def ring_backward(
     img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
-    g_row: Tensor, g_col: Tensor, ops, group,
+    g_row: Tensor, g_col: Tensor, ops, group, pos: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dimg (m, c), dtxt (m, c), dscale 0-d) in the accumulation dtype (fp32, fp64 for fp64).
 
     dimg, dtxt: d(sum over all ranks' losses)/d(local features); dscale: this rank's part.
     Each tile's gradients come fresh from ``ops`` (in the input dtype where the backend can
     write it, which lets Triton take its bf16 strip path) and are summed here in fp32.
+    row_lse / col_lse are the per-row losses of ``ring_forward`` (relative to ``pos``); the
+    step-0 tile (own images x own texts) folds the positives into its dX (g_diag = g_row +
+    g_col), before its gradients are rounded.
     """
     ring = Ring.of(group)
     acc = _acc_dtype(img)
-    blocks, bufs = [txt.contiguous(), torch.stack([col_lse, g_col.to(col_lse.dtype)])], []
+    blocks, bufs = [txt.contiguous(), torch.stack([col_lse, g_col.to(col_lse.dtype), pos.to(col_lse.dtype)])], []
     pool = _Pool(txt, acc)
     dimg, dscale = None, torch.zeros((), dtype=acc, device=img.device)
     dt_out = None  # finished dT accumulator of the block of the previous step
     for k in range(ring.world):
         works, nxt, dt_in = _post_step(ring, k, blocks, bufs, dt_out, lambda: pool.take(zero=False))
         # -- compute tile -- (I_r, T_{r-k}): dI summed in place, dT of block r-k fresh.
-        di, dt, ds = _tile_backward(ops, img, scale, row_lse, g_row, *blocks)
+        g_diag = g_row + g_col.to(g_row.dtype) if k == 0 else None
+        di, dt, ds = _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, *blocks)
         dimg = di.to(acc) if dimg is None else dimg.add_(di)
         dscale += ds
         ring.wait(works)
@@ -241,13 +252,15 @@ def ring_backward(
     return dimg, _home(ring, dt_out, pool.take(zero=False)), dscale
 
 
-def _tile_backward(ops, img, scale, row_lse, g_row, txt, meta) -> tuple[Tensor, Tensor, Tensor]:
+def _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, txt, meta) -> tuple[Tensor, Tensor, Tensor]:
     """Fresh (dI, dT, ds) of one tile; in the input dtype where ``ops`` can write it.
 
-    ``meta`` (2, n): the text block's final column LSE and its upstream gradient g_col.
+    ``meta`` (3, n): the text block's final column loss (LSE less its positives' logits),
+    its upstream gradient g_col and its positives' dot products. g_diag: the diagonal block's.
     """
     kw = {"out_dtype": img.dtype} if getattr(ops, "writes_out_dtype", False) else {}
-    return ops.backward(img, txt, scale, row_lse, meta[0], g_row, meta[1], **kw)
+    return ops.backward(img, txt, scale, row_lse, meta[0], g_row, meta[1], offsets=(pos, meta[2]),
+                        g_diag=g_diag, **kw)
 
 
 def global_mean_loss(loss: Tensor, group=None) -> Tensor:

@@ -71,9 +71,8 @@ def _acc_dtype(t: Tensor) -> torch.dtype:
 _EXP_FLOOR = -80.0
 
 
-def _softmax_entries(x: Tensor, lse: Tensor) -> Tensor:
-    """exp(x - lse), with entries below exp(_EXP_FLOOR) exactly zero for fp32."""
-    d = x - lse
+def _softmax_entries(d: Tensor) -> Tensor:
+    """exp(d) (d = x - lse, in place), with entries below exp(_EXP_FLOOR) exactly zero for fp32."""
     if d.dtype != torch.float64:
         d.masked_fill_(d < _EXP_FLOOR, float("-inf"))
     return torch.exp(d)
@@ -97,21 +96,30 @@ class TorchTileOps(RowTiledOps):
     ``forward`` returns LSEs over *this block pair only*; callers that combine blocks
     (the ring) merge partial LSEs with ``torch.logaddexp``. ``backward`` takes the final
     (global) LSEs and accumulates into ``dimg``/``dtxt`` when they are given.
+
+    Offsets and the positive pairs (see ``offset_logits``): with ``offsets = (o_row, o_col)``
+    the LSEs are returned (and taken) relative to them, LSE_j x_ij - o_row_i; ``diag`` in
+    forward / ``g_diag`` in backward mark the square block pair whose diagonal holds the
+    positives: their logits are *defined* as the offsets (o_row = o_col = s <I_i, T_i>, the
+    same fp32 values in every pass), and the backward adds -g_diag_i to dX_ii in the tile
+    (``fold_positives``), so the CLIP loss's positive term never cancels after a rounding.
     """
 
-    def forward(self, img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, img: Tensor, txt: Tensor, scale: Tensor, offsets=None, diag: bool = False
+                ) -> tuple[Tensor, Tensor]:
         """Returns (row_lse (m,), col_lse (n,)), fp32, over the block pair (img, txt)."""
         m, n = img.shape[0], txt.shape[0]
         acc = _acc_dtype(img)
         txt32 = txt.to(acc)
         s = scale.to(acc)
+        o_row, o_col = _offsets(offsets, m, n, acc, img.device)
         row_lse = torch.empty(m, dtype=acc, device=img.device)
         col_lse = torch.full((n,), float("-inf"), dtype=acc, device=img.device)
         for lo, hi in row_blocks(m, n, self.tile):
-            # -- compute tile --: (t, n) logits of one row block, fp32.
-            x = s * (img[lo:hi].to(acc) @ txt32.T)
-            row_lse[lo:hi] = torch.logsumexp(x, dim=1)
-            col_lse = torch.logaddexp(col_lse, torch.logsumexp(x, dim=0))
+            # -- compute tile --: (t, n) logits of one row block, fp32, less the offsets.
+            u_row, u_col = shifted_dots(img[lo:hi].to(acc) @ txt32.T, s, o_row, o_col, lo, hi, diag)
+            row_lse[lo:hi] = torch.logsumexp(u_row, dim=1)
+            col_lse = torch.logaddexp(col_lse, torch.logsumexp(u_col, dim=0))
         return row_lse, col_lse
 
     def backward(
@@ -125,6 +133,8 @@ class TorchTileOps(RowTiledOps):
         g_col: Tensor,
         dimg: Tensor | None = None,
         dtxt: Tensor | None = None,
+        offsets=None,
+        g_diag: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (dimg (m, c), dtxt (n, c), dscale 0-d), fp32; accumulates into given buffers."""
         m, n, c = img.shape[0], txt.shape[0], img.shape[1]
@@ -132,6 +142,7 @@ class TorchTileOps(RowTiledOps):
         txt32 = txt.to(acc)
         s = scale.to(acc)
         g_row, g_col = g_row.to(acc), g_col.to(acc)
+        o_row, o_col = _offsets(offsets, m, n, acc, img.device)
         if dimg is None:
             dimg = torch.zeros(m, c, dtype=acc, device=img.device)
         if dtxt is None:
@@ -140,14 +151,55 @@ class TorchTileOps(RowTiledOps):
         for lo, hi in row_blocks(m, n, self.tile):
             img32 = img[lo:hi].to(acc)
             dot = img32 @ txt32.T  # (t, n) <I_i, T_j>
-            x = s * dot
-            # -- compute tile --: dX from both softmax directions.
-            dx = g_row[lo:hi, None] * _softmax_entries(x, row_lse[lo:hi, None])
-            dx += g_col[None, :] * _softmax_entries(x, col_lse[None, :])
+            u_row, u_col = shifted_dots(dot, s, o_row, o_col, lo, hi, g_diag is not None)
+            # -- compute tile --: dX from both softmax directions, positives folded in.
+            dx = (g_row[lo:hi, None] * _softmax_entries(u_row.sub_(row_lse[lo:hi, None]))
+                  + g_col[None, :] * _softmax_entries(u_col.sub_(col_lse[None, :])))
+            if g_diag is not None:
+                fold_positives(dx, lo, hi, row_lse, col_lse, g_row, g_col, g_diag.to(acc))
             dscale += (dx * dot).sum()
             dimg[lo:hi] += s * (dx @ txt32)
             dtxt += s * (dx.T @ img32)
         return dimg, dtxt, dscale
+
+
+def _offsets(offsets, m: int, n: int, acc: torch.dtype, device) -> tuple[Tensor, Tensor]:
+    """(o_row (m,), o_col (n,)) in the accumulation dtype; zeros when ``offsets`` is None."""
+    if offsets is None:
+        return torch.zeros(m, dtype=acc, device=device), torch.zeros(n, dtype=acc, device=device)
+    o_row, o_col = offsets
+    if o_row.shape != (m,) or o_col.shape != (n,):
+        raise ValueError(f"offsets must be ({m},) and ({n},), got {tuple(o_row.shape)} and {tuple(o_col.shape)}")
+    return o_row.to(acc), o_col.to(acc)
+
+
+def shifted_dots(dot: Tensor, s: Tensor, o_row: Tensor, o_col: Tensor, lo: int, hi: int, diag: bool
+                 ) -> tuple[Tensor, Tensor]:
+    """(s (dot - o_row), s (dot - o_col)) for rows lo:hi of a block pair: the logits less the
+    offsets, without rounding a logit of magnitude s |dot| first. When ``diag`` (the square
+    block pair holding the positives) the positives' dot products are first set to the
+    offsets: o = <I_i, T_i> is computed once, in fp32 (``row_dot``), so the forward, the
+    backward and the loss value use the same numbers for them and x_ii - s o_i = 0 exactly.
+    ``dot`` is modified in place (the backward's d scale uses the same values)."""
+    if diag and lo < dot.shape[1]:
+        d = dot[:, lo:hi].diagonal()
+        d.copy_(o_row[lo:lo + d.shape[0]])
+    return s * (dot - o_row[lo:hi, None]), s * (dot - o_col[None, :])
+
+
+def fold_positives(dx: Tensor, lo: int, hi: int, row_lse: Tensor, col_lse: Tensor, g_row: Tensor,
+                   g_col: Tensor, g_diag: Tensor) -> None:
+    """dX_ii = g_row_i (p_ii - 1) + g_col_i (p'_ii - 1) + (g_row_i + g_col_i - g_diag_i) on the
+    diagonal of rows lo:hi, in place: the gradient of -sum_i g_diag_i x_ii folded into dX in
+    the accumulation dtype, before any rounding or product. p_ii = exp(-row_lse_i) (row_lse
+    relative to x_ii, see ``shifted_dots``), so p_ii - 1 = expm1(-row_lse_i), exact even
+    when the softmax is peaked (p_ii ~ 1)."""
+    if lo >= dx.shape[1]:
+        return
+    d = dx[:, lo:hi].diagonal()
+    rows = slice(lo, lo + d.shape[0])
+    d.copy_(g_row[rows] * torch.expm1(-row_lse[rows]) + g_col[rows] * torch.expm1(-col_lse[rows])
+            + ((g_row[rows] + g_col[rows]) - g_diag[rows]))
 
 
 ROW_DOT_CHUNK = 1 << 20  # elements per chunk: fp32 temporaries of row_dot stay <= ~12 MB

@@ -45,28 +45,29 @@ def lse_pair_triton(img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps 
 class TritonCLIPLoss(torch.autograd.Function):
     """The whole symmetric CLIP loss of a square batch as one autograd node.
 
-    loss = mean_i [ (row_lse_i + col_lse_i) / 2 - s <img_i, txt_i> ]. The positive-pair
-    term's gradient is added by the backward kernels to each fp32 result row instead of
-    being a second gradient tensor that autograd must add: the feature gradients are
-    written once, in the input dtype.
+    loss = mean_i [ (row_lse_i + col_lse_i) / 2 - s <img_i, txt_i> ]. The positives'
+    dot products d_i = <img_i, txt_i> are computed once in fp32 and passed to the kernels
+    as offsets: the kernels return LSE - s d directly (no difference of two large numbers),
+    use d as the positives' dot products in every pass, and fold the positive term into dX
+    in fp32 before any rounding; the feature gradients are written once, in the input dtype.
     """
 
     @staticmethod
     def forward(ctx, img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps) -> Tensor:
-        row_lse, col_lse = ops.forward(img, txt, scale)
-        diag = row_dot(img, txt)
-        ctx.save_for_backward(img, txt, scale, row_lse, col_lse)
+        pos = row_dot(img, txt)
+        row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True)
+        ctx.save_for_backward(img, txt, scale, row, col, pos)
         ctx.ops = ops
-        return 0.5 * (row_lse.mean() + col_lse.mean()) - scale.float() * diag.mean()
+        return 0.5 * (row.mean() + col.mean())
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        img, txt, scale, row_lse, col_lse = ctx.saved_tensors
+        img, txt, scale, row, col, pos = ctx.saved_tensors
         b = img.shape[0]
         g_lse = (0.5 / b * g.float()).expand(b).contiguous()
-        g_diag = (g.float() / b).expand(b).contiguous()
-        dimg, dtxt, ds = ctx.ops.backward(img, txt, scale, row_lse, col_lse, g_lse, g_lse,
-                                          out_dtype=img.dtype, g_diag=g_diag)
+        g_diag = 2 * g_lse  # exactly g_row + g_col: dX_ii = g (p_ii - 1) + g (p'_ii - 1)
+        dimg, dtxt, ds = ctx.ops.backward(img, txt, scale, row, col, g_lse, g_lse, out_dtype=img.dtype,
+                                          g_diag=g_diag, offsets=(pos, pos))
         need = ctx.needs_input_grad
         return (dimg if need[0] else None, dtxt if need[1] else None,
                 ds.to(scale.dtype) if need[2] else None, None)

@@ -21,6 +21,25 @@ Strip backward (``_dx_strip_kernel``): a GEMM-shaped kernel writes P = s * dX fo
 of R rows (bounded scratch); cuBLAS then forms dA[strip] = P @ B. No register accumulator
 over the feature dim, so it can use 128x256 tiles.
 
+Offsets and positives (HAS_OFF, HAS_DIAG; see ``infclip.loss.tiled.shifted_dots`` for the
+same math in PyTorch): with per-row / per-column offsets o_a, o_b (dot products, unscaled)
+the LSEs are relative to s * o, computed from s (<A_i, B_j> - o) so that no logit of
+magnitude s |<A, B>| is rounded; on the square block pair that holds the CLIP positives
+(HAS_DIAG) their dot products are *defined* as the offsets (o_a = o_b = <A_i, B_i>, one
+fp32 vector used by every pass), so LSE_j x_ij - x_ii comes out without cancellation, and
+the backward folds the positive term into dX in fp32 before any rounding or product:
+dX_ii = g_a (p_ii - 1) + g_b (p'_ii - 1) + (g_a + g_b - g_d), with p_ii - 1 = expm1(-lse_a)
+(``_take_positives``, on (BM,) vectors). d scale is summed from that same dX, in a form
+that uses each softmax row's sum of 1 analytically (``_dx_tile``). dX_ii never
+goes through the 16-bit product: it is taken out of the tile and s dX_ii B_i is added in
+fp32 (the fused kernel's epilogue; the strip path's host fixup). The forward handles the
+tiles that cross the diagonal in a loop of their own (``_fwd_step`` with DIAG), so the
+replacement costs the other tiles nothing (no registers held across a runtime branch).
+
+Consistency: the backward recomputes the dot products in the forward's K order (same BK
+chunks; on the GPU a K-chained tl.dot accumulates in the same order for any tile shape),
+so p_ij = exp(x_ij - lse_i) sums to 1 over j as the forward's LSE did.
+
 Out-of-range rows/columns are clamped to the last valid index for loading (no masks in
 the inner loop) and masked out of every reduction and store.
 """
@@ -31,56 +50,170 @@ import triton.language as tl
 from ..tiles import LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_tile, update_rows
 
 
+# -- tile epilogue pieces shared by the three kernels ------------------------------------------
+
 @triton.jit
-def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, row_part_ptr, col_part_ptr,
+def _load_vec(ptr, idx, HAS: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 ptr[idx] when HAS, else zeros (BLOCK,)."""
+    v = tl.zeros((BLOCK,), tl.float32)
+    if HAS:
+        v = tl.load(ptr + idx).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _shifted(dot, o_a, o_b, s2, HAS_OFF: tl.constexpr):
+    """(row-direction, column-direction) base-2 logits less the offsets: s2 (dot - o)."""
+    xr = dot * s2
+    xc = xr
+    if HAS_OFF:
+        xr = (dot - o_a[:, None]) * s2
+        xc = (dot - o_b[None, :]) * s2
+    return xr, xc
+
+
+@triton.jit
+def _expm1(u):
+    """exp(u) - 1 without cancellation near 0 (degree-8 series for |u| < 1/4)."""
+    series = u * (1.0 + u * (0.5 + u * (1.0 / 6 + u * (1.0 / 24 + u * (1.0 / 120 + u * (
+        1.0 / 720 + u * (1.0 / 5040 + u * (1.0 / 40320))))))))
+    return tl.where(tl.abs(u) < 0.25, series, tl.exp(u) - 1.0)
+
+
+@triton.jit
+def _positive_dx(lse_a, g_a, g_d, lse_b_ptr, g_b_ptr, idx, g_div):
+    """(BM,) dX_ii = g_a (p_ii - 1) + g_b (p'_ii - 1) + (g_a + g_b - g_d), in fp32: the
+    positive term folded before any rounding; p_ii = 2^-lse (base-2 LSEs relative to x_ii),
+    p_ii - 1 by ``_expm1``. ``idx``: the rows' indices (= their diagonal columns)."""
+    lse_b = tl.load(lse_b_ptr + idx).to(tl.float32) * LOG2E
+    g_b = tl.load(g_b_ptr + idx).to(tl.float32) / g_div
+    return g_a * _expm1(-lse_a * LN2) + g_b * _expm1(-lse_b * LN2) + ((g_a + g_b) - g_d)
+
+
+@triton.jit
+def _take_positives(p, q, d_ii, e_o, rows, cols, row_ok, j0, d_vec, ds_row, BN: tl.constexpr):
+    """The tile's diagonal out of p and q (zeroed) into d_vec (+= dX_ii for the rows whose
+    diagonal column is in this tile) and ds_row (+= e_o, their share of d scale)."""
+    has = row_ok & (rows >= j0) & (rows < j0 + BN)
+    d_vec += tl.where(has, d_ii, 0.0)
+    ds_row += tl.where(has, e_o, 0.0)
+    on = rows[:, None] == cols[None, :]
+    return tl.where(on, 0.0, p), tl.where(on, 0.0, q), d_vec, ds_row
+
+
+@triton.jit
+def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr,
+              stride_cp, pid_m, col_start, j0, hi, K, s2, m_i, l_i,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+              HAS_OFF: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """One column tile of the forward: updates (m_i, l_i) of the rows, stores the tile's
+    column partials. DIAG: the tile may cross the diagonal, whose dot products are replaced
+    by the offsets (the positives' <A_i, B_i>)."""
+    cn, col_ok, c_ld, b_blk = col_tile(j0, hi, b_ptr, stride_b, BN)
+    # -- compute tile --: base-2 logits of (BM rows) x (BN columns), less the offsets.
+    dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
+    o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
+    if DIAG:
+        dot = tl.where((row0 + r)[:, None] == (j0 + cn)[None, :], o_a[:, None], dot)
+    xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
+    # Row direction: online max / rescaled sum, kept in registers.
+    xr = tl.where(col_ok[None, :], xr, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(xr, 1))
+    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(xr - m_new[:, None]), 1)
+    # Column direction: this tile's LSE over the program's BM rows.
+    xc = tl.where(row_ok[:, None], xc, float("-inf"))
+    cm = tl.max(xc, 0)
+    cl = tl.sum(tl.exp2(xc - cm[None, :]), 0)
+    tl.store(col_part_ptr + pid_m * stride_cp + (j0 - col_start) + cn, (cm + tl.log2(cl)) * LN2, mask=col_ok)
+    return m_new, l_i
+
+
+@triton.jit
+def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr, col_part_ptr,
                     M, N, K, stride_a, stride_b, col_start, col_stop, cols_per_split,
                     stride_cp,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    EVEN_K: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """row_part[pid_s, rows] and col_part[pid_m, cols - col_start]: partial LSEs (natural)."""
+                    EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
+                    PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """row_part[pid_s, rows] and col_part[pid_m, cols - col_start]: partial LSEs (natural),
+    relative to s * offsets when HAS_OFF. The column tiles crossing the diagonal (HAS_DIAG)
+    run in a loop of their own, between the tiles before and after them."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     s2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
     row0, r, row_ok, r_ld, a_blk = row_block(pid_m, M, a_ptr, stride_a, BM)
+    o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     lo = col_start + pid_s * cols_per_split
     hi = tl.minimum(lo + cols_per_split, col_stop)
-    for j0 in range(lo, hi, BN):
-        cn, col_ok, c_ld, b_blk = col_tile(j0, hi, b_ptr, stride_b, BN)
-        # -- compute tile --: base-2 logits of (BM rows) x (BN columns).
-        x = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b,
-                       BM, BN, BK, EVEN_K, PREC, DOT_F32) * s2
-        # Row direction: online max / rescaled sum, kept in registers.
-        xr = tl.where(col_ok[None, :], x, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(xr, 1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(xr - m_new[:, None]), 1)
-        m_i = m_new
-        # Column direction: this tile's LSE over the program's BM rows.
-        xc = tl.where(row_ok[:, None], x, float("-inf"))
-        cm = tl.max(xc, 0)
-        cl = tl.sum(tl.exp2(xc - cm[None, :]), 0)
-        cp_ptrs = col_part_ptr + pid_m * stride_cp + (j0 - col_start) + cn
-        tl.store(cp_ptrs, (cm + tl.log2(cl)) * LN2, mask=col_ok)
+    d_lo = hi  # [d_lo, d_hi): the tiles (starting at lo + k BN) that cross rows [row0, row0 + BM)
+    d_hi = hi
+    if HAS_DIAG:
+        d_lo = tl.minimum(lo + (tl.maximum(row0 - lo, 0) // BN) * BN, hi)
+        d_hi = tl.maximum(tl.minimum(lo + tl.cdiv(tl.maximum(row0 + BM - lo, 0), BN) * BN, hi), d_lo)
+    args = (a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr, stride_cp,
+            pid_m, col_start)
+    for j0 in range(lo, d_lo, BN):
+        m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32)
+    if HAS_DIAG:
+        for j0 in range(d_lo, d_hi, BN):
+            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, True, PREC, DOT_F32)
+        for j0 in range(d_hi, hi, BN):
+            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC,
+                                 DOT_F32)
     tl.store(row_part_ptr + pid_s * M + row0 + r, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
 
 
 @triton.jit
-def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_ptr, g_b_ptr,
-                 g_d_ptr, out_ptr, ds_ptr, M, N, K, stride_a, stride_b, stride_o,
+def _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF: tl.constexpr, PEAK: tl.constexpr):
+    """(p, q, peak) of one tile, zero where not ``ok``: p = dX (fp32) without the positives'
+    -1; q = g_a P (x - s o_a) + g_b Q (x - s o_b) (base 2), whose sum / s2 is the tile's share
+    of d scale; with PEAK the tile's largest log2 P or Q (the gradient filter's criterion).
+
+    d scale = sum_ij dX_ij <A_i, B_j> is summed as sum_ij q_ij / s2 (+ sum_i (g_a + g_b -
+    g_d)_i o_i, added by the caller): that drops o_i g_a_i sum_j (P_ij - [i = j]), which is 0
+    because each softmax row sums to 1, and so does not depend on the backward recomputing
+    the forward's dot products bit for bit (on the GPU it need not: other tile shapes may sum
+    K in another order). The positives add nothing: x_ii - s o_i = 0."""
+    xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
+    ur = xr - lse_a[:, None]
+    uc = xc - lse_b[None, :]
+    pr = g_a[:, None] * tl.exp2(ur)
+    pc = g_b[None, :] * tl.exp2(uc)
+    peak = float("-inf")
+    if PEAK:
+        peak = tl.max(tl.max(tl.where(ok, tl.maximum(ur, uc), float("-inf")), 1), 0)
+    return tl.where(ok, pr + pc, 0.0), tl.where(ok, pr * xr + pc * xc, 0.0), peak
+
+
+@triton.jit
+def _near_diag(row0, j0, BM: tl.constexpr, BN: tl.constexpr):
+    """Whether the tile (rows row0.., columns j0..) crosses the diagonal i == j."""
+    return (j0 < row0 + BM) & (j0 + BN > row0)
+
+
+@triton.jit
+def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr,
+                 g_a_ptr, g_b_ptr, g_d_ptr, out_ptr, ds_ptr, kept_ptr, log2_thr,
+                 M, N, K, stride_a, stride_b, stride_o,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
                  EVEN_K: tl.constexpr, RESIDENT: tl.constexpr, ACCUM: tl.constexpr,
-                 COMPUTE_DS: tl.constexpr, HAS_DIAG: tl.constexpr, PREC: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+                 COMPUTE_DS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
+                 FILTER: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """out[rows, dcols] (+)= s * sum_j dX_ij B_j[dcols]; ds_part[program] = its share of ds.
 
     RESIDENT (needs DC >= K, one feature chunk): the (BM, K) block of A stays on chip and
     each (BN, K) tile of B is loaded once for both products. Otherwise the logits are
     streamed over K in BK chunks and the (BN, DC) slice of B is loaded for the update.
-    g_a, g_b are divided by gnorm = max |g| so that dX is O(1) before its cast to the
+    g_a, g_b, g_d are divided by gnorm = max |g| so that dX is O(1) before its cast to the
     input dtype (fp16 would flush tiny gradients to zero); the result is multiplied back.
-    HAS_DIAG (square block pair): also the gradient of -sum_i g_d_i x_ii (the CLIP loss's
-    positive pairs), added to the fp32 result before its single rounding.
+    HAS_DIAG (square block pair): the positives folded into dX (module docs).
+    FILTER (gradient filtering, after Cut Cross-Entropy; ``infclip.loss.filtering`` states
+    the rule and its error bound): a tile whose P and Q entries are all below 2^log2_thr
+    skips its update product (half of the kernel's FLOPs); its ds share is still summed.
+    The positives never drop (they are applied in fp32 at the end). kept[program] counts
+    the tiles updated.
     """
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -90,61 +223,84 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, g_a_p
     row0, r, row_ok, r_ld, a_blk = row_block(pid_m, M, a_ptr, stride_a, BM)
     lse_a = tl.load(lse_a_ptr + row0 + r_ld).to(tl.float32) * LOG2E
     g_a = tl.where(row_ok, tl.load(g_a_ptr + row0 + r_ld).to(tl.float32) / gn, 0.0)
+    o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
     d = pid_c * DC + tl.arange(0, DC)
     d_ok = d < K
     acc = tl.zeros((BM, DC), dtype=tl.float32)
     ds_row = tl.zeros((BM,), dtype=tl.float32)
+    d_vec = tl.zeros((BM,), dtype=tl.float32)  # dX_ii (HAS_DIAG), applied in fp32 at the end
+    d_ii = d_vec
+    e_o = d_vec  # (g_a + g_b - g_d)_i o_i s2: the positives' share of d scale (0 for CLIP)
+    if HAS_DIAG:
+        g_d = tl.load(g_d_ptr + row0 + r_ld).to(tl.float32) / gn
+        d_ii = _positive_dx(lse_a, g_a, g_d, lse_b_ptr, g_b_ptr, row0 + r_ld, gn)
+        g_bd = tl.load(g_b_ptr + row0 + r_ld).to(tl.float32) / gn
+        e_o = ((g_a + g_bd) - g_d) * o_a * s2
+    kept = 0
     if RESIDENT:
         a_res = tl.load(a_blk + r_ld[:, None] * stride_a + d[None, :], mask=d_ok[None, :], other=0.0)
         if DOT_F32:
             a_res = a_res.to(tl.float32)
     for j0 in range(0, N, BN):
         cn, col_ok, c_ld, b_blk = col_tile(j0, N, b_ptr, stride_b, BN)
-        # -- compute tile --: recompute the base-2 logits, then dX (scaled by 1/gnorm).
+        # -- compute tile --: recompute the dot products, then dX (scaled by 1/gnorm).
         if RESIDENT:
             t = tl.load(b_blk + c_ld[:, None] * stride_b + d[None, :], mask=d_ok[None, :], other=0.0)
             if DOT_F32:
                 t = t.to(tl.float32)
-            x = tl.dot(a_res, tl.trans(t), input_precision=PREC) * s2
+            dot = tl.dot(a_res, tl.trans(t), input_precision=PREC)
         else:
-            x = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b,
-                           BM, BN, BK, EVEN_K, PREC, DOT_F32) * s2
+            dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b,
+                             BM, BN, BK, EVEN_K, PREC, DOT_F32)
         lse_b = tl.load(lse_b_ptr + j0 + c_ld).to(tl.float32) * LOG2E
         g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32) / gn
-        p = g_a[:, None] * tl.exp2(x - lse_a[:, None]) + g_b[None, :] * tl.exp2(x - lse_b[None, :])
-        p = tl.where(col_ok[None, :], p, 0.0)
-        if COMPUTE_DS:  # from fp32 dX, before its rounding to the input dtype
-            ds_row += tl.sum(p * x, 1)
-        if RESIDENT:  # B's tile is on chip already: reuse it for the update
-            acc = tl.dot(p.to(b_ptr.dtype.element_ty).to(t.dtype), t, acc, input_precision=PREC)
-        else:
-            acc = update_rows(acc, p, b_blk, c_ld, d, d_ok, stride_b, PREC, DOT_F32)
-    acc = acc * gn  # = sum_j dX_ij B_j[dcols]
-    if COMPUTE_DS:  # sum_ij dX_ij <A_i, B_j> = (gnorm / s2) * sum_ij p_ij x_ij
-        ds = tl.sum(tl.where(row_ok, ds_row, 0.0), 0) * (gn / s2)
+        o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
+        p, q, peak = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, row_ok[:, None] & col_ok[None, :],
+                              HAS_OFF, FILTER)
+        if HAS_DIAG:
+            if _near_diag(row0, j0, BM, BN):
+                p, q, d_vec, ds_row = _take_positives(p, q, d_ii, e_o, row0 + r, j0 + cn, row_ok, j0, d_vec,
+                                                      ds_row, BN)
+        if COMPUTE_DS:  # from the fp32 dX, before its rounding (see _dx_tile)
+            ds_row += tl.sum(q, 1)
+        keep = True
+        if FILTER:
+            keep = peak >= log2_thr
+        if keep:
+            kept += 1
+            if RESIDENT:  # B's tile is on chip already: reuse it for the update
+                acc = tl.dot(p.to(b_ptr.dtype.element_ty).to(t.dtype), t, acc, input_precision=PREC)
+            else:
+                acc = update_rows(acc, p, b_blk, c_ld, d, d_ok, stride_b, PREC, DOT_F32)
+    if COMPUTE_DS:  # sum_ij dX_ij <A_i, B_j> = (gnorm / s2) * sum_ij q_ij (see _dx_tile)
+        ds = tl.sum(ds_row, 0) * (gn / s2)
         ds = tl.where(pid_c == 0, ds, 0.0)  # every feature chunk saw all logits: count once
         tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_c, ds)
-    res = acc * s
-    if HAS_DIAG:  # - s * g_d_i * B_i (square block pair: B row i pairs with A row i), in fp32
-        g_d = tl.load(g_d_ptr + row0 + r_ld).to(tl.float32)
+    if FILTER:
+        tl.store(kept_ptr + pid_m * tl.num_programs(1) + pid_c, kept)
+    res = acc * (gn * s)
+    if HAS_DIAG:  # + s dX_ii B_i in fp32 (square pair: B row i pairs with A row i)
         b_i = tl.load(b_ptr + row0.to(tl.int64) * stride_b + r_ld[:, None] * stride_b + d[None, :],
                       mask=d_ok[None, :], other=0.0).to(tl.float32)
-        res -= (s * g_d)[:, None] * b_i
+        res += (d_vec * (gn * s))[:, None] * b_i
     store_rows(out_ptr, res, row0, r, row_ok, d, d_ok, stride_o, ACCUM)
 
 
 @triton.jit
-def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, g_a_ptr, g_b_ptr, p_ptr, ds_ptr,
-                     R, row_start, N, K, stride_a, stride_b, stride_p,
+def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr,
+                     g_d_ptr, p_ptr, ds_ptr, dv_ptr, R, row_start, N, K, stride_a, stride_b, stride_p,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                     EVEN_K: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                     EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
+                     PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """P[i, j] = s * dX[row_start + i, j] for a strip of R rows, in the input dtype.
 
     The strip path of the backward: a GEMM-shaped kernel (any BM, no register accumulator
     over the feature dim) writes s * dX for R rows into a bounded scratch; cuBLAS then
     forms dA[strip] = P @ B. Programs are ordered in groups of GROUP row tiles so that
     column tiles of B are reused from L2. ds_part[program] = its share of
-    sum dX_ij <A_i, B_j>, from the fp32 values.
+    sum dX_ij <A_i, B_j>, from the fp32 values (positives folded in). HAS_DIAG: the
+    positives' s * dX_ii go to dv[i] (fp32) instead of P, for the host to add s dX_ii B_i
+    in fp32 to the product before its rounding.
     """
     pid = tl.program_id(0)
     r0, r, row_ok, r_ld, a_blk, j0, cn, col_ok, c_ld, b_blk = strip_tile(
@@ -152,13 +308,26 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, g_a_ptr, g_b
     s = tl.load(scale_ptr).to(tl.float32)
     s2 = s * LOG2E
     # -- compute tile --: base-2 logits, then s * dX.
-    x = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32) * s2
-    lse_a = tl.load(lse_a_ptr + row_start + r0 + r_ld).to(tl.float32) * LOG2E
-    g_a = tl.load(g_a_ptr + row_start + r0 + r_ld).to(tl.float32)
+    dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
+    row0 = row_start + r0
+    lse_a = tl.load(lse_a_ptr + row0 + r_ld).to(tl.float32) * LOG2E
+    g_a = tl.load(g_a_ptr + row0 + r_ld).to(tl.float32)
+    o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
     lse_b = tl.load(lse_b_ptr + j0 + c_ld).to(tl.float32) * LOG2E
     g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32)
-    p = g_a[:, None] * tl.exp2(x - lse_a[:, None]) + g_b[None, :] * tl.exp2(x - lse_b[None, :])
+    o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
     ok = row_ok[:, None] & col_ok[None, :]
-    p = tl.where(ok, p, 0.0)
-    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * x, 1), 0) / s2)
+    p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, False)
+    ds_row = tl.zeros((BM,), dtype=tl.float32)
+    if HAS_DIAG:
+        if _near_diag(row0, j0, BM, BN):
+            g_d = tl.load(g_d_ptr + row0 + r_ld).to(tl.float32)
+            d_ii = _positive_dx(lse_a, g_a, g_d, lse_b_ptr, g_b_ptr, row0 + r_ld, 1.0)
+            g_bd = tl.load(g_b_ptr + row0 + r_ld).to(tl.float32)
+            e_o = ((g_a + g_bd) - g_d) * o_a * s2
+            d_vec = tl.zeros((BM,), dtype=tl.float32)
+            p, q, d_vec, ds_row = _take_positives(p, q, d_ii, e_o, row0 + r, j0 + cn, row_ok, j0, d_vec, ds_row, BN)
+            has = row_ok & (row0 + r >= j0) & (row0 + r < j0 + BN)  # each row's diagonal is in one tile
+            tl.store(dv_ptr + r0 + r, d_vec * s, mask=has)
+    tl.store(ds_ptr + pid, tl.sum(tl.sum(q, 1) + ds_row, 0) / s2)
     store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)

@@ -2,7 +2,8 @@
 
 ``lse_forward`` (both LSEs, partial buffers capped at 32 MB), ``grad_rows`` (fused
 backward of one direction) and ``grad_rows_strips`` (strip backward: s * dX for R rows
-into a 48 MB scratch, then a cuBLAS product) take plain tensors and explicit configs; ``pick_config``
+into a 48 MB + 768 B x b scratch, then a cuBLAS product) take plain tensors and explicit
+configs; ``pick_config``
 chooses a config per problem class (feature dim, dtype, precision, size bucket) by timing
 the candidates once on the GPU (under ``TRITON_INTERPRET=1`` or with
 ``INFCLIP_TRITON_TUNE=0`` it takes the first candidate that fits).
@@ -93,10 +94,8 @@ def bwd_candidates(k: int, esize: int) -> list[BwdConfig]:
     c = 512; the resident row block 206-217; 64x64, BK 32/128, 16 warps, DC = 256 and the
     flattened loop were slower."""
     kp = _pow2(k)
-    if interpreting():
-        if kp <= 256:
-            return [BwdConfig(32, 32, 32, kp, True)]
-        return [BwdConfig(32, 32, 32, 128, False)]
+    if interpreting():  # streamed in the forward's K chunks: the same fp32 dot products as the forward
+        return [BwdConfig(32, 32, 32, min(kp, 256), False)]
     if esize == 4:
         cands = [BwdConfig(64, 64, 32, min(kp, 256), False, 8, 2), BwdConfig(64, 32, 32, min(kp, 128), False, 4, 2)]
     else:
@@ -119,13 +118,28 @@ class StripConfig:
     num_stages: int = 3
 
 
-STRIP_BUDGET_BYTES = 48 << 20  # the strip path's scratch (s * dX for R rows), fixed, any b
+# The loss's extra-memory rule: at most the two feature gradients + 1 KB x b + 64 MB. The
+# strip scratch (s * dX for R rows, input dtype) takes 48 MB + 768 B per column of the
+# block: R = 384 + 48 MB / (2 b) rows in bf16 at any b (768 at 64k, 576 -> 512 at 128k,
+# 408 -> 384 at 1M), so the strip path serves every b (the fused kernel, at 18-27 % of
+# peak past 64k, was the cliff). The rest of the rule's room: the positives' fp32 product
+# temporary (R x c fp32, <= 16 MB, see ``strip_rows``), partial LSEs (<= 32 MB, forward
+# only) and O(b) vectors (~40 B x b).
+STRIP_BUDGET_BYTES = 48 << 20  # fixed part of the strip scratch
+STRIP_BYTES_PER_COLUMN = 768  # O(b) part of the strip scratch
+STRIP_TEMP_BYTES = 16 << 20  # cap on the fp32 (R, c) product temporary of the positives' fixup
 STRIP_MIN_ROWS = 384  # below this cuBLAS's (R, n) @ (n, c) product gets too skinny to pay
 
 
-def strip_rows(n: int, esize: int, budget: int | None = None) -> int:
-    """Rows per strip that fit the scratch budget (a multiple of 128 when >= 128)."""
-    rows = (STRIP_BUDGET_BYTES if budget is None else budget) // (esize * max(n, 1))
+def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0) -> int:
+    """Rows per strip that fit the scratch budget, 48 MB + 768 B x n by default (a multiple
+    of 128 when >= 128), and keep an fp32 (rows, k) temporary within 16 MB."""
+    n = max(n, 1)
+    if budget is None:
+        budget = STRIP_BUDGET_BYTES + STRIP_BYTES_PER_COLUMN * n
+    rows = budget // (esize * n)
+    if k:
+        rows = min(rows, max(STRIP_TEMP_BYTES // (4 * k), STRIP_MIN_ROWS))
     return rows // 128 * 128 if rows >= 128 else rows
 
 
@@ -139,36 +153,60 @@ def strip_candidates(k: int, esize: int) -> list[StripConfig]:
     return [StripConfig(128, 256, 64, 8, 8, 3), StripConfig(128, 128, 64, 8, 8, 4), StripConfig(256, 128, 64, 8, 8, 3)]
 
 
+def _vecs(a: Tensor, off_a: Tensor | None, off_b: Tensor | None, g_d: Tensor | None):
+    """(off_a, off_b, g_d) pointers for the kernels (a dummy where absent) and the flags."""
+    has_off = off_a is not None
+    if has_off != (off_b is not None):
+        raise ValueError("give both offsets (rows and columns) or neither")
+    if g_d is not None and not has_off:
+        raise ValueError("g_d (the positives) needs the offsets: the positives' dot products")
+    dummy = g_d if g_d is not None else (off_a if has_off else torch.empty(1, device=a.device))
+    return (off_a if has_off else dummy, off_b if has_off else dummy, g_d if g_d is not None else dummy,
+            dict(HAS_OFF=has_off, HAS_DIAG=g_d is not None))
+
+
 def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
                      g_b: Tensor, out: Tensor, rows: int, cfg: StripConfig, prec: str,
-                     alloc=torch.empty, g_d: Tensor | None = None) -> Tensor:
+                     alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
+                     off_b: Tensor | None = None) -> Tensor:
     """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
-    dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype. g_d: as in
-    ``grad_rows`` (applied to each strip after its product)."""
+    dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype. g_d, off_a,
+    off_b: as in ``grad_rows``."""
     k, n = a.shape[1], b.shape[0]
+    o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d)
+
+    d_vec = alloc(min(rows, a.shape[0]), device=a.device, dtype=torch.float32) if g_d is not None else scale
 
     def fill(r0: int, r: int, scratch: Tensor) -> Tensor:
         grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
         ds_part = torch.empty(grid, device=a.device, dtype=torch.float32)
         _dx_strip_kernel[(grid,)](
-            a, b, scale, lse_a, lse_b, g_a, g_b, scratch, ds_part, r, r0, n, k,
+            a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, n, k,
             a.stride(0), b.stride(0), scratch.stride(0),
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, EVEN_K=k % cfg.BK == 0, PREC=prec,
-            DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
         return ds_part.sum()
 
-    def positives(r0: int, r: int) -> None:  # out_i -= s * g_d_i * b_i (square block pair)
-        out[r0:r0 + r] -= ((scale * g_d[r0:r0 + r])[:, None] * b[r0:r0 + r].float()).to(out.dtype)
+    def positives(r0: int, r: int, prod: Tensor) -> None:  # + s dX_ii b_i, fp32, before the rounding
+        prod.addcmul_(d_vec[:r, None], b[r0:r0 + r])
 
     return strip_backward(a, b, out, rows, False, fill, alloc, positives if g_d is not None else None)
 
 
 def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
-                alloc=torch.empty) -> tuple[Tensor, Tensor]:
-    """(row_lse (M,), col_lse (N,)) fp32 over the block pair (a, b); partial buffers <= 32 MB."""
+                alloc=torch.empty, off_a: Tensor | None = None, off_b: Tensor | None = None,
+                diag: bool = False) -> tuple[Tensor, Tensor]:
+    """(row_lse (m,), col_lse (n,)) fp32 over the block pair (a, b); partial buffers <= 32 MB.
+
+    off_a (m,), off_b (n,) fp32: the LSEs come out relative to s * off (computed from
+    s (<a_i, b_j> - off)); diag (square pair, off_a is off_b): the diagonal's dot products
+    are taken to be the offsets (the positives' <a_i, b_i>, see the kernels' docs)."""
     m, k = a.shape
     n = b.shape[0]
+    o_a, o_b, _, flags = _vecs(a, off_a, off_b, None)
+    if diag and not (flags["HAS_OFF"] and m == n):
+        raise ValueError(f"diag needs a square block pair and the offsets, got {m} x {n}")
     nrb = cdiv(m, cfg.BM)
     chunk = max(cfg.BN, PART_BUDGET_BYTES // (4 * nrb) // cfg.BN * cfg.BN)
     row_lse, col_lse = None, alloc(n, device=a.device, dtype=torch.float32)
@@ -179,9 +217,9 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
         row_part = alloc(splits, m, device=a.device, dtype=torch.float32)
         col_part = alloc(nrb, length, device=a.device, dtype=torch.float32)
         _lse_fwd_kernel[(nrb, splits)](
-            a, b, scale, row_part, col_part, m, n, k, a.stride(0), b.stride(0), c0, c1, per, length,
-            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=k % cfg.BK == 0, PREC=prec,
-            DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            a, b, scale, o_a, o_b, row_part, col_part, m, n, k, a.stride(0), b.stride(0), c0, c1, per, length,
+            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=k % cfg.BK == 0, HAS_OFF=flags["HAS_OFF"], HAS_DIAG=diag,
+            PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         part = torch.logsumexp(row_part, 0)
         row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)
@@ -191,24 +229,40 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
 
 def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
               g_b: Tensor, out: Tensor, accumulate: bool, compute_ds: bool, cfg: BwdConfig,
-              prec: str, g_d: Tensor | None = None) -> Tensor | None:
+              prec: str, g_d: Tensor | None = None, off_a: Tensor | None = None,
+              off_b: Tensor | None = None, threshold: float | None = None,
+              kept: list | None = None) -> Tensor | None:
     """out (+)= s * dX @ b for the rows of ``a``; returns ds (0-d fp32) if ``compute_ds``.
 
-    g_d (square block pair only): out_i -= s * g_d_i * b_i, the positive-pair term of the
-    CLIP loss (its ds share is left to the caller)."""
+    off_a (m,), off_b (n,): lse_a / lse_b are relative to s * off (see ``lse_forward``).
+    g_d (m,) (square block pair, with the offsets = the positives' dot products): the
+    gradient of -sum_i g_d_i x_ii, folded into dX_ii in fp32 (ds includes it).
+    threshold (gradient filtering; None: off): tiles whose softmax entries are all below it
+    skip their update product; ``kept`` = [kept tiles (0-d tensor), all tiles (int)] is
+    incremented."""
     m, k = a.shape
     n = b.shape[0]
     if cfg.resident and cfg.DC < k:
         raise ValueError(f"resident config needs DC >= K, got DC={cfg.DC}, K={k}")
-    gnorm = torch.maximum(g_a.abs().max(), g_b.abs().max()).float().clamp_min(1e-30)
+    o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d)
+    gnorm = torch.maximum(g_a.abs().max(), g_b.abs().max())
+    if g_d is not None:
+        gnorm = torch.maximum(gnorm, g_d.abs().max())
+    gnorm = gnorm.float().clamp_min(1e-30)
     nrb, ncb = cdiv(m, cfg.BM), cdiv(k, cfg.DC)
     ds_part = torch.empty(nrb * ncb if compute_ds else 1, device=a.device, dtype=torch.float32)
-    args = (a, b, scale, gnorm, lse_a, lse_b, g_a, g_b, g_a if g_d is None else g_d, out, ds_part,
+    filt = threshold is not None
+    kept_part = torch.empty(nrb * ncb if filt else 1, device=a.device, dtype=torch.int32)
+    log2_thr = math.log2(threshold) if filt and threshold > 0 else float("-inf")
+    args = (a, b, scale, gnorm, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, out, ds_part, kept_part, log2_thr,
             m, n, k, a.stride(0), b.stride(0), out.stride(0))
     meta = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DC=cfg.DC, EVEN_K=k % cfg.BK == 0, ACCUM=accumulate,
-                COMPUTE_DS=compute_ds, HAS_DIAG=g_d is not None, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                COMPUTE_DS=compute_ds, FILTER=filt, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **flags)
     _grad_kernel[(nrb, ncb)](*args, RESIDENT=cfg.resident, **meta)
+    if filt and kept is not None:  # running counts, on the device (no host sync)
+        kept[0] = kept[0] + kept_part.sum()
+        kept[1] += nrb * ncb * cdiv(n, cfg.BN)
     return ds_part.sum() if compute_ds else None
 
 

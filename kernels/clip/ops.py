@@ -7,8 +7,11 @@ Protocol (same as ``TorchTileOps``), with x_ij = s * <img_i, txt_j>:
         -> (dimg (m, c), dtxt (n, c), dscale 0-d) fp32; row_lse/col_lse are the final
         (global) LSEs; accumulates into dimg/dtxt when given.
     Extensions: ``out_dtype`` (fresh gradients written directly in, e.g., the input
-    dtype; ``writes_out_dtype`` advertises it) and ``g_diag`` (the positive-pair term of a
-    square block, used by ``fused_loss``).
+    dtype; ``writes_out_dtype`` advertises it); ``offsets = (o_row (m,), o_col (n,))``
+    (dot products: the LSEs are taken and returned relative to s * o) with ``diag`` /
+    ``g_diag`` (the square block pair holding the CLIP positives, whose dot products are
+    the offsets; g_diag: the gradient of -sum_i g_diag_i x_ii, folded into dX in fp32) --
+    as ``infclip.loss.tiled.TorchTileOps``.
 ``scale`` stays on the device (read by the kernels through a pointer: no host sync).
 """
 
@@ -18,7 +21,6 @@ import torch
 from torch import Tensor
 
 from . import launch
-from .reference import row_dot
 
 PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
 
@@ -33,15 +35,22 @@ class TritonTileOps:
             tensor cores with fp32 accumulation.
         poison: fill every buffer the kernels must write with NaN first (tests).
         strips: backward path. "auto" takes the strip path (scratch s * dX for a strip of
-            rows, then cuBLAS) for fresh bf16 gradients when a strip of at least
-            ``launch.STRIP_MIN_ROWS`` rows fits the 48 MB scratch (b <= 64k); otherwise the
+            rows, then cuBLAS) for fresh bf16 gradients on CUDA: its scratch of 48 MB + 768 B
+            x b (``launch.strip_rows``) holds at least ``launch.STRIP_MIN_ROWS`` rows at
+            every b, so the extra memory stays within the rule (the two feature gradients
+            + 1 KB x b + 64 MB). Otherwise (fp32/fp16, accumulating into a buffer) the
             fused kernel (fp32 accumulator in registers). "always"/"never" force one.
     """
 
     name = "triton"
     writes_out_dtype = True  # backward(..., out_dtype=img.dtype) writes fresh grads directly
 
-    def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto"):
+    def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
+                 grad_filter: tuple[float, int] | None = None):
+        if grad_filter is not None and (grad_filter[0] < 0 or grad_filter[1] < 1):
+            raise ValueError(f"grad_filter must be (eps >= 0, columns >= 1), got {grad_filter}")
+        self.threshold = None if grad_filter is None else grad_filter[0] / grad_filter[1]
+        self.kept: list = [0, 0]  # [kept tiles (0-d tensor), all tiles], summed over filtered backwards
         if fp32_precision not in PRECISIONS:
             raise ValueError(f"fp32_precision must be one of {sorted(PRECISIONS)}, got {fp32_precision!r}")
         if strips not in ("auto", "always", "never"):
@@ -58,13 +67,18 @@ class TritonTileOps:
             return torch.full(shape, float("nan"), device=device, dtype=dtype)
         return torch.empty(*shape, device=device, dtype=dtype)
 
-    def forward(self, img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
-        """(row_lse (m,), col_lse (n,)) fp32 over the block pair (img, txt)."""
+    def forward(self, img: Tensor, txt: Tensor, scale: Tensor, offsets=None, diag: bool = False
+                ) -> tuple[Tensor, Tensor]:
+        """(row_lse (m,), col_lse (n,)) fp32 over the block pair (img, txt), relative to
+        s * offsets when given; ``diag``: the positives' dot products are the offsets."""
         img, txt, scale = _prep(img, txt, scale)
         prec = self._prec(img)
+        o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
 
         def run(cfg, a, b):
-            return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc)
+            sub = (o_row[:a.shape[0]], o_col[:b.shape[0]]) if o_row is not None else (None, None)
+            return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc, off_a=sub[0], off_b=sub[1],
+                                      diag=diag and a.shape[0] == b.shape[0])
 
         cfg = launch.pick_config("fwd", img, txt, prec,
                                  launch.fwd_candidates(img.shape[1], img.element_size()), run)
@@ -73,12 +87,14 @@ class TritonTileOps:
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
                  g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,
                  dtxt: Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                 g_diag: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 g_diag: Tensor | None = None, offsets=None) -> tuple[Tensor, Tensor, Tensor]:
         """(dimg, dtxt, dscale); fresh outputs are ``out_dtype`` (fp32 by the protocol).
 
-        g_diag (m,) (square block pair of matching rows only): also the gradient of
-        -sum_i g_diag_i x_ii, added to each fp32 result row before its single rounding."""
+        offsets: row_lse / col_lse are relative to s * offsets (as ``forward``). g_diag (m,)
+        (square block pair, offsets = the positives' dot products): the gradient of
+        -sum_i g_diag_i x_ii, folded into dX_ii in fp32 before any rounding (ds too)."""
         img, txt, scale = _prep(img, txt, scale)
+        o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
         vecs = [v.float().contiguous() for v in (row_lse, col_lse, g_row, g_col)]
         row_lse, col_lse, g_row, g_col = vecs
         prec = self._prec(img)
@@ -86,13 +102,14 @@ class TritonTileOps:
         dimg = self._out(dimg, img, out_dtype)
         dtxt = self._out(dtxt, txt, out_dtype)
         if g_diag is not None:
-            if img.shape[0] != txt.shape[0]:
-                raise ValueError(f"g_diag needs a square block pair, got {img.shape[0]} x {txt.shape[0]}")
+            if img.shape[0] != txt.shape[0] or o_row is None:
+                raise ValueError(f"g_diag needs a square block pair ({img.shape[0]} x {txt.shape[0]}) and "
+                                 "the offsets (the positives' dot products)")
             g_diag = g_diag.float().contiguous()
-        ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec, g_diag)
-        self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, prec, g_diag)
-        if g_diag is not None:  # d/ds of -sum_i g_diag_i s <img_i, txt_i>
-            ds = ds - (g_diag * row_dot(img, txt)).sum()
+        ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec, g_diag,
+                        o_row, o_col)
+        self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, prec, g_diag,
+                   o_col, o_row)
         return dimg, dtxt, ds
 
     def fused_loss(self, img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
@@ -101,17 +118,23 @@ class TritonTileOps:
 
         return TritonCLIPLoss.apply(img, txt, scale, self)
 
-    def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec, g_d=None):
+    def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec, g_d=None,
+              off_a=None, off_b=None):
         """out (+)= s * dX @ b for the rows of a; returns ds when ``compute_ds``."""
-        rows = launch.strip_rows(b.shape[0], a.element_size())
+        rows = launch.strip_rows(b.shape[0], a.element_size(), k=a.shape[1])
+        vecs = dict(g_d=g_d, off_a=off_a, off_b=off_b)
+        if self.threshold is not None:
+            cfg = self._bwd_cfg(a, b, prec, scale)
+            return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
+                                    threshold=self.threshold, kept=self.kept, **vecs)
         if self._use_strips(a, out, accumulate, rows):
             cfg = self._strip_cfg(a, b, prec, scale, rows)
             ds = launch.grad_rows_strips(a, b, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec,
-                                         alloc=self._alloc, g_d=g_d)
+                                         alloc=self._alloc, **vecs)
             return ds if compute_ds else None
         cfg = self._bwd_cfg(a, b, prec, scale)
         return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
-                                g_d)
+                                **vecs)
 
     def _use_strips(self, a: Tensor, out: Tensor, accumulate: bool, rows: int) -> bool:
         fits = not accumulate and out.dtype == a.dtype and out.is_contiguous() and rows >= 1
@@ -153,6 +176,16 @@ class TritonTileOps:
 
         cands = launch.bwd_candidates(a.shape[1], a.element_size())
         return launch.pick_config("bwd", a, b, prec, cands, run) if m and n else cands[0]
+
+
+def _offsets(offsets, m: int, n: int) -> tuple[Tensor | None, Tensor | None]:
+    """(o_row (m,), o_col (n,)) contiguous fp32, or (None, None)."""
+    if offsets is None:
+        return None, None
+    o_row, o_col = offsets
+    if o_row.shape != (m,) or o_col.shape != (n,):
+        raise ValueError(f"offsets must be ({m},) and ({n},), got {tuple(o_row.shape)} and {tuple(o_col.shape)}")
+    return o_row.detach().float().contiguous(), o_col.detach().float().contiguous()
 
 
 def _prep(img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -18,25 +18,86 @@ ds = sum dX_ij <A_i, B_j>. The logits are recomputed with ``tiles.dot_stream``.
 Strip backward (``_masked_strip_kernel``): P = s * dX for a strip of rows into a bounded
 scratch (and its ds shares); cuBLAS then forms out[strip] = P @ B
 (``infclip.kernels.launching.strip_backward``).
+
+Positives (HAS_POS, the own block only; see ``infclip.loss.nt_xent``): row i's positive is
+column pos(i) = (i + half) mod 2 half. As in the CLIP kernels, the owner side's offsets o
+(the positives' dot products <F_i, F_pos(i)>, one fp32 vector; HAS_OFF) shift every
+logit, so the LSEs are relative to s o and LSE_j x_ij - x_i,pos(i) is formed without
+cancellation; the positives' dot products are *defined* as o, and the backward folds the
+positive term into dX in fp32: dX_i,pos(i) = g_i (p - 1) = g_i expm1(-lse_i). That entry
+is kept out of the 16-bit product: it goes to a per-row vector and s dX B_pos(i) is added
+in fp32.
 """
 
 import triton
 import triton.language as tl
 
+from ..clip.kernels import _expm1, _load_vec
 from ..tiles import LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_tile, update_rows
 
 
 @triton.jit
-def _masked_dx(x, lse_a, g_a, lse_ptr, g_ptr, j0, c_ld, live, LSE_ON_A: tl.constexpr):
-    """dX = g_k exp(x - lse_k) (base-2 x and lse), k the side that owns the softmax (the rows'
-    vectors lse_a / g_a given, the columns' loaded at j0 + c_ld); zero where not ``live``."""
+def _positive_mask(rows, cols, row0, j0, half, BM: tl.constexpr, BN: tl.constexpr):
+    """(any, mask): whether the tile holds a positive (i, (i + half) mod 2 half) and where."""
+    lo = row0 + half
+    hi = lo + BM
+    near = ((j0 < hi) & (j0 + BN > lo)) | ((j0 < hi - 2 * half) & (j0 + BN > lo - 2 * half))
+    return near, cols[None, :] == (rows[:, None] + half) % (2 * half)
+
+
+@triton.jit
+def _pos_dots(dot, o_row, rows, cols, row0, j0, half, BM: tl.constexpr, BN: tl.constexpr, HAS_POS: tl.constexpr):
+    """dot with the positives' entries replaced by the offsets o_row (HAS_POS)."""
+    if HAS_POS:
+        near, on = _positive_mask(rows, cols, row0, j0, half, BM, BN)
+        if near:
+            dot = tl.where(on, o_row[:, None], dot)
+    return dot
+
+
+@triton.jit
+def _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live, rows, cols, row0, half,
+               BM: tl.constexpr, BN: tl.constexpr, LSE_ON_A: tl.constexpr, HAS_OFF: tl.constexpr,
+               HAS_POS: tl.constexpr):
+    """dX = g_k exp(x - lse_k) (base-2 lse; x = s2 (dot - o_k) with HAS_OFF), k the side that
+    owns the softmax (the rows' vectors given, the columns' loaded at j0 + c_ld); on the
+    positives (HAS_POS) g_k expm1(-lse_k): the positive term folded in fp32. Zero where
+    not ``live``. Returns (p, x): sum p x / s2 is the tile's share of d scale, which drops
+    o_k g_k sum (P - [positive]) = 0 (each softmax sums to 1), so it does not depend on the
+    backward recomputing the forward's dot products bit for bit."""
     if LSE_ON_A:
+        x = dot * s2
+        if HAS_OFF:
+            x = (dot - o_a[:, None]) * s2
         p = g_a[:, None] * tl.exp2(x - lse_a[:, None])
+        if HAS_POS:
+            near, on = _positive_mask(rows, cols, row0, j0, half, BM, BN)
+            if near:
+                p = tl.where(on, g_a[:, None] * _expm1(-lse_a[:, None] * LN2), p)
     else:
         lse_b = tl.load(lse_ptr + j0 + c_ld).to(tl.float32) * LOG2E
         g_b = tl.load(g_ptr + j0 + c_ld).to(tl.float32)
+        x = dot * s2
+        if HAS_OFF:
+            o_b = tl.load(off_ptr + j0 + c_ld).to(tl.float32)
+            x = (dot - o_b[None, :]) * s2
         p = g_b[None, :] * tl.exp2(x - lse_b[None, :])
-    return tl.where(live, p, 0.0)
+        if HAS_POS:
+            near, on = _positive_mask(rows, cols, row0, j0, half, BM, BN)
+            if near:
+                p = tl.where(on, g_b[None, :] * _expm1(-lse_b[None, :] * LN2), p)
+    return tl.where(live, p, 0.0), x
+
+
+@triton.jit
+def _split_pos(p, d_vec, rows, cols, row0, j0, half, BM: tl.constexpr, BN: tl.constexpr, HAS_POS: tl.constexpr):
+    """(p with the positives zeroed, d_vec + their dX per row) (HAS_POS)."""
+    if HAS_POS:
+        near, on = _positive_mask(rows, cols, row0, j0, half, BM, BN)
+        if near:
+            d_vec += tl.sum(tl.where(on, p, 0.0), 1)
+            p = tl.where(on, 0.0, p)
+    return p, d_vec
 
 
 @triton.jit
@@ -53,16 +114,18 @@ def _row_vectors(lse_ptr, g_ptr, idx, BM: tl.constexpr, LSE_ON_A: tl.constexpr):
 
 
 @triton.jit
-def _masked_lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, part_ptr, M, N, K, stride_a, stride_b, diag,
-                           cols_per_split,
+def _masked_lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_ptr, part_ptr, M, N, K, stride_a, stride_b, diag,
+                           cols_per_split, half,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                           PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                           HAS_OFF: tl.constexpr, HAS_POS: tl.constexpr, PREC: tl.constexpr,
+                           DOT_F32: tl.constexpr):
     """part[pid_s, rows]: LSE over the split's unmasked columns (-inf for a row with none)."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     s2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
     row0, r, row_ok, r_ld, a_blk = row_block(pid_m, M, a_ptr, stride_a, BM)
     rows = row0 + r
+    o_a = _load_vec(off_ptr, row0 + r_ld, HAS_OFF, BM)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     lo = pid_s * cols_per_split
@@ -70,7 +133,11 @@ def _masked_lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, part_ptr, M, N, K, stride_a,
     for j0 in range(lo, hi, BN):
         cn, col_ok, c_ld, b_blk = col_tile(j0, hi, b_ptr, stride_b, BN)
         # -- compute tile --: masked base-2 logits, online max / rescaled sum.
-        x = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32) * s2
+        dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
+        dot = _pos_dots(dot, o_a, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
+        x = dot * s2
+        if HAS_OFF:
+            x = (dot - o_a[:, None]) * s2
         live = col_ok[None, :] & ((rows[:, None] - (j0 + cn)[None, :]) != diag)
         x = tl.where(live, x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, 1))
@@ -81,11 +148,12 @@ def _masked_lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, part_ptr, M, N, K, stride_a,
 
 
 @triton.jit
-def _masked_grad_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, out_ptr, ds_ptr,
-                        M, N, K, stride_a, stride_b, stride_o, diag,
+def _masked_grad_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, off_ptr, out_ptr, ds_ptr,
+                        M, N, K, stride_a, stride_b, stride_o, diag, half,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
                         EVEN_K: tl.constexpr, LSE_ON_A: tl.constexpr, ACCUM: tl.constexpr,
-                        COMPUTE_DS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                        COMPUTE_DS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_POS: tl.constexpr,
+                        PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """out[rows, dcols] (+)= s * sum_j dX_ij B_j[dcols]; ds_part[program] = its ds share."""
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -94,31 +162,42 @@ def _masked_grad_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, out_ptr, ds_ptr
     row0, r, row_ok, r_ld, a_blk = row_block(pid_m, M, a_ptr, stride_a, BM)
     rows = row0 + r
     lse_a, g_a = _row_vectors(lse_ptr, g_ptr, row0 + r_ld, BM, LSE_ON_A)
+    o_a = _load_vec(off_ptr, row0 + r_ld, HAS_OFF, BM)
     d = pid_c * DC + tl.arange(0, DC)
     d_ok = d < K
     acc = tl.zeros((BM, DC), dtype=tl.float32)
     ds_row = tl.zeros((BM,), dtype=tl.float32)
+    d_vec = tl.zeros((BM,), dtype=tl.float32)
     for j0 in range(0, N, BN):
         cn, col_ok, c_ld, b_blk = col_tile(j0, N, b_ptr, stride_b, BN)
         dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
         # -- compute tile --: dX = g exp(x - lse) of the side that owns the softmax; masked.
         live = row_ok[:, None] & col_ok[None, :] & ((rows[:, None] - (j0 + cn)[None, :]) != diag)
-        p = _masked_dx(dot * s2, lse_a, g_a, lse_ptr, g_ptr, j0, c_ld, live, LSE_ON_A)
+        dot = _pos_dots(dot, o_a, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
+        p, x = _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live, rows, j0 + cn,
+                          row0, half, BM, BN, LSE_ON_A, HAS_OFF, HAS_POS)
         if COMPUTE_DS:
-            ds_row += tl.sum(p * dot, 1)
+            ds_row += tl.sum(p * x, 1)
+        p, d_vec = _split_pos(p, d_vec, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
         acc = update_rows(acc, p, b_blk, c_ld, d, d_ok, stride_b, PREC, DOT_F32)
     if COMPUTE_DS:
-        ds = tl.where(pid_c == 0, tl.sum(ds_row, 0), 0.0)  # every feature chunk saw all logits
+        ds = tl.where(pid_c == 0, tl.sum(ds_row, 0) / s2, 0.0)  # every feature chunk saw all logits
         tl.store(ds_ptr + pid_m * tl.num_programs(1) + pid_c, ds)
-    store_rows(out_ptr, acc * s, row0, r, row_ok, d, d_ok, stride_o, ACCUM)
+    res = acc * s
+    if HAS_POS:  # + s dX_i,pos(i) B_pos(i) in fp32
+        pos = (row0 + r_ld + half) % (2 * half)
+        b_p = tl.load(b_ptr + pos[:, None].to(tl.int64) * stride_b + d[None, :], mask=d_ok[None, :],
+                      other=0.0).to(tl.float32)
+        res += (d_vec * s)[:, None] * b_p
+    store_rows(out_ptr, res, row0, r, row_ok, d, d_ok, stride_o, ACCUM)
 
 
 @triton.jit
-def _masked_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, p_ptr, ds_ptr,
-                         R, row_start, N, K, stride_a, stride_b, stride_p, diag,
+def _masked_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, off_ptr, p_ptr, ds_ptr, dv_ptr,
+                         R, row_start, N, K, stride_a, stride_b, stride_p, diag, half,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
-                         EVEN_K: tl.constexpr, LSE_ON_A: tl.constexpr, PREC: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+                         EVEN_K: tl.constexpr, LSE_ON_A: tl.constexpr, HAS_OFF: tl.constexpr,
+                         HAS_POS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """P[i, j] = s * dX[row_start + i, j] for a strip of R rows (input dtype);
     ds_part[program] = its share of sum dX_ij <A_i, B_j> from the fp32 dX."""
     pid = tl.program_id(0)
@@ -129,9 +208,19 @@ def _masked_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, p_ptr, ds_ptr,
     rows = row_start + r0 + r
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
     # -- compute tile --: s * dX and its ds share.
-    lse_a, g_a = _row_vectors(lse_ptr, g_ptr, row_start + r0 + r_ld, BM, LSE_ON_A)
+    row0 = row_start + r0
+    lse_a, g_a = _row_vectors(lse_ptr, g_ptr, row0 + r_ld, BM, LSE_ON_A)
+    o_a = _load_vec(off_ptr, row0 + r_ld, HAS_OFF, BM)
     ok = row_ok[:, None] & col_ok[None, :]
     live = ok & ((rows[:, None] - (j0 + cn)[None, :]) != diag)
-    p = _masked_dx(dot * s2, lse_a, g_a, lse_ptr, g_ptr, j0, c_ld, live, LSE_ON_A)
-    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * dot, 1), 0))
+    dot = _pos_dots(dot, o_a, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
+    p, x = _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live, rows, j0 + cn, row0,
+                      half, BM, BN, LSE_ON_A, HAS_OFF, HAS_POS)
+    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * x, 1), 0) / s2)
+    if HAS_POS:  # positives to dv (s dX, fp32), for the host to add s dX B_pos in fp32
+        d_vec = tl.zeros((BM,), dtype=tl.float32)
+        p, d_vec = _split_pos(p, d_vec, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
+        pc = (rows + half) % (2 * half)
+        mine = row_ok & (pc >= j0) & (pc < j0 + BN)  # each row's positive is in one tile
+        tl.store(dv_ptr + r0 + r, d_vec * s, mask=mine)
     store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)

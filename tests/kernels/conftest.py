@@ -20,4 +20,5 @@ def small_strips(monkeypatch):
     from infclip.kernels.clip import launch
 
     monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 64 * 16)
+    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
     monkeypatch.setattr(launch, "STRIP_MIN_ROWS", 16)

@@ -192,6 +192,7 @@ def test_forward_kernel_variants(bk, m, n, c):
 def test_strip_backward_matches_float64(monkeypatch, m, n, c):
     """Strip path: s * dX for a few rows at a time into a scratch, then a GEMM per strip."""
     monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * max(m, n) * 40)  # 40-row strips
+    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
     a, b = _feats(m, c), _feats(n, c)
     s = torch.tensor(10.0, device=DEV)
     row, col = (v.float() for v in lse_pair_reference(a, b, s))
@@ -215,19 +216,82 @@ def test_strip_path_policy():
 
 @pytest.mark.parametrize("strips", ["never", "always"])
 def test_positive_pair_gradient_folded_into_dx(strips):
-    """g_diag: the backward of sum g_row.row_lse + g_col.col_lse - sum g_diag_i x_ii."""
+    """g_diag: the backward of sum g_row.row_lse + g_col.col_lse - sum g_diag_i x_ii, with
+    the LSEs relative to the offsets s <a_i, t_i> (the positives' dot products)."""
     b, c = 37, 200
     a, t = _feats(b, c), _feats(b, c)
     s = torch.tensor(10.0, device=DEV)
-    row, col = (v.float() for v in lse_pair_reference(a, t, s))
+    pos = (a * t).sum(-1)
+    row, col = (v.float() - s * pos for v in lse_pair_reference(a, t, s))
     g_row, g_col, g_d = (torch.randn(b, device=DEV) for _ in range(3))
     ops = TritonTileOps(poison=True, strips=strips)
-    dimg, dtxt, ds = ops.backward(a, t, s, row, col, g_row, g_col, g_diag=g_d)
+    dimg, dtxt, ds = ops.backward(a, t, s, row, col, g_row, g_col, g_diag=g_d, offsets=(pos, pos))
     ref_a, ref_b, ref_ds = lse_grad_reference(a, t, s, g_row, g_col)
     ref_a = ref_a - s.double() * g_d.double()[:, None] * t.double()
     ref_b = ref_b - s.double() * g_d.double()[:, None] * a.double()
     ref_ds = ref_ds - (g_d.double() * (a.double() * t.double()).sum(-1)).sum()
     assert _rel(dimg, ref_a) < 1e-5 and _rel(dtxt, ref_b) < 1e-5
     assert abs(ds.item() - ref_ds.item()) < 1e-5 * max(1.0, abs(ref_ds.item()))
+    with pytest.raises(ValueError, match="offsets"):
+        ops.backward(a, t, s, row, col, g_row, g_col, g_diag=g_d)
     with pytest.raises(ValueError, match="square"):
-        ops.backward(a, t[:5], s, row, col[:5], g_row, g_col[:5], g_diag=g_d)
+        ops.backward(a, t[:5], s, row, col[:5], g_row, g_col[:5], g_diag=g_d, offsets=(pos, pos[:5]))
+
+
+@pytest.mark.parametrize("c", [512, 768, 1024])
+def test_strip_path_fits_the_memory_rule_at_every_b(c):
+    """Issue 15 item 2: the bf16 strip backward (the fast path) gets >= STRIP_MIN_ROWS rows
+    at every b, and its scratch + fp32 fixup temporary + O(b) vectors stay within the
+    loss's rule of 1 KB x b + 64 MB beyond the two feature gradients."""
+    for b in (1024, 8192, 16384, 65536, 131072, 262144, 1 << 20, 4 << 20):
+        rows = launch.strip_rows(b, 2, k=c)
+        assert rows >= min(b, launch.STRIP_MIN_ROWS), (b, c, rows)
+        extra = 2 * min(rows, b) * b + 4 * min(rows, b) * c + 64 * b  # scratch, temp, vectors
+        assert extra <= 1024 * b + (64 << 20), (b, c, rows, extra)
+
+
+def _filter_case(b: int, c: int, eps: float):
+    """(exact grads through the fused kernel, filtered grads, ops) of the CLIP loss on peaked
+    features (texts = perturbed images, s = 100: late training)."""
+    from infclip.loss.filtering import filtered_clip_loss
+
+    g = torch.Generator().manual_seed(9)
+    img = torch.nn.functional.normalize(torch.randn(b, c, generator=g), dim=-1)
+    txt = torch.nn.functional.normalize(img + 0.5 * torch.randn(b, c, generator=g) / c ** 0.5, dim=-1)
+    img, txt, s = img.to(DEV), txt.to(DEV), torch.tensor(100.0, device=DEV)
+    ops = TritonTileOps(poison=True, grad_filter=(eps, b))
+    out = []
+    for fn in (lambda *x: clip_loss_triton(*x, ops=TritonTileOps(strips="never")),
+               lambda *x: filtered_clip_loss(*x, eps=eps, impl="triton", ops=ops)):
+        xs = [v.clone().requires_grad_() for v in (img, txt, s)]
+        loss = fn(*xs)
+        loss.backward()
+        out.append((loss.detach(), *(v.grad for v in xs)))
+    return out, ops, (img, txt, s)
+
+
+def test_triton_grad_filter_off_at_eps_zero_is_exact():
+    """Issue 15 item 5: eps = 0 keeps every tile; the gradients equal the unfiltered ones bit for bit."""
+    (exact, got), ops, _ = _filter_case(96, 16, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(exact, got))
+    kept, total = int(ops.kept[0]), ops.kept[1]
+    assert kept == total > 0
+
+
+def test_triton_grad_filter_skips_tiles_within_the_bound():
+    """Peaked softmax: most tiles skip their update product; the gradients stay within the
+    documented bound (``infclip.loss.filtering.error_bound``); the loss value is exact."""
+    from infclip.loss.filtering import error_bound
+
+    b, eps = 256, 2 ** -7
+    (exact, got), ops, (img, txt, s) = _filter_case(b, 16, eps)
+    kept, total = int(ops.kept[0]), ops.kept[1]
+    assert kept < total / 2, (kept, total)
+    assert torch.equal(exact[0], got[0])
+    g = torch.full((b,), 0.5 / b, device=DEV)
+    bound = error_bound(img, txt, s, g, g, eps)
+    errs = ((got[1] - exact[1]).norm(dim=-1).max(), (got[2] - exact[2]).norm(dim=-1).max(),
+            (got[3] - exact[3]).abs())
+    for err, bnd in zip(errs, bound):
+        assert float(err) <= bnd + 1e-7, (float(err), bnd)
+    assert not torch.equal(exact[1], got[1])  # something was dropped

@@ -1,6 +1,8 @@
 """The SigLIP / NT-Xent Triton kernels compile for sm_90 (H100/H200) with the launch configs,
 ahead of time and without a GPU, and ptxas reports no register spills: catches what Triton's
 interpreter accepts but the compiler does not (dtypes, dot shapes, shared memory, registers).
+The CLIP kernels compile too, with every flag on (offsets, positives, filtering; their
+spills are reported, not asserted: the fused backward is known to spill a little).
 Runs in a subprocess without TRITON_INTERPRET."""
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("compiled")]
-    assert len(lines) == 6, proc.stdout
+    assert len(lines) == 6 + 3, proc.stdout
+    lines = lines[:6]  # SigLIP / NT-Xent (the CLIP kernels come last)
     assert all("0 bytes spill stores" in line for line in lines), "register spills:\n" + "\n".join(lines)
 
 
@@ -41,8 +44,12 @@ def _compile(fn, dtype: str, consts: dict, cfg) -> None:
     def kind(name: str) -> str:
         if name in consts:
             return "constexpr"
-        if name in ("a_ptr", "b_ptr", "p_ptr"):  # features and the strip scratch
+        if name in ("a_ptr", "b_ptr", "p_ptr", "out_ptr"):  # features, strip scratch, gradient
             return f"*{dtype}"
+        if name == "kept_ptr":
+            return "*i32"
+        if name == "log2_thr":
+            return "fp32"
         return "*fp32" if name.endswith("_ptr") else "i32"
 
     names = fn.arg_names
@@ -56,6 +63,26 @@ def _compile(fn, dtype: str, consts: dict, cfg) -> None:
                           capture_output=True, text=True, check=True).stderr
     spills = [line.strip() for line in info.splitlines() if "spill" in line]
     print("compiled", fn.__name__, dtype, *spills, flush=True)
+
+
+def _compile_clip() -> None:
+    """The CLIP kernels with the first (untimed) configs, bf16 (the training path; the fp32
+    ones share the code), every flag on."""
+    from infclip.kernels.clip import launch
+    from infclip.kernels.clip.kernels import _dx_strip_kernel, _grad_kernel, _lse_fwd_kernel
+
+    for dtype, esize, prec in (("bf16", 2, "tf32"),):
+        fwd, bwd = launch.fwd_candidates(K, esize)[0], launch.bwd_candidates(K, esize)[0]
+        strip = launch.strip_candidates(K, esize)[0]
+
+        def tile(cfg):
+            return dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=K % cfg.BK == 0, DOT_F32=False, PREC=prec,
+                        HAS_OFF=True, HAS_DIAG=True)
+
+        _compile(_lse_fwd_kernel, dtype, tile(fwd), fwd)
+        _compile(_grad_kernel, dtype, {**tile(bwd), "DC": bwd.DC, "RESIDENT": bwd.resident, "ACCUM": False,
+                                       "COMPUTE_DS": True, "FILTER": True}, bwd)
+        _compile(_dx_strip_kernel, dtype, {**tile(strip), "GROUP": strip.GROUP}, strip)
 
 
 def _main() -> None:
@@ -73,9 +100,11 @@ def _main() -> None:
         def tile(cfg):
             return dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=K % cfg.BK == 0, DOT_F32=False, PREC=prec)
 
-        _compile(fwd_k, dtype, tile(fwd), fwd)
-        _compile(grad_k, dtype, {**tile(bwd), "DC": bwd.DC, "ACCUM": True, "COMPUTE_DS": True, flag: False}, bwd)
-        _compile(strip_k, dtype, {**tile(strip), "GROUP": strip.GROUP, flag: True}, strip)
+        pos = {"HAS_OFF": True, "HAS_POS": True} if flag == "LSE_ON_A" else {}  # NT-Xent's positives
+        _compile(fwd_k, dtype, {**tile(fwd), **pos}, fwd)
+        _compile(grad_k, dtype, {**tile(bwd), "DC": bwd.DC, "ACCUM": True, "COMPUTE_DS": True, flag: False, **pos}, bwd)
+        _compile(strip_k, dtype, {**tile(strip), "GROUP": strip.GROUP, flag: True, **pos}, strip)
+    _compile_clip()
 
 
 if __name__ == "__main__":

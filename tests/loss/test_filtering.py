@@ -86,7 +86,9 @@ def test_filtered_clip_loss_value_exact_and_gradients_close():
     ys = [x.clone().requires_grad_() for x in (img, txt, s)]
     a = filtered_clip_loss(*xs, eps=2**-7, tile=64, block=64)
     b = clip_loss(*ys, impl="torch")
-    assert torch.allclose(a, b, rtol=1e-6, atol=0)
+    # loss ~ 2e-4: both are LSE_j x_ij - x_ii formed directly (no cancellation) but summed
+    # as log(1 + t) in fp32, so they agree to fp32's absolute 1e-7 (as vanilla would)
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
     a.backward()
     b.backward()
     _, g = backward_pair(TorchTileOps(), img, txt, s)
@@ -116,7 +118,7 @@ def case_ring():
         loss.backward()
         out.append((loss.detach(), *(x.grad for x in xs)))
     (la, dia, dta, dsa), (lb, dib, dtb, dsb) = out
-    assert torch.allclose(la, lb, rtol=1e-6, atol=0)
+    assert torch.allclose(la, lb, rtol=1e-6, atol=1e-7)  # as in the one-process test
     g = torch.full((64,), 0.5 / 64)  # each rank's local-mean loss: 1/(2m) per row/column
     bound = error_bound(img, txt, s, g.repeat(world), g.repeat(world), 2**-7)
     assert float((dia - dib).norm(dim=-1).max()) <= bound[0] + 1e-7

@@ -149,9 +149,9 @@ class SlowOps:
 
         self.inner, self.delay = TorchTileOps(tile=4), delay
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         time.sleep(self.delay)
-        return self.inner.forward(*args)
+        return self.inner.forward(*args, **kwargs)
 
     def backward(self, *args, **kwargs):
         time.sleep(self.delay)

@@ -6,7 +6,7 @@
     python data/build_shards.py /data/images --out /data/mine --resize 256 --workers 8
 
 Output: 00000.tar ... ({key}.jpg/.txt/.json), {shard}_stats.json, sizes.json, build_stats.json;
-train on it with  train.py data.kind=wds data.shards='/data/mine/{00000..000NN}.tar'.
+train on it with  train.py data.kind=wds "data.shards='/data/mine/{00000..000NN}.tar'".
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     n = report.shards
     if n:
         last = f"{n - 1:05d}"
-        print(f"train with: data.kind=wds data.shards='{a.out}/{{00000..{last}}}.tar'" if n > 1
-              else f"train with: data.kind=wds data.shards={a.out}/00000.tar")
+        spec = f"{a.out}/{{00000..{last}}}.tar" if n > 1 else f"{a.out}/00000.tar"
+        # double quotes for the shell, single quotes for Hydra (which rejects a bare '{')
+        print(f"train with: python train.py data.kind=wds \"data.shards='{spec}'\"")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,16 @@ def test_wrong_type_is_rejected():
         (["max_nonfinite=0"], 1, r"max_nonfinite must be > 0"),
         (["checkpoint.every_n_steps=-1"], 1, r"checkpoint.every_n_steps must be >= 0"),
         (["schedule.min_lr_ratio=2"], 1, r"schedule.min_lr_ratio must be in \[0, 1\]"),
+        (["optim.lr=inf"], 1, r"optim.lr=inf is not a finite number"),
+        (["optim.lr=nan"], 1, r"optim.lr=nan is not a finite number"),
+        (["optim.lr=-1e-3"], 1, r"optim.lr must be > 0"),
+        (["optim.beta2=1.0"], 1, r"optim.beta2 must be in \[0, 1\)"),
+        (["optim.beta1=-0.1"], 1, r"optim.beta1 must be in \[0, 1\)"),
+        (["optim.eps=0"], 1, r"optim.eps must be > 0"),
+        (["model.max_logit_scale=inf"], 1, r"model.max_logit_scale=inf is not a finite number"),
+        (["+optim.lrr=1"], 1, r"unknown config key 'optim.lrr'.*did you mean optim.lr\?"),
+        (["+foo=1"], 1, r"unknown config key 'foo'"),
+        (["+model.lock_imag=true"], 1, r"did you mean model.lock_image\?"),
     ],
 )
 def test_validation_names_key_and_fix(overrides, world, match, monkeypatch):
@@ -83,6 +93,26 @@ def test_bad_config_fails_before_model_work(tmp_path):
     assert proc.returncode != 0
     assert "batch.micro_size=100 must divide" in proc.stderr
     assert not run_dir.exists()
+
+
+def test_config_error_is_one_paragraph_without_traceback_unless_debug(tmp_path):
+    """``+optim.lrr=1`` (the fix Hydra's own message suggests for a typo) is refused before
+    any work, in one paragraph naming the nearest key; INFCLIP_DEBUG=1 adds the traceback."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(root / "train.py"), "+optim.lrr=1", f"run_dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "INFCLIP_DEBUG")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "did you mean optim.lr?" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 2, proc.stderr  # the paragraph + the debug hint
+    assert not run_dir.exists()
+    debug = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "INFCLIP_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "optim.lrr" in debug.stderr
 
 
 def test_eval_task_errors_name_the_task_key():

@@ -16,6 +16,13 @@ import argparse
 from infclip.data.build import BuildOptions, build_shards, rows_from, summarize
 
 
+def train_hint(out: str, shards: int) -> str:
+    """The command that trains on the shards, safe to paste into a shell: double quotes for
+    the shell (which would expand the braces), single quotes for Hydra (which rejects them bare)."""
+    spec = f"{out}/{{00000..{shards - 1:05d}}}.tar" if shards > 1 else f"{out}/00000.tar"
+    return f"python train.py data.kind=wds \"data.shards='{spec}'\""
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="a .csv/.tsv/.parquet table or an image folder with sidecar .txt captions")
@@ -38,10 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     print(summarize(report, a.out))
     n = report.shards
     if n:
-        last = f"{n - 1:05d}"
-        spec = f"{a.out}/{{00000..{last}}}.tar" if n > 1 else f"{a.out}/00000.tar"
-        # double quotes for the shell, single quotes for Hydra (which rejects a bare '{')
-        print(f"train with: python train.py data.kind=wds \"data.shards='{spec}'\"")
+        print(f"train with: {train_hint(a.out, n)}")
 
 
 if __name__ == "__main__":

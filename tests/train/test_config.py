@@ -125,3 +125,16 @@ def test_data_errors_name_the_key():
     cfg = _compose("data.loader_batch=0")
     with pytest.raises(ValueError, match=r"data.loader_batch"):
         validate(cfg, 1)
+
+
+def test_a_data_error_raised_in_a_loader_worker_prints_only_its_message():
+    import runpy
+
+    from infclip.data.shards import DataError
+
+    root = Path(__file__).resolve().parents[2]
+    paragraph = runpy.run_path(str(root / "train.py"), run_name="train_module")["paragraph"]
+    wrapped = DataError("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+                        '  File "stream.py", line 1, in raw_stream\n'
+                        "infclip.data.shards.DataError: no training shard gives a sample: 4 shards in a row")
+    assert paragraph(wrapped) == "error (DataError): no training shard gives a sample: 4 shards in a row"

@@ -325,8 +325,7 @@ def _abort_if_nonfinite(cfg: Any, parts: Parts, state: State, loss: float) -> No
 def _weights_abort_message(cfg: Any, info: DistInfo, parts: Parts, state: State) -> str:
     """The guard's abort: the update of ``state.step`` made weights NaN/inf (nothing of it
     was saved); names the newest finite checkpoint and the command resuming it."""
-    lr = parts.optimizer.param_groups[0]["lr"]
-    head = (f"the update of step {state.step} (lr {lr:.4g}) made the weights non-finite (NaN/inf); "
+    head = (f"the update of step {state.step} (optim.lr={cfg.optim.lr:g}) made the weights non-finite (NaN/inf); "
             "training stopped before saving or evaluating them.")
     path = last_finite_checkpoint(parts.run_dir, info.world_size)
     if path is None:

@@ -289,12 +289,16 @@ def case_half_empty(ctx: Ctx) -> tuple[bool, str]:
 
 def case_sigterm_final_eval(ctx: Ctx) -> tuple[bool, str]:
     run_dir = ctx.fresh("sigterm-final-eval")
-    proc = start(ctx.cmd(run_dir, "steps=6", "checkpoint.every_n_steps=4"), run_dir.with_suffix(".log"))
+    proc = start(ctx.cmd(run_dir, "steps=6", "checkpoint.every_n_steps=4", "eval.batch_size=1"),
+                 run_dir.with_suffix(".log"))
     wait_until(proc, lambda: last_step(run_dir) >= 6)
+    time.sleep(0.5)  # inside the final eval (about 2 s with eval.batch_size=1)
     os.killpg(proc.pid, signal.SIGTERM)
     rc = proc.wait(timeout=300)
     names = checkpoints(run_dir)
-    return rc == 0 and names[-1:] == ["step_00000006"], f"exit {rc}; checkpoints {names}"
+    evals = next((sorted(k for k in r["summary"] if k.startswith("eval/") and k.endswith("top1"))
+                  for r in records(run_dir) if "summary" in r), [])
+    return rc == 0 and names[-1:] == ["step_00000006"], f"exit {rc}; checkpoints {names}; final eval finished: {evals}"
 
 
 def case_sigterm(ctx: Ctx) -> tuple[bool, str]:

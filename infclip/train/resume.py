@@ -55,7 +55,7 @@ def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> dict[str, 
     unwrap(parts.model).load_state_dict(model_state)
     fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups]
     parts.optimizer.load_state_dict(train_state["optimizer"])
-    parts.scheduler.load_state_dict(train_state["scheduler"])
+    parts.scheduler.load_state_dict(train_state["scheduler"])  # restores base_lrs: the saved peak lr
     _apply_hyperparameters(parts.optimizer, parts.scheduler, fresh_groups, cfg.optim.lr)
     if parts.scaler is not None and train_state["scaler"] is not None:
         parts.scaler.load_state_dict(train_state["scaler"])
@@ -68,6 +68,9 @@ def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> dict[str, 
         state.saved_step = state.step  # this run's own checkpoint: no need to write it again
     parts.logger.write(f"resumed from {path} at step {state.step}")
     changes = config_changes(saved_cfg, parts.config, APPLIED_ON_RESUME)
+    saved_lr = (train_state["scheduler"].get("base_lrs") or [cfg.optim.lr])[0]
+    if "optim.lr" not in changes and saved_lr != cfg.optim.lr:  # a checkpoint without its config
+        changes["optim.lr"] = [saved_lr, cfg.optim.lr]
     for key, (old, new) in changes.items():
         parts.logger.write(f"resume: {key} changed {old!r} -> {new!r}; applied from step {state.step + 1} "
                            f"(lr now {parts.optimizer.param_groups[0]['lr']:.4g})")

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,15 +154,18 @@ def test_a_second_training_on_a_busy_run_dir_refuses(tmp_path, data_root):
 
 def test_sigterm_during_the_final_eval_keeps_every_step(tmp_path, data_root):
     """The final checkpoint comes before the final eval, and the handlers stay installed
-    through both: a SIGTERM as the last step is logged loses nothing and exits 0."""
+    through both: a SIGTERM half a second after the last step is logged (inside the final
+    eval, which takes about 2 s here with eval.batch_size=1) loses nothing and exits 0."""
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     micro = [o for o in MICRO if o != "eval.tasks=[]"]  # the quickstart's synthetic eval tasks
     cmd = [sys.executable, str(ROOT / "train.py"), f"data.synthetic_root={data_root}", f"run_dir={run_dir}",
-           *micro, "steps=4", "checkpoint.every_n_steps=3", "eval.workers=0"]
+           *micro, "steps=4", "checkpoint.every_n_steps=3", "eval.workers=0", "eval.batch_size=1"]
     proc = start(cmd, cwd=tmp_path, log=log)
     wait_for_step(proc, run_dir, 4, log)
+    time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     assert ckpt.list_checkpoints(run_dir)[-1].name == "step_00000004"
     assert sorted(losses_by_step(run_dir)) == [1, 2, 3, 4]
-    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["summary"]["steps"] == 4
+    summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
+    assert summary["steps"] == 4 and any(k.startswith("eval/") for k in summary)  # the eval finished too

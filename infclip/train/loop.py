@@ -50,7 +50,7 @@ class Parts:
     logger: MetricsLogger
     eval_cfg: Any  # EvalConfig with resolved dataset roots
     run_dir: Path
-    guard: Optional[WeightGuard] = None  # finite-weights check after every update (set in _start)
+    guard: Optional[WeightGuard] = None  # finite-weights check after every update (built in build)
     config: dict = field(default_factory=dict)  # the resolved config, saved in train.pt (resume compares it)
     overrides: list[str] = field(default_factory=list)  # this start's command-line overrides
 
@@ -87,8 +87,7 @@ def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dic
     parts = build(cfg, info, run_dir)
     state = State()
     parts.overrides = overrides
-    parts.guard = WeightGuard([p for g in parts.optimizer.param_groups for p in g["params"]],
-                              abort=lambda: _weights_abort_message(cfg, info, parts, state))
+    parts.guard.abort = lambda: _weights_abort_message(cfg, info, parts, state)
     changes = maybe_resume(cfg, info, parts, state)
     on_rank0(info, lambda: record_start(cfg, run_dir, overrides))
     parts.logger.start(state.step, run_info(overrides, info), changes)
@@ -130,8 +129,10 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
     logger = MetricsLogger(
         run_dir, cfg.logging, info.is_main, cfg.steps, OmegaConf.to_container(cfg, resolve=True)
     )
+    guard = WeightGuard([p for g in optimizer.param_groups for p in g["params"]],
+                        abort=lambda: "an optimizer update made the weights non-finite (NaN/inf)")
     return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir,
-                 config=OmegaConf.to_container(cfg, resolve=True))
+                 guard=guard, config=OmegaConf.to_container(cfg, resolve=True))
 
 
 def _wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:

@@ -1,10 +1,15 @@
 """Train a CLIP model: ``python train.py [experiment=...] key=value ...`` or under torchrun.
 
     torchrun --nproc_per_node=8 train.py experiment=vit_b32_laion \
-        data.shards='/data/laion/{00000..41407}.tar' batch.global_size=262144 batch.micro_size=512
+        "data.shards='/data/laion/{00000..41407}.tar'" batch.global_size=262144 batch.micro_size=512
 
 The configuration schema is ``infclip.config.TrainConfig``; presets live in ``configs/``.
+A configuration, data or resume error prints one paragraph and exits with status 2 (no
+traceback); ``INFCLIP_DEBUG=1`` (or ``HYDRA_FULL_ERROR=1``) shows the traceback as well.
 """
+
+import os
+import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -15,11 +20,38 @@ from infclip.config import register_configs
 register_configs()
 
 
+def user_errors() -> tuple[type, ...]:
+    """Errors whose message is the whole story: bad config or data, a busy run_dir, a refused
+    resume, a run stopped for non-finite weights or loss."""
+    from infclip.config import ConfigError
+    from infclip.data.shards import DataError
+    from infclip.eval.config import EvalConfigError
+    from infclip.train.guard import NonFiniteError
+    from infclip.train.rundir import RunDirBusy
+
+    return ConfigError, DataError, EvalConfigError, RunDirBusy, NonFiniteError
+
+
+def paragraph(err: BaseException) -> str:
+    """The error's own message; for one re-raised from a DataLoader worker (whose message
+    carries the worker's traceback), the original message only."""
+    text = str(err).strip()
+    if "Original Traceback" in text:
+        text = text.splitlines()[-1].split(": ", 1)[-1]
+    return f"error ({type(err).__name__}): {text}"
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     from infclip.train.loop import train
 
-    train(cfg, overrides=list(HydraConfig.get().overrides.task))
+    try:
+        train(cfg, overrides=list(HydraConfig.get().overrides.task))
+    except user_errors() as err:
+        if os.environ.get("INFCLIP_DEBUG") or os.environ.get("HYDRA_FULL_ERROR"):
+            raise
+        print(paragraph(err) + "\n(INFCLIP_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

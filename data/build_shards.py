@@ -6,7 +6,7 @@
     python data/build_shards.py /data/images --out /data/mine --resize 256 --workers 8
 
 Output: 00000.tar ... ({key}.jpg/.txt/.json), {shard}_stats.json, sizes.json, build_stats.json;
-train on it with  train.py data.kind=wds data.shards='/data/mine/{00000..000NN}.tar'.
+train on it with  train.py data.kind=wds "data.shards='/data/mine/{00000..000NN}.tar'".
 """
 
 from __future__ import annotations
@@ -14,6 +14,13 @@ from __future__ import annotations
 import argparse
 
 from infclip.data.build import BuildOptions, build_shards, rows_from, summarize
+
+
+def train_hint(out: str, shards: int) -> str:
+    """The command that trains on the shards, safe to paste into a shell: double quotes for
+    the shell (which would expand the braces), single quotes for Hydra (which rejects them bare)."""
+    spec = f"{out}/{{00000..{shards - 1:05d}}}.tar" if shards > 1 else f"{out}/00000.tar"
+    return f"python train.py data.kind=wds \"data.shards='{spec}'\""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,9 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     print(summarize(report, a.out))
     n = report.shards
     if n:
-        last = f"{n - 1:05d}"
-        print(f"train with: data.kind=wds data.shards='{a.out}/{{00000..{last}}}.tar'" if n > 1
-              else f"train with: data.kind=wds data.shards={a.out}/00000.tar")
+        print(f"train with: {train_hint(a.out, n)}")
 
 
 if __name__ == "__main__":

@@ -2,12 +2,17 @@
 
 Every component has one dataclass; YAML files in ``configs/`` are presets over these
 schemas and the command line overrides any field. Unknown keys are rejected by
-OmegaConf's struct mode; impossible combinations by :func:`validate`, before any model
+OmegaConf's struct mode, and keys added with ``+key=value`` (which struct mode lets in) by
+:func:`check_known_keys`, naming the nearest valid key; impossible values and combinations
+(non-finite numbers, lr <= 0, betas outside [0, 1), ...) by :func:`validate`, before any model
 or GPU work, with a message naming the key and the fix.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -178,7 +183,9 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def validate(cfg: Any, world_size: int) -> None:
-    """Reject impossible settings before any model or GPU work."""
+    """Reject unknown keys and impossible settings before any model or GPU work."""
+    check_known_keys(cfg)
+    _check_finite(cfg)
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid; choose one of {list(choices)}")
@@ -191,11 +198,14 @@ def validate(cfg: Any, world_size: int) -> None:
                                  or len(cfg.eval.tasks)):
         raise ConfigError("task=simclr trains an image tower alone: it needs loss=nt_xent, no model.lock_* "
                           "and eval.tasks=[] (see configs/experiment/simclr_quickstart.yaml)")
-    check_data_config(cfg.data)
-    validate_eval(cfg.eval)
+    try:
+        check_data_config(cfg.data)
+        validate_eval(cfg.eval)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
-_POSITIVE = ("steps", "optim.lr", "checkpoint.keep_last", "max_nonfinite", "memory.stream_rows")
+_POSITIVE = ("steps", "optim.lr", "optim.eps", "checkpoint.keep_last", "max_nonfinite", "memory.stream_rows")
 _NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps", "memory.prefetch_steps",
                  "logging.every_n_steps", "checkpoint.every_n_steps")
 
@@ -212,6 +222,77 @@ def _validate_numbers(cfg: Any) -> None:
     for key, lo, hi in (("schedule.warmup_fraction", 0, 0.999999), ("schedule.min_lr_ratio", 0, 1)):
         if not lo <= _get(cfg, key) <= hi:
             raise ConfigError(f"{key} must be in [{lo}, {round(hi)}], got {_get(cfg, key)}")
+    for key in ("optim.beta1", "optim.beta2"):  # Adam's moment decays (AdaFactor: momentum, decay cap)
+        if not 0 <= _get(cfg, key) < 1:
+            raise ConfigError(f"{key} must be in [0, 1), got {_get(cfg, key)} (typical: beta1=0.9, beta2=0.95..0.999)")
+
+
+def _leaves(node: Any, prefix: str = "") -> Any:
+    """(dotted key, value) of every leaf of a config (dicts, lists, dataclasses)."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        node = {f.name: getattr(node, f.name) for f in dataclasses.fields(node)}
+    items = node.items() if isinstance(node, dict) else (enumerate(node) if isinstance(node, (list, tuple)) else None)
+    if items is None:
+        yield prefix.rstrip("."), node
+        return
+    for k, v in items:
+        yield from _leaves(v, f"{prefix}{k}.")
+
+
+def _check_finite(cfg: Any) -> None:
+    """No number in the config is NaN or infinite (``optim.lr=inf`` would train to NaN)."""
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    for key, value in _leaves(plain):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number; give a finite value")
+
+
+def _schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a dataclass schema (nested dataclass fields included)."""
+    keys = []
+    for f in dataclasses.fields(schema):
+        keys.append(prefix + f.name)
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(sub):
+            keys += _schema_keys(type(sub), f"{prefix}{f.name}.")
+    return keys
+
+
+def check_known_keys(cfg: Any, schema: type = None) -> None:
+    """Every key of the composed config is a field of its schema dataclass.
+
+    OmegaConf's struct mode rejects ``key=value`` for an unknown key, but ``+key=value``
+    adds it; Hydra's own error for the first even suggests the second. So walk the composed
+    config: a node typed by a dataclass may hold only that dataclass's fields.
+    """
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    schema = schema or TrainConfig
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, ListConfig):
+            for i, item in enumerate(node):
+                walk(item, f"{path}{i}.")
+        if not isinstance(node, DictConfig):
+            return
+        kind = OmegaConf.get_type(node)
+        fields = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None
+        for key in node.keys():
+            if fields is not None and key not in fields:
+                raise ConfigError(_unknown_key_message(f"{path}{key}", kind, schema))
+            walk(node._get_node(key), f"{path}{key}.")
+
+    if isinstance(cfg, DictConfig):
+        walk(cfg, "")
+
+
+def _unknown_key_message(key: str, kind: type, schema: type) -> str:
+    near = difflib.get_close_matches(key, _schema_keys(schema), n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}?" if near else "see the schema (python train.py --cfg job lists every key)"
+    return (f"unknown config key {key!r}: {kind.__name__} has no field {key.rsplit('.', 1)[-1]!r} "
+            f"(a '+' override adds keys the schema does not know, and they would be ignored); {hint}")
 
 
 def _validate_loss(cfg: Any) -> None:
@@ -263,5 +344,5 @@ __all__ = [
     "TrainConfig", "ModelConfig", "DataConfig", "SourceConfig", "LossConfig", "OptimConfig",
     "ScheduleConfig", "PrecisionConfig", "BatchConfig", "MemoryConfig", "CheckpointConfig",
     "LoggingConfig", "EvalConfig", "EvalTaskConfig", "ConfigError", "register_configs",
-    "validate", "micro_size",
+    "validate", "check_known_keys", "micro_size",
 ]

@@ -21,14 +21,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from infclip.data.config import DataConfig
-from infclip.data.shards import Source, check_exist, count_samples, expand
+from infclip.data.shards import DataError, Source, check_exist, count_samples, expand
 from infclip.data.stream import BatchStream, EpochPlan, StreamSpec
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images uint8 (B,3,H,W), tokens int64 (B,L)
-
-
-class DataError(ValueError):
-    """The data configuration cannot work; the message names the key and the fix."""
 
 
 def resolve_sources(cfg: DataConfig, shards: Optional[str] = None,

@@ -21,6 +21,14 @@ from webdataset.shardlists import expand_urls
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 
 
+class DataError(ValueError):
+    """The data configuration cannot work; the message names the key and the fix."""
+
+
+class MissingShardsError(DataError, FileNotFoundError):
+    """Configured local shards do not exist."""
+
+
 @dataclass
 class Source:
     """One expanded shard source."""
@@ -46,11 +54,12 @@ def _local_path(url: str) -> str:
 
 
 def check_exist(urls: Sequence[str], show: int = 5) -> None:
-    """Raise FileNotFoundError listing the first missing local shards (remote URLs are not checked)."""
+    """Raise MissingShardsError (a FileNotFoundError) listing the first missing local shards
+    (remote URLs are not checked)."""
     missing = [u for u in urls if is_local(u) and not os.path.exists(_local_path(u))]
     if missing:
         first = "\n  ".join(missing[:show])
-        raise FileNotFoundError(
+        raise MissingShardsError(
             f"{len(missing)} of {len(urls)} local shards do not exist; first missing:\n  {first}\n"
             "Fix data.shards (brace range, folder) or remove the missing shards from it.")
 
@@ -108,16 +117,33 @@ def _grouped(tar: tarfile.TarFile, url: str) -> Iterator[RawSample]:
             current = {"__key__": key, "__url__": url}
         current[ext] = tar.extractfile(info).read()  # raises on a member cut short
         tar.members = []  # stream mode: do not keep every TarInfo
+    _check_end_marker(tar)  # before the last sample: a cut header may have lost its other files
     if current is not None:
         yield current
+
+
+def _check_end_marker(tar: tarfile.TarFile) -> None:
+    """Raise ``tarfile.ReadError`` unless the archive ended with its end-of-archive block.
+
+    tarfile stops silently at a header cut short (or a file cut exactly between members), as
+    if the archive had ended there; the last sample would then lose its remaining files (and
+    count as, say, ``missing_caption``). Complete archives end with a 512-byte zero block,
+    which tarfile has read in full when it stops: its stream position is 512 past the offset
+    of that block. (Stream mode only; other modes are left alone.)
+    """
+    pos = getattr(tar.fileobj, "pos", None)
+    if tar.mode == "r" and pos is not None and pos - tar.offset < tarfile.BLOCKSIZE:
+        raise tarfile.ReadError(f"archive cut short at byte {pos} (no end-of-archive block)")
 
 
 def iter_samples(url: str, counts: Counter) -> Iterator[RawSample]:
     """Samples of one shard, grouped by key; never raises for bad data.
 
     A shard that cannot be opened or read at all counts ``unreadable_shard``; one that breaks
-    after some samples counts ``truncated_tar`` (the sample being read when it broke is lost
-    with it); a ``pipe:`` command that exits non-zero after a clean read counts ``pipe_error``.
+    after some samples (inside a member or a header, or without its end-of-archive block)
+    counts ``truncated_tar`` (the sample being read when it broke is lost with it); a valid
+    archive without a sample counts ``empty_shard``; a ``pipe:`` command that exits non-zero
+    after a clean read counts ``pipe_error``.
     """
     yielded, failed = 0, False
     try:
@@ -133,6 +159,9 @@ def iter_samples(url: str, counts: Counter) -> Iterator[RawSample]:
     except (tarfile.TarError, OSError, EOFError, ValueError):
         failed = True
         counts["truncated_tar" if yielded else "unreadable_shard"] += 1
+    else:
+        if not yielded:
+            counts["empty_shard"] += 1
     finally:
         try:
             stream.close()

@@ -6,6 +6,9 @@ what makes the resume position (:class:`WorkerCursor`) exact:
 * epoch mode: all shards are permuted with ``seed + epoch`` (the same on every rank), split
   ``[rank::world]`` then ``[worker::workers]``. A worker whose shards run out before its batch
   quota wraps around over its own shards (new permutation per pass); extra samples are dropped.
+  A worker whose own shards give no sample in a whole pass (all empty or unreadable) borrows:
+  it reads every shard of the run, in its own seeded order, so half-bad data still trains;
+  only when a whole pass over every shard gives nothing does it stop, with the counts by reason.
 * resampled mode: shards are drawn with replacement from a generator seeded with
   (seed, epoch, rank, worker), with per-source weights.
 
@@ -28,7 +31,7 @@ import torch
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
-from infclip.data.shards import IMAGE_EXTS, RawSample, iter_samples
+from infclip.data.shards import IMAGE_EXTS, DataError, RawSample, iter_samples
 
 MAX_EMPTY_DRAWS = 100  # resampled mode: consecutive shards with no sample before giving up
 
@@ -91,13 +94,27 @@ def shard_stream(spec: StreamSpec, epoch: int, worker: int, workers: int) -> Ite
         yield None
 
 
+def borrowed_shards(spec: StreamSpec, epoch: int, worker: int) -> Iterator[Optional[str]]:
+    """Every shard of the run, in an order of this (rank, worker)'s own, pass after pass
+    (``None`` at pass ends): what a worker reads once its own share gave nothing."""
+    for wrap in range(1 << 62):
+        order = list(spec.urls)
+        random.Random(mix_seed("borrow", spec.seed, epoch, spec.rank, worker, wrap)).shuffle(order)
+        yield from order
+        yield None
+
+
 def raw_stream(spec: StreamSpec, epoch: int, worker: int, workers: int,
                counts: Counter) -> Iterator[Optional[RawSample]]:
-    """Samples of this worker's shards in order (``None`` at pass ends); raises if the shards
-    stop producing samples (a whole pass, or MAX_EMPTY_DRAWS resampled draws, without one)."""
-    empty = 0
+    """Samples of this worker's shards in order (``None`` at pass ends). A worker whose own
+    share gives nothing for a whole pass switches to ``borrowed_shards``; it raises only when
+    no shard of the run gives a sample (a whole pass over all of them, or MAX_EMPTY_DRAWS
+    resampled draws, which already span every shard). Deterministic, so resume replays it."""
+    empty, own = 0, not spec.resampled
     limit = MAX_EMPTY_DRAWS if spec.resampled else len(epoch_shards(spec, epoch, worker, workers))
-    for url in shard_stream(spec, epoch, worker, workers):
+    urls = shard_stream(spec, epoch, worker, workers)
+    while True:
+        url = next(urls)
         if url is None:
             yield None
             continue
@@ -106,10 +123,16 @@ def raw_stream(spec: StreamSpec, epoch: int, worker: int, workers: int,
             got += 1
             yield sample
         empty = 0 if got else empty + 1
-        if empty >= max(limit, 1):
-            raise RuntimeError(
-                f"rank {spec.rank} worker {worker}: {empty} shards in a row gave no sample (last: {url});"
-                f" skip counts so far: {dict(counts)}. Check the shard paths and their readability.")
+        if empty < max(limit, 1):
+            continue
+        if own and len(spec.urls) > limit:  # other workers' or ranks' shards may still deliver
+            own, empty, limit = False, 0, len(spec.urls)
+            urls = borrowed_shards(spec, epoch, worker)
+            continue
+        raise DataError(
+            f"no training shard gives a sample: {empty} shards in a row were empty or unreadable "
+            f"(last: {url}); skipped by reason so far: {dict(counts)}. Check data.shards (paths, "
+            "permissions, tar format: python data/build_shards.py writes valid shards).")
 
 
 def shuffled(samples: Iterator[Optional[RawSample]], bufsize: int, rng: random.Random

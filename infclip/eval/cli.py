@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -30,6 +31,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from infclip.eval.config import EvalConfig, EvalConfigError, EvalTaskConfig, validate_eval
 from infclip.eval.suites import SUITES, SuitePlan, plan_suite
+from infclip.manifest import MANIFEST, verify
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -70,8 +72,24 @@ def register() -> None:
 
 
 def _latest_step_dir(folder: Path) -> Optional[Path]:
+    """Newest step folder whose model.pt verifies against its manifest; each newer damaged
+    one is named in a one-line warning and skipped."""
     steps = [p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / "model.pt").is_file()]
-    return max(steps, key=lambda p: int(p.name[5:])) if steps else None
+    for step in sorted(steps, key=lambda p: int(p.name[5:]), reverse=True):
+        problem = verify(step, need=("model.pt",), only=("model.pt",))
+        if problem is None:
+            return step
+        print(f"warning: skipping damaged checkpoint {step}: {problem}", file=sys.stderr, flush=True)
+    return None
+
+
+def _verified_model(path: Path) -> str:
+    """``path`` (a model.pt) if its folder's manifest, when there is one, vouches for it."""
+    problem = verify(path.parent, need=(path.name,), only=(path.name,)) if (path.parent / MANIFEST).is_file() else None
+    if problem:
+        raise EvalConfigError(f"checkpoint {path.parent} is damaged: {problem}; give an intact step folder "
+                              "or the run folder (its newest intact checkpoint is used)")
+    return str(path)
 
 
 def resolve_checkpoint(spec: str) -> Optional[str]:
@@ -80,10 +98,10 @@ def resolve_checkpoint(spec: str) -> Optional[str]:
         return None
     path = Path(spec).expanduser()
     if path.is_file():
-        return str(path)
+        return _verified_model(path)
     if path.is_dir():
         if (path / "model.pt").is_file():
-            return str(path / "model.pt")
+            return _verified_model(path / "model.pt")
         for folder in (path / "checkpoints", path):
             step = _latest_step_dir(folder) if folder.is_dir() else None
             if step is not None:

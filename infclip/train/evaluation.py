@@ -21,6 +21,8 @@ def evaluate(cfg: Any, info: DistInfo, parts: Any, step: int, final: bool) -> di
     """Runs the eval tasks (all ranks together) and logs their results; {} without tasks."""
     if not parts.eval_cfg.tasks:
         return {}
+    if parts.guard is not None:
+        parts.guard.check()  # never spend an eval on (or report) weights a bad update poisoned
     from infclip.eval import run_evals
 
     with make_autocast(cfg.precision.amp, info.device)():

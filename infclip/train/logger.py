@@ -1,8 +1,10 @@
 """Metrics sinks: terminal progress, a JSON-lines file in the run directory, wandb.
 
-Only rank 0 writes. The JSON-lines file is appended (a resumed run continues it) and
-holds everything wandb gets, so nothing depends on wandb. wandb never prompts: its mode
-is online/offline/disabled from config, and a resumed run reuses the stored run id.
+Only rank 0 writes, and nothing before ``start`` (a refused start leaves the run folder
+as it was). The JSON-lines file is appended (a resumed run continues it, after dropping the
+records of the steps it replays) and holds everything wandb gets, so nothing depends on
+wandb. wandb never prompts: its mode is online/offline/disabled from config, and a resumed
+run reuses the stored run id.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: Any, enabled: bool, total_steps: int, config_dict: dict):
         self.enabled, self.total = enabled, total_steps
         self.path = run_dir / "metrics.jsonl"
+        self.run_dir, self.cfg, self.config_dict = run_dir, cfg, config_dict
         self._wandb = None
+        self._wandb_started = False
         self._bar = None
         if not enabled:
             return
@@ -38,14 +42,56 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, dynamic_ncols=True, desc="train")
-        if cfg.wandb_mode != "disabled":
-            self._wandb = _init_wandb(run_dir, cfg, config_dict)
+
+    def _ensure_wandb(self) -> None:
+        """wandb starts with the first record (it writes into the run folder)."""
+        if not self._wandb_started and self.cfg.wandb_mode != "disabled":
+            self._wandb = _init_wandb(self.run_dir, self.cfg, self.config_dict)
+        self._wandb_started = True
+
+    def start(self, step: int, info: dict[str, Any], changes: Optional[dict] = None) -> None:
+        """An accepted start at ``step``: drops the records of later steps (they belong to a
+        run segment lost to a kill, and are about to be replayed), then the start record and
+        any config changes applied on resume (``{"event": "config_change", ...}``)."""
+        if not self.enabled:
+            return
+        self.drop_after(step)
+        self.log_run_info(info)
+        if changes:
+            self._append({"event": "config_change", "step": step, "time": time.time(), "changes": changes})
+
+    def drop_after(self, step: int) -> int:
+        """Rewrites metrics.jsonl (atomically) without step records past ``step``; returns
+        how many were dropped. Records without a step (start events) are kept."""
+        if not self.enabled or not self.path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1  # a line cut short by a kill
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+                dropped += 1
+            else:
+                kept.append(line)
+        if dropped:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
+        return dropped
+
+    def _append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=_json_default) + "\n")
 
     def log_run_info(self, info: dict[str, Any]) -> None:
         """One ``{"event": "start", ...}`` record per process start (a resumed run appends
         another), and the same facts in the wandb run config."""
         if not self.enabled:
             return
+        self._ensure_wandb()
         with open(self.path, "a+b") as f:  # a record cut short by a kill must not swallow ours
             if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
                 f.write(b"\n")
@@ -62,9 +108,8 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, Any], echo: bool = True) -> None:
         if not self.enabled:
             return
-        record = {"step": step, "time": time.time(), **metrics}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, default=_json_default) + "\n")
+        self._ensure_wandb()
+        self._append({"step": step, "time": time.time(), **metrics})
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         if echo:

@@ -11,7 +11,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,16 +27,13 @@ from infclip.train.distributed import DistInfo, all_ok, barrier, init_distribute
 from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
-from infclip.train.resume import maybe_resume
-from infclip.train.rundir import setup_run_dir
+from infclip.train.guard import NonFiniteError, WeightGuard
+from infclip.train.resume import last_finite_checkpoint, maybe_resume, resume_command
+from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
 from infclip.train.logger import _BOOKKEEPING, MetricsLogger, gpu_memory_gb, run_info
 from infclip.train.optim import build_optimizer, build_scheduler
 from infclip.train.pipeline import StepPipeline, TensorFeed, build_step_pipeline, duplicate_warning
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive non-finite steps; the last good state was checkpointed."""
 
 
 @dataclass
@@ -54,6 +51,9 @@ class Parts:
     logger: MetricsLogger
     eval_cfg: Any  # EvalConfig with resolved dataset roots
     run_dir: Path
+    guard: Optional[WeightGuard] = None  # finite-weights check after every update (built in build)
+    config: dict = field(default_factory=dict)  # the resolved config, saved in train.pt (resume compares it)
+    overrides: list[str] = field(default_factory=list)  # this start's command-line overrides
 
 
 @dataclass
@@ -75,15 +75,26 @@ def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
     info = init_distributed(cfg.device)
     try:
         validate(cfg, info.world_size)  # before any model or GPU work
-        run_dir = setup_run_dir(cfg, info, overrides or [])
-        torch.manual_seed(cfg.seed + info.rank)
-        parts = build(cfg, info, run_dir)
-        parts.logger.log_run_info(run_info(overrides or [], info))
-        state = State()
-        with signals_handled(state):  # through the final checkpoint and eval (infclip.train.signals)
-            return fit(cfg, info, parts, state)
+        run_dir = derive_run_dir(cfg)
+        with run_dir_lock(run_dir, info):  # one training per run_dir (rank 0 holds the lock)
+            return _start(cfg, info, run_dir, overrides or [])
     finally:
         shutdown()
+
+
+def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dict:
+    """Build, resume, record, train. Nothing is written into ``run_dir`` until the start is
+    accepted (the checkpoint loaded): a refused start leaves the folder as it was."""
+    torch.manual_seed(cfg.seed + info.rank)
+    parts = build(cfg, info, run_dir)
+    state = State()
+    parts.overrides = overrides
+    parts.guard.abort = lambda: _weights_abort_message(cfg, info, parts, state)
+    changes = maybe_resume(cfg, info, parts, state)
+    on_rank0(info, lambda: record_start(cfg, run_dir, overrides))
+    parts.logger.start(state.step, run_info(overrides, info), changes)
+    with signals_handled(state):  # through the final checkpoint and eval (infclip.train.signals)
+        return fit(cfg, info, parts, state)
 
 
 # ----------------------------------------------------------------------------- build
@@ -123,7 +134,10 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
     logger = MetricsLogger(
         run_dir, cfg.logging, info.is_main, cfg.steps, OmegaConf.to_container(cfg, resolve=True)
     )
-    return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir)
+    guard = WeightGuard([p for g in optimizer.param_groups for p in g["params"]],
+                        abort=lambda: "an optimizer update made the weights non-finite (NaN/inf)")
+    return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir,
+                 guard=guard, config=OmegaConf.to_container(cfg, resolve=True))
 
 
 def _wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
@@ -193,7 +207,6 @@ def _loader_batch(cfg: Any, info: DistInfo) -> int:
 
 
 def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
-    maybe_resume(cfg, info, parts, state)
     state.data_state = parts.data.state_dict()  # the position before any step of this process
     _warn_duplicates(cfg, info, parts)
     pipeline = build_step_pipeline(cfg, parts.data, parts.engine, info.device, info.world_size)
@@ -271,7 +284,8 @@ def _optimizer_step(cfg: Any, parts: Parts, out: Any) -> tuple[bool, bool, float
         scaler.unscale_(opt)
     params = [p for g in opt.param_groups for p in g["params"]]
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))  # one host sync per step
+    # one host sync per step: the gradient norm, and the previous update's finite-weights flag
+    grad_norm = parts.guard.fetch(torch.nn.utils.clip_grad_norm_(params, max_norm))
     loss_finite = math.isfinite(float(out.global_loss))
     finite = loss_finite and math.isfinite(grad_norm)
     overflow = False
@@ -286,16 +300,26 @@ def _optimizer_step(cfg: Any, parts: Parts, out: Any) -> tuple[bool, bool, float
     opt.zero_grad(set_to_none=True)
     parts.scheduler.step()
     clamp_logit_scale(_unwrap(parts.model), cfg.model.max_logit_scale)
+    parts.guard.after_update()  # resolved at the next sync: next step's grad norm, or a save/eval
     return finite, overflow, grad_norm
 
 
 def _maybe_inject_nan(parts: Parts, step: int) -> None:
-    """Test hook: ``INFCLIP_INJECT_NAN_AT_STEPS=3,4,5`` poisons those steps' gradients."""
-    spec = os.environ.get("INFCLIP_INJECT_NAN_AT_STEPS", "")
-    if str(step) in spec.replace(" ", "").split(","):
-        grads = [p.grad for g in parts.optimizer.param_groups for p in g["params"] if p.grad is not None]
+    """Test hooks: ``INFCLIP_INJECT_NAN_AT_STEPS=3,4,5`` poisons those steps' gradients;
+    ``INFCLIP_INJECT_NAN_WEIGHTS_AT_STEPS=4`` puts a NaN into a weight during step 4, so the
+    weights after its update are not finite (a corrupted update the loss cannot see yet)."""
+    params = [p for g in parts.optimizer.param_groups for p in g["params"]]
+    if _env_steps("INFCLIP_INJECT_NAN_AT_STEPS", step):
+        grads = [p.grad for p in params if p.grad is not None]
         if grads:
             grads[0].fill_(math.nan)
+    if _env_steps("INFCLIP_INJECT_NAN_WEIGHTS_AT_STEPS", step) and params:
+        with torch.no_grad():
+            params[0].view(-1)[0] = math.nan
+
+
+def _env_steps(name: str, step: int) -> bool:
+    return str(step) in os.environ.get(name, "").replace(" ", "").split(",")
 
 
 def _logged(cfg: Any, step: int) -> bool:
@@ -318,8 +342,21 @@ def _abort_if_nonfinite(cfg: Any, parts: Parts, state: State, loss: float) -> No
         raise NonFiniteError(
             f"{state.nonfinite_run} consecutive non-finite steps (max_nonfinite={cfg.max_nonfinite}); "
             f"the last good state (weights after step {state.step - state.nonfinite_run}) is saved in {path}. "
-            "Lower optim.lr, use precision.amp=bf16, or check the data."
+            f"Lower optim.lr, use precision.amp=bf16, or check the data; to resume with a lower lr:\n  "
+            + resume_command(parts.overrides, path, cfg.optim.lr / 10)
         )
+
+
+def _weights_abort_message(cfg: Any, info: DistInfo, parts: Parts, state: State) -> str:
+    """The guard's abort: the update of ``state.step`` made weights NaN/inf (nothing of it
+    was saved); names the newest finite checkpoint and the command resuming it."""
+    head = (f"the update of step {state.step} (optim.lr={cfg.optim.lr:g}) made the weights non-finite (NaN/inf); "
+            "training stopped before saving or evaluating them.")
+    path = last_finite_checkpoint(parts.run_dir, info.world_size)
+    if path is None:
+        return f"{head} No finite checkpoint exists yet: restart with a lower optim.lr (e.g. {cfg.optim.lr / 10:.3g})."
+    return (f"{head} The newest finite checkpoint is {path}; resume from it with a lower lr:\n  "
+            + resume_command(parts.overrides, path, cfg.optim.lr / 10))
 
 
 def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: dict) -> None:
@@ -375,9 +412,11 @@ def _skip_counts(state: State, info: DistInfo) -> dict[str, int]:
 
 
 def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -> dict:
-    final = {} if state.stop_requested else evaluate(cfg, info, parts, state.step, final=True)
+    """Final checkpoint first, then the final eval: a signal or a failure in the eval loses
+    no step (the stop-signal handlers stay installed through both)."""
     if state.saved_step != state.step:  # never rewrite a complete checkpoint of the same step
         _save(parts, state)
+    final = {} if state.stop_requested else evaluate(cfg, info, parts, state.step, final=True)
     skips = _skip_counts(state, info)
     summary = {"steps": state.step, "wall_s": wall, "nonfinite_steps": state.nonfinite_total,
                "skipped_samples": skips, **final}
@@ -401,11 +440,14 @@ def _print_summary(parts: Parts, summary: dict, state: State) -> None:
 
 
 def _save(parts: Parts, state: State) -> Path:
+    """Checkpoint of ``state.step``; the guard first confirms the weights are finite."""
+    parts.guard.check()
     model = _unwrap(parts.model)
     train_state = {
         "step": state.step, "samples": state.samples, "nonfinite_total": state.nonfinite_total,
         "optimizer": parts.optimizer.state_dict(), "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "config": parts.config,
     }
     rank_state = {"rng": ckpt.rng_state(), "data": state.data_state}
     path = parts.checkpointer.save(state.step, model.state_dict(), train_state, rank_state)

@@ -1,26 +1,62 @@
-"""Which checkpoint a run starts from (``resume=auto`` / ``none`` / a path) and loading it
-into the built parts and the loop state."""
+"""Which checkpoint a run starts from (``resume=auto`` / ``none`` / a path), loading it into
+the built parts and the loop state, and what a resume with a changed config does.
+
+Changed keys on resume: the optimizer hyperparameters (``optim.lr``, weight decay, betas,
+eps) and the schedule (``schedule.*``, ``steps``) apply from the resumed step on (the saved
+optimizer/scheduler state would otherwise silently keep the old ones); each change is printed
+in one line and recorded in metrics.jsonl. Keys the saved state depends on (architecture,
+trainable parameters, optimizer kind, objective, batch and seed) are refused with the reason.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
+from infclip.config import ConfigError
 from infclip.train import checkpoint as ckpt
 from infclip.train.distributed import DistInfo, broadcast_object, on_rank0
 from infclip.train.engine import unwrap
 
+# key -> why a checkpoint cannot continue under another value
+FIXED_ON_RESUME = {
+    "model.name": "the saved weights are of that architecture",
+    "model.config_file": "the saved weights are of that architecture",
+    "model.lock_image": "the optimizer state covers exactly the trainable parameters",
+    "model.lock_image_unlocked_groups": "the optimizer state covers exactly the trainable parameters",
+    "model.lock_text": "the optimizer state covers exactly the trainable parameters",
+    "model.lock_text_unlocked_layers": "the optimizer state covers exactly the trainable parameters",
+    "optim.name": "the saved optimizer state belongs to that optimizer",
+    "loss.kind": "the saved logit scale/bias belong to that objective",
+    "task": "the saved weights belong to that task",
+    "batch.global_size": "the saved data position counts steps of that many samples",
+    "seed": "the data order and the random state replayed on resume follow it",
+}
+APPLIED_ON_RESUME = ("optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps",
+                     "schedule.", "steps")
 
-def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> None:
+
+class ResumeError(ConfigError):
+    """The run cannot resume as configured; the message names the checkpoint and the fix."""
+
+
+def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> dict[str, list]:
     """Loads the chosen checkpoint (if any) into model, optimizer, scheduler, scaler, data
-    position, RNG and ``state``; all ranks resume the same step."""
+    position, RNG and ``state``; all ranks resume the same step. Returns the applied config
+    changes, ``{key: [old, new]}`` ({} for a fresh start or an unchanged config)."""
     path = _resume_path(cfg, info, parts)
     if path is None:
-        return
-    model_state, train_state, rank_state = ckpt.load(path, info.rank, map_location=info.device)
+        return {}
+    model_state, train_state, rank_state = _load(path, info)
+    saved_cfg = train_state.get("config") or {}
+    _refuse_fixed_changes(saved_cfg, parts.config, path)
     unwrap(parts.model).load_state_dict(model_state)
+    fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups]
     parts.optimizer.load_state_dict(train_state["optimizer"])
-    parts.scheduler.load_state_dict(train_state["scheduler"])
+    parts.scheduler.load_state_dict(train_state["scheduler"])  # restores base_lrs: the saved peak lr
+    _apply_hyperparameters(parts.optimizer, parts.scheduler, fresh_groups, cfg.optim.lr)
     if parts.scaler is not None and train_state["scaler"] is not None:
         parts.scaler.load_state_dict(train_state["scaler"])
     state.step, state.samples = train_state["step"], train_state["samples"]
@@ -31,6 +67,75 @@ def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> None:
     if path.parent.resolve() == parts.checkpointer.root.resolve():
         state.saved_step = state.step  # this run's own checkpoint: no need to write it again
     parts.logger.write(f"resumed from {path} at step {state.step}")
+    changes = config_changes(saved_cfg, parts.config, APPLIED_ON_RESUME)
+    saved_lr = (train_state["scheduler"].get("base_lrs") or [cfg.optim.lr])[0]
+    if "optim.lr" not in changes and saved_lr != cfg.optim.lr:  # a checkpoint without its config
+        changes["optim.lr"] = [saved_lr, cfg.optim.lr]
+    for key, (old, new) in changes.items():
+        parts.logger.write(f"resume: {key} changed {old!r} -> {new!r}; applied from step {state.step + 1} "
+                           f"(lr now {parts.optimizer.param_groups[0]['lr']:.4g})")
+    return changes
+
+
+def _load(path: Path, info: DistInfo) -> tuple[dict, dict, dict]:
+    try:
+        return ckpt.load(path, info.rank, map_location=info.device)
+    except Exception as e:  # a damaged file of a checkpoint without manifest (older version)
+        raise ResumeError(
+            f"checkpoint {path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            "it has no manifest to verify it by. Resume from an older one with resume=<its folder>, "
+            "or move this one aside."
+        ) from None
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_changes(saved: dict, current: dict, keys: tuple[str, ...]) -> dict[str, list]:
+    """``{key: [saved, current]}`` for dotted keys matching ``keys`` (a trailing ``.`` is a
+    prefix) whose value differs; {} when the checkpoint carries no config (older version)."""
+    if not saved:
+        return {}
+    old, new = _flat(saved), _flat(current)
+    match = [k for k in new if any(k == p or (p.endswith(".") and k.startswith(p)) for p in keys)]
+    return {k: [old.get(k), new[k]] for k in sorted(match) if old.get(k) != new[k]}
+
+
+def _refuse_fixed_changes(saved: dict, current: dict, path: Path) -> None:
+    changed = config_changes(saved, current, tuple(FIXED_ON_RESUME))
+    if changed:
+        key, (old, new) = next(iter(changed.items()))
+        raise ResumeError(
+            f"cannot resume {path} with {key}={new!r}: it was written with {key}={old!r}, and "
+            f"{FIXED_ON_RESUME[key]}. Resume with {key}={old!r}, or start a new run (another run_dir, "
+            "or resume=<checkpoint>/model.pt as model.pretrained for new optimizer state)."
+        )
+
+
+def _apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: Any, fresh: list[dict],
+                           lr: float) -> None:
+    """After loading saved optimizer/scheduler state: the configured hyperparameters win.
+
+    ``Optimizer.load_state_dict`` restores the saved groups' lr, weight decay, betas...; put
+    back the values built from this config, then the scheduler's peak (``base_lrs``,
+    ``initial_lr``) and the current lr from the (possibly changed) schedule at the saved step.
+    With an unchanged config every value is recomputed bit for bit as the saved one.
+    """
+    for group, built in zip(optimizer.param_groups, fresh):
+        group.update({k: v for k, v in built.items() if k not in ("lr", "initial_lr")})
+        group["initial_lr"] = lr
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    factors = [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, factors):
+        group["lr"] = base * factor
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 def _resume_path(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
@@ -44,28 +149,49 @@ def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
     existing = ckpt.list_checkpoints(parts.run_dir)
     if cfg.resume == "none":
         if existing:  # a fresh run would mix its checkpoints with the old run's (and prune them)
-            raise ValueError(
+            raise ResumeError(
                 f"resume=none but {parts.run_dir}/checkpoints already holds {existing[-1].name}; "
                 "choose a new run_dir (or name), delete that folder, or use resume=auto to continue it"
             )
         return None
     if cfg.resume != "auto":
         return _explicit_checkpoint(Path(cfg.resume).expanduser(), info.world_size)
-    path = parts.checkpointer.latest_loadable(info.world_size)
+    path = parts.checkpointer.latest_loadable(info.world_size, warn=parts.logger.write)
     if path is None and existing:
-        raise RuntimeError(
-            f"checkpoints exist in {parts.run_dir}/checkpoints but none has rank files for world size "
-            f"{info.world_size}; resume with the original number of ranks, or choose a new run_dir"
+        why = "; ".join(f"{name}: {reason}" for name, reason in parts.checkpointer.rejected.items())
+        raise ResumeError(
+            f"no checkpoint in {parts.run_dir}/checkpoints can resume {info.world_size} rank(s) ({why}). "
+            "Resume with the number of ranks they were written with, point resume= at an intact "
+            "checkpoint elsewhere, or choose a new run_dir."
         )
     return path
 
 
 def _explicit_checkpoint(path: Path, world_size: int) -> Path:
-    missing = [n for n in ["model.pt", "train.pt"] + [f"rank_{r:05d}.pt" for r in range(world_size)]
-               if not (path / n).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"resume={str(path)!r} is not a complete checkpoint for {world_size} rank(s): missing {missing[:4]}; "
-            "point resume at a checkpoints/step_XXXXXXXX folder written with the same number of ranks"
+    problem = ckpt.verify_checkpoint(path, world_size) if path.is_dir() else "is not a folder"
+    if problem:
+        raise ResumeError(
+            f"resume={str(path)!r} cannot resume {world_size} rank(s): {problem}; point resume at an "
+            "intact checkpoints/step_XXXXXXXX folder written with the same number of ranks"
         )
     return path
+
+
+def last_finite_checkpoint(run_dir: Path, world_size: int) -> Optional[Path]:
+    """Newest checkpoint of ``run_dir`` that verifies and whose weights are all finite."""
+    for path in reversed(ckpt.list_checkpoints(run_dir)):
+        if ckpt.verify_checkpoint(path, world_size) is not None:
+            continue
+        weights = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+        if all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()):
+            return path
+    return None
+
+
+def resume_command(overrides: list[str], path: Path, lr: float) -> str:
+    """``python train.py <this start's overrides> resume=<path> optim.lr=<lr>`` (shell-quoted)."""
+    import shlex
+
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("resume=", "optim.lr="))]
+    args = [*kept, f"resume={path}", f"optim.lr={lr:.3g}"]
+    return "python train.py " + " ".join(shlex.quote(a) for a in args)

@@ -3,7 +3,7 @@
 
     python scripts/slurm/sweep.py --name b32_sweep --batches 32k,64k,128k,256k,512k,1M \
         --lr-rule sqrt --ref-batch 32k --ref-lr 1e-3 --nodes 4 -- \
-        experiment=vit_b32_laion data.shards='/data/laion/{00000..41407}.tar' steps=20000
+        experiment=vit_b32_laion "data.shards='/data/laion/{00000..41407}.tar'" steps=20000
 
 Each job runs ``scripts/slurm/train.sbatch`` with ``batch.global_size=B optim.lr=LR
 name=<name>_b<B> run_dir=<sweep dir>/b<B>``; a requeued job therefore resumes in its own

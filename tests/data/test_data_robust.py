@@ -9,9 +9,9 @@ import pytest
 import torch
 from torchvision.transforms import PILToTensor, Resize
 
-from data_helpers import IdTokenizer, ids, jpeg
+from data_helpers import IdTokenizer, ids, jpeg, write_shards
 from infclip.data.config import DataConfig
-from infclip.data.pipeline import build_train_data
+from infclip.data.pipeline import DataError, build_train_data
 from infclip.data.stream import epoch_shards
 
 
@@ -130,8 +130,53 @@ def test_shards_that_never_yield_raise_a_clear_error(tmp_path):
         with open(f"{tmp_path}/x/{s:05d}.tar", "wb") as f:
             f.write(b"\0garbage" * 100)
     data = _build(str(tmp_path / "x" / "{00000..00001}.tar"), 0, 4)
-    with pytest.raises(RuntimeError, match="gave no sample"):
+    with pytest.raises(DataError, match=r"no training shard gives a sample.*'unreadable_shard': 2"):
         next(data.batches())
+
+
+def test_a_worker_whose_shards_are_all_empty_borrows_instead_of_stopping_the_run(tmp_path):
+    """Shards 0 and 1 are empty, 2 and 3 good; with 2 workers, one worker's whole share is
+    the two empty shards. The run still trains (that worker reads the others' shards), the
+    empty shards are counted, and the batches are the same after a resume mid-way."""
+    write_shards(tmp_path / "h", [6, 6], start=2)
+    for empty in ("00000.tar", "00001.tar"):  # valid archives without a member
+        write_tar(tmp_path / "h" / empty, [])
+    spec = str(tmp_path / "h" / "{00000..00003}.tar")
+    seed = next(s for s in range(200) if sorted(os.path.basename(u) for u in
+                                                epoch_shards(_build(spec, s, 12, workers=2).spec, 0, 0, 2))
+                == ["00000.tar", "00001.tar"])
+    data = _build(spec, seed, 12, workers=2)
+    it = data.batches()
+    got = [ids(next(it)[1])[0] for _ in range(12)]
+    assert set(got) <= set(range(12)) and len(set(got)) >= 6, got
+    assert data.skip_counts()["empty_shard"] >= 2
+    state = data.state_dict()
+    tail = [ids(next(it)[1])[0] for _ in range(4)]
+    it.close()
+    resumed = _build(spec, seed, 12, workers=2)
+    resumed.load_state_dict(state)
+    it2 = resumed.batches()
+    assert [ids(next(it2)[1])[0] for _ in range(4)] == tail
+    it2.close()
+
+
+def test_empty_archive_and_header_cut_are_counted_by_their_reason(tmp_path):
+    from collections import Counter
+
+    from infclip.data.shards import iter_samples
+
+    write_tar(tmp_path / "empty.tar", [])
+    write_tar(tmp_path / "full.tar", good(1) + good(2) + good(3))
+    raw = (tmp_path / "full.tar").read_bytes()
+    header = raw.index(b"g0003.txt")  # the last sample's caption header
+    (tmp_path / "cut_header.tar").write_bytes(raw[: header + 100])
+    (tmp_path / "cut_between.tar").write_bytes(raw[:header])
+    for name, n, counts in (("empty.tar", 0, {"empty_shard": 1}), ("full.tar", 3, {}),
+                            ("cut_header.tar", 2, {"truncated_tar": 1}), ("cut_between.tar", 2, {"truncated_tar": 1})):
+        c = Counter()
+        got = list(iter_samples(str(tmp_path / name), c))
+        assert len(got) == n and dict(c) == counts, (name, len(got), dict(c))
+        assert all("txt" in sample for sample in got)  # never a sample that lost its caption
 
 
 def test_failing_pipe_command_is_counted_not_fatal(tmp_path):

@@ -29,8 +29,9 @@ def test_wandb_offline_resume_keeps_run_id_and_logs_run_info(tmp_path, monkeypat
     assert first._wandb.config["run"]["overrides"] == ["batch.global_size=64"]
     first.close()
     second = MetricsLogger(tmp_path, _cfg("offline"), True, 10, {"steps": 10})  # the resumed process
-    assert second._wandb.id == run_id == (tmp_path / "wandb_id.txt").read_text()
+    assert second._wandb is None  # nothing (wandb files included) is written before the first record
     second.log(2, {"loss": 1.0}, echo=False)
+    assert second._wandb.id == run_id == (tmp_path / "wandb_id.txt").read_text()
     second.close()
     offline = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
     # wandb names a second offline folder started in the same second "<stamp>-<id>-1"

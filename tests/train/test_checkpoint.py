@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from infclip.train import checkpoint as ckpt
@@ -189,3 +190,84 @@ def test_open_clip_export_is_switchable_and_skips_non_clip_models():
     assert callable(checkpoint_writer(built, ModelConfig(name="infclip-micro")))
     assert checkpoint_writer(built, ModelConfig(name="infclip-micro"), enabled=False) is None
     assert checkpoint_writer(dataclasses.replace(built, model=built.model.visual), ModelConfig()) is None
+
+
+def _damage(path, how):
+    """Truncate, overwrite with random bytes of the same size, or cut train.pt to 1000 B."""
+    import random
+
+    target = path / ("train.pt" if how == "cut_train" else "model.pt")
+    size = target.stat().st_size
+    if how == "truncate":
+        target.write_bytes(target.read_bytes()[: size // 2])
+    elif how == "random":
+        target.write_bytes(random.Random(0).randbytes(size))
+    else:
+        target.write_bytes(target.read_bytes()[:1000])
+
+
+@pytest.mark.parametrize("how", ["truncate", "random", "cut_train"])
+def test_damaged_newest_checkpoint_is_skipped_named_and_moved_aside(tmp_path, how):
+    c = _saver(tmp_path, keep=3)
+    for s in (1, 2):
+        _save(c, s)
+    newest = ckpt.list_checkpoints(tmp_path)[-1]
+    _damage(newest, how)
+    lines = []
+    assert c.latest_loadable(world_size=1, warn=lines.append).name == "step_00000001"
+    assert len(lines) == 1 and "step_00000002" in lines[0] and ("train.pt" if how == "cut_train" else "model.pt") in lines[0]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000001"]
+    assert (tmp_path / "checkpoints" / "step_00000002.damaged").is_dir()  # kept, never deleted
+    _save(c, 2)  # the run continues and writes step 2 again: no collision
+    assert c.latest_loadable(world_size=1).name == "step_00000002"
+
+
+def test_manifest_covers_files_added_by_a_publish_hook_and_loads_weights_only(tmp_path):
+    c = _saver(tmp_path)
+    c.publish_hooks.append(lambda folder: (folder / "open_clip_config.json").write_text('{"embed_dim": 8}'))
+    path = _save(c, 3)
+    import json
+
+    listed = json.loads((path / "manifest.json").read_text())["files"]
+    assert sorted(listed) == ["model.pt", "open_clip_config.json", "rank_00000.pt", "train.pt"]
+    for name in listed:  # every file loads without unpickling code
+        if name.endswith(".pt"):
+            torch.load(path / name, weights_only=True)
+    (path / "open_clip_config.json").write_text('{"embed_dim": 9}')  # same size, other bytes
+    assert "open_clip_config.json does not match" in ckpt.verify_checkpoint(path, 1)
+
+
+def test_checkpoint_without_manifest_stays_loadable(tmp_path, capsys):
+    """Written by an older version: no manifest, numpy's RNG tuple in the rank file."""
+    import numpy as np
+
+    legacy = tmp_path / "checkpoints" / "step_00000005"
+    legacy.mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, legacy / "model.pt")
+    torch.save({"step": 5}, legacy / "train.pt")
+    rng = {"python": __import__("random").getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save({"rng": rng, "data": {}}, legacy / "rank_00000.pt")
+    c = _saver(tmp_path)
+    assert c.latest_loadable(world_size=1) == legacy
+    assert "has no manifest.json" in capsys.readouterr().err
+    _, train, rank = ckpt.load(legacy, rank=0)
+    ckpt.set_rng_state(rank["rng"])
+    assert train["step"] == 5
+
+
+def test_no_resumable_checkpoint_names_each_one_and_why(tmp_path):
+    from types import SimpleNamespace
+
+    from infclip.train.resume import ResumeError, _pick_checkpoint
+
+    c = _saver(tmp_path, keep=3)
+    for s in (1, 2):
+        _save(c, s)
+    for p in ckpt.list_checkpoints(tmp_path):
+        (p / "model.pt").unlink()
+    parts = SimpleNamespace(run_dir=tmp_path, checkpointer=c, logger=SimpleNamespace(write=lambda line: None))
+    info = SimpleNamespace(world_size=1, rank=0)
+    with pytest.raises(ResumeError) as e:
+        _pick_checkpoint(SimpleNamespace(resume="auto"), info, parts)
+    assert "step_00000002: model.pt is missing" in str(e.value) and "step_00000001" in str(e.value)
+    assert "rank files" not in str(e.value)

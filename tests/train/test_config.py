@@ -59,6 +59,16 @@ def test_wrong_type_is_rejected():
         (["max_nonfinite=0"], 1, r"max_nonfinite must be > 0"),
         (["checkpoint.every_n_steps=-1"], 1, r"checkpoint.every_n_steps must be >= 0"),
         (["schedule.min_lr_ratio=2"], 1, r"schedule.min_lr_ratio must be in \[0, 1\]"),
+        (["optim.lr=inf"], 1, r"optim.lr=inf is not a finite number"),
+        (["optim.lr=nan"], 1, r"optim.lr=nan is not a finite number"),
+        (["optim.lr=-1e-3"], 1, r"optim.lr must be > 0"),
+        (["optim.beta2=1.0"], 1, r"optim.beta2 must be in \[0, 1\)"),
+        (["optim.beta1=-0.1"], 1, r"optim.beta1 must be in \[0, 1\)"),
+        (["optim.eps=0"], 1, r"optim.eps must be > 0"),
+        (["model.max_logit_scale=inf"], 1, r"model.max_logit_scale=inf is not a finite number"),
+        (["+optim.lrr=1"], 1, r"unknown config key 'optim.lrr'.*did you mean optim.lr\?"),
+        (["+foo=1"], 1, r"unknown config key 'foo'"),
+        (["+model.lock_imag=true"], 1, r"did you mean model.lock_image\?"),
     ],
 )
 def test_validation_names_key_and_fix(overrides, world, match, monkeypatch):
@@ -85,6 +95,26 @@ def test_bad_config_fails_before_model_work(tmp_path):
     assert not run_dir.exists()
 
 
+def test_config_error_is_one_paragraph_without_traceback_unless_debug(tmp_path):
+    """``+optim.lrr=1`` (the fix Hydra's own message suggests for a typo) is refused before
+    any work, in one paragraph naming the nearest key; INFCLIP_DEBUG=1 adds the traceback."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(root / "train.py"), "+optim.lrr=1", f"run_dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "INFCLIP_DEBUG")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "did you mean optim.lr?" in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 2, proc.stderr  # the paragraph + the debug hint
+    assert not run_dir.exists()
+    debug = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "INFCLIP_DEBUG": "1"})
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "optim.lrr" in debug.stderr
+
+
 def test_eval_task_errors_name_the_task_key():
     cfg = _compose("eval.tasks.0.kind=bogus")
     with pytest.raises(ValueError, match=r"eval.tasks\[0\].kind='bogus'"):
@@ -95,3 +125,16 @@ def test_data_errors_name_the_key():
     cfg = _compose("data.loader_batch=0")
     with pytest.raises(ValueError, match=r"data.loader_batch"):
         validate(cfg, 1)
+
+
+def test_a_data_error_raised_in_a_loader_worker_prints_only_its_message():
+    import runpy
+
+    from infclip.data.shards import DataError
+
+    root = Path(__file__).resolve().parents[2]
+    paragraph = runpy.run_path(str(root / "train.py"), run_name="train_module")["paragraph"]
+    wrapped = DataError("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+                        '  File "stream.py", line 1, in raw_stream\n'
+                        "infclip.data.shards.DataError: no training shard gives a sample: 4 shards in a row")
+    assert paragraph(wrapped) == "error (DataError): no training shard gives a sample: 4 shards in a row"

@@ -1,0 +1,377 @@
+"""Fault injection over the real trainer on CPU: kill -9 at random moments (mid-checkpoint
+included), damaged checkpoints, a concurrent start, NaN weights and gradients, bad values,
+half-empty data, signals in the final eval. Prints a table: case -> outcome.
+
+    python scripts/fault_injection.py                 # every case (~5-10 min on 2 CPU cores)
+    python scripts/fault_injection.py --cases kill9 corrupt --seed 3 --keep /tmp/fi
+
+Each case runs ``train.py`` on a micro model and the bundled synthetic data and checks the
+outcome the trainer promises (docs/reliability.md): a resumed run's losses equal an
+uninterrupted run's exactly; nothing non-finite is ever saved; refusals are one paragraph
+and leave the run folder as it was. A case reports ``ok`` or ``FAIL`` with what it saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+STEPS = 12
+MICRO = [
+    "model.name=infclip-micro", "data.synthetic_train=256", "data.synthetic_eval=64",
+    "data.synthetic_image_size=32", "data.workers=1", "data.loader_batch=16", "batch.global_size=32",
+    "batch.micro_size=16", "logging.every_n_steps=1", "logging.wandb_mode=disabled", "logging.progress=false",
+    "device=cpu", "eval.workers=0",
+]
+COMMON = [f"steps={STEPS}", "checkpoint.every_n_steps=3", "checkpoint.keep_last=4", "eval.tasks=[]"]
+
+
+class Ctx:
+    """Paths and the uninterrupted reference run shared by the cases."""
+
+    def __init__(self, work: Path, seed: int):
+        self.work, self.rng = work, random.Random(seed)
+        self.data = work / "synthetic"
+        self.ref_dir = work / "reference"
+        self.reference: dict[int, float] = {}
+        self.n = 0
+
+    def cmd(self, run_dir: Path, *overrides: str, micro: Optional[list[str]] = None) -> list[str]:
+        return [sys.executable, str(ROOT / "train.py"), f"data.synthetic_root={self.data}",
+                f"run_dir={run_dir}", *(MICRO if micro is None else micro), *overrides]
+
+    def fresh(self, name: str) -> Path:
+        self.n += 1
+        return self.work / f"{self.n:02d}-{name}"
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "INFCLIP_"))}
+    e.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return e
+
+
+def run(cmd: list[str], **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=env(**extra), capture_output=True, text=True, timeout=600)
+
+
+def start(cmd: list[str], log: Path, **extra: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=ROOT, env=env(**extra), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def records(run_dir: Path) -> list[dict]:
+    out = []
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def losses(run_dir: Path) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for r in records(run_dir):
+        if "loss" in r:
+            out.setdefault(r["step"], []).append(r["loss"])
+    return out
+
+
+def last_step(run_dir: Path) -> int:
+    return max((r["step"] for r in records(run_dir) if "loss" in r), default=0)
+
+
+def wait_until(proc: subprocess.Popen, done: Callable[[], bool], timeout: float = 300) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if done():
+            return True
+        time.sleep(0.001)
+    return done()
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    root = run_dir / "checkpoints"
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step_") and p.is_dir()) if root.is_dir() else []
+
+
+def compare(ctx: Ctx, run_dir: Path) -> tuple[bool, str]:
+    """Every step logged once, with the reference run's loss."""
+    got = losses(run_dir)
+    if sorted(got) != sorted(ctx.reference):
+        return False, f"steps logged {sorted(got)}"
+    dup = [s for s, v in got.items() if len(v) != 1]
+    diff = max(abs(v[0] - ctx.reference[s]) for s, v in got.items())
+    return (not dup and diff == 0.0), f"losses vs uninterrupted: max abs difference {diff:g}" + (f", duplicates {dup}" if dup else "")
+
+
+def resumed_from(out: str) -> str:
+    line = next((x for x in out.splitlines() if x.startswith("resumed from ")), "")
+    return line.split("/")[-1].split(" ")[0] if line else "nothing"
+
+
+def one_paragraph(proc: subprocess.CompletedProcess) -> bool:
+    return proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.startswith("error (")
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# -- cases --------------------------------------------------------------------------------------
+
+
+def case_kill9(ctx: Ctx) -> tuple[bool, str]:
+    run_dir = ctx.fresh("kill9")
+    at = ctx.rng.randint(1, STEPS - 1)
+    proc = start(ctx.cmd(run_dir, *COMMON), run_dir.with_suffix(".log"))
+    wait_until(proc, lambda: last_step(run_dir) >= at)
+    time.sleep(ctx.rng.random() * 0.3)  # anywhere inside the following step or checkpoint
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed = last_step(run_dir)
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    return ok and second.returncode == 0, f"killed after step {killed}; resumed from {resumed_from(second.stdout)}; {detail}"
+
+
+def case_kill9_mid_checkpoint(ctx: Ctx) -> tuple[bool, str]:
+    run_dir = ctx.fresh("kill9-mid-ckpt")
+    proc = start(ctx.cmd(run_dir, *COMMON), run_dir.with_suffix(".log"))
+    root = run_dir / "checkpoints"
+    hit = wait_until(proc, lambda: root.is_dir() and any(p.name.endswith(".tmp") and p.name != ".step_00000003.tmp"
+                                                           for p in root.iterdir()))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    tmp = [p.name for p in root.iterdir() if p.name.endswith(".tmp")] if root.is_dir() else []
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    where = f"killed while writing {tmp[0]}" if hit and tmp else "killed (the write had finished: not mid-checkpoint)"
+    return ok and second.returncode == 0, f"{where}; resumed from {resumed_from(second.stdout)}; {detail}"
+
+
+def _copy_reference(ctx: Ctx, name: str, until: int) -> Path:
+    run_dir = ctx.fresh(name)
+    shutil.copytree(ctx.ref_dir, run_dir)
+    for p in checkpoints(run_dir):
+        if int(p[5:]) > until:
+            shutil.rmtree(run_dir / "checkpoints" / p)
+    return run_dir
+
+
+def case_corrupt(how: str) -> Callable[[Ctx], tuple[bool, str]]:
+    def case(ctx: Ctx) -> tuple[bool, str]:
+        run_dir = _copy_reference(ctx, f"corrupt-{how}", 9)
+        target = run_dir / "checkpoints" / "step_00000009" / ("train.pt" if how == "cut-train.pt" else "model.pt")
+        data = target.read_bytes()
+        target.write_bytes({"truncate-model.pt": data[: len(data) // 2], "random-model.pt": os.urandom(len(data)),
+                            "cut-train.pt": data[:1000]}[how])
+        second = run(ctx.cmd(run_dir, *COMMON))
+        warned = "skipping damaged checkpoint" in second.stdout
+        ok, detail = compare(ctx, run_dir)
+        return (ok and warned and second.returncode == 0,
+                f"{'warned, ' if warned else 'NO warning, '}resumed from {resumed_from(second.stdout)}; {detail}")
+    return case
+
+
+def case_concurrent(ctx: Ctx) -> tuple[bool, str]:
+    run_dir = ctx.fresh("concurrent")
+    first = start(ctx.cmd(run_dir, "steps=400", "eval.tasks=[]"), run_dir.with_suffix(".log"))
+    wait_until(first, lambda: last_step(run_dir) >= 1)
+    second = run(ctx.cmd(run_dir, "steps=400", "eval.tasks=[]"))
+    os.killpg(first.pid, signal.SIGTERM)
+    rc = first.wait(timeout=300)
+    steps = [r["step"] for r in records(run_dir) if "loss" in r]
+    ok = one_paragraph(second) and rc == 0 and steps == list(range(1, len(steps) + 1))
+    return ok, f"second start: exit {second.returncode}, '{second.stderr.splitlines()[0][:70]}...'; first: exit {rc} after {len(steps)} steps, records in order"
+
+
+def case_stale_lock(ctx: Ctx) -> tuple[bool, str]:
+    run_dir = ctx.fresh("stale-lock")
+    proc = start(ctx.cmd(run_dir, *COMMON), run_dir.with_suffix(".log"))
+    wait_until(proc, lambda: last_step(run_dir) >= 2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = (run_dir / "train.lock").exists()
+    second = run(ctx.cmd(run_dir, *COMMON))
+    took = "taking over the stale lock" in second.stderr
+    ok, detail = compare(ctx, run_dir)
+    return ok and left and took and second.returncode == 0, f"lock left by kill -9: {left}; taken over: {took}; {detail}"
+
+
+def case_nan_weights(ctx: Ctx) -> tuple[bool, str]:
+    import torch
+
+    run_dir = ctx.fresh("nan-weights")
+    proc = run(ctx.cmd(run_dir, *COMMON, "checkpoint.every_n_steps=1"), INFCLIP_INJECT_NAN_WEIGHTS_AT_STEPS="5")
+    names = checkpoints(run_dir)
+    finite = all(torch.isfinite(v).all() for n in names for v in torch.load(
+        run_dir / "checkpoints" / n / "model.pt", weights_only=True).values() if v.is_floating_point())
+    command = next((x.strip() for x in proc.stderr.splitlines() if x.strip().startswith("python train.py")), "")
+    again = subprocess.run(["bash", "-c", shlex.quote(sys.executable) + command[len("python"):]], cwd=ROOT, env=env(),
+                           capture_output=True, text=True, timeout=600) if command else None
+    ok = one_paragraph(proc) and names[-1] == "step_00000004" and finite and again is not None and again.returncode == 0
+    return ok, (f"abort exit {proc.returncode}; checkpoints up to {names[-1]}, all finite: {finite}; "
+                f"printed resume command (lr/10) exit {again.returncode if again else 'none'}, "
+                f"reached step {last_step(run_dir)}")
+
+
+def case_nan_grads(ctx: Ctx) -> tuple[bool, str]:
+    run_dir = ctx.fresh("nan-grads")
+    proc = run(ctx.cmd(run_dir, *COMMON), INFCLIP_INJECT_NAN_AT_STEPS="4")
+    skipped = [r["step"] for r in records(run_dir) if r.get("skipped_step")]
+    return proc.returncode == 0 and skipped == [4], f"exit {proc.returncode}; skipped steps {skipped}; reached {last_step(run_dir)}"
+
+
+def case_refused(name: str, *overrides: str, expect: str) -> Callable[[Ctx], tuple[bool, str]]:
+    def case(ctx: Ctx) -> tuple[bool, str]:
+        run_dir = ctx.fresh(name)
+        proc = run(ctx.cmd(run_dir, *COMMON, *overrides))
+        ok = one_paragraph(proc) and expect in proc.stderr and not run_dir.exists()
+        return ok, f"exit {proc.returncode}, no traceback, no run folder: '{proc.stderr.splitlines()[0][:90]}'"
+    return case
+
+
+def case_new_lr(ctx: Ctx) -> tuple[bool, str]:
+    run_dir = _copy_reference(ctx, "new-lr", 6)
+    proc = run(ctx.cmd(run_dir, *COMMON, "optim.lr=1e-4"))
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("resume: ")), "")
+    recorded = [r["changes"] for r in records(run_dir) if r.get("event") == "config_change"]
+    return proc.returncode == 0 and "optim.lr" in line and bool(recorded), f"'{line}'; recorded {recorded}"
+
+
+def case_refused_resume(ctx: Ctx) -> tuple[bool, str]:
+    run_dir = _copy_reference(ctx, "refused-resume", STEPS)
+    before = snapshot(run_dir)
+    proc = run(ctx.cmd(run_dir, *COMMON, "model.name=infclip-tiny"))
+    same = snapshot(run_dir) == before
+    return one_paragraph(proc) and same, f"exit {proc.returncode}; run folder byte-identical: {same}"
+
+
+def case_half_empty(ctx: Ctx) -> tuple[bool, str]:
+    from infclip.data.stream import StreamSpec, epoch_shards
+
+    folder = ctx.work / "half-empty-shards"
+    folder.mkdir()
+    for i in range(4):
+        if i < 2:
+            tarfile.open(folder / f"{i:05d}.tar", "w").close()
+        else:
+            shutil.copy(ctx.data / "train" / f"{i:05d}.tar", folder / f"{i:05d}.tar")
+    urls = [str(folder / f"{i:05d}.tar") for i in range(4)]
+    spec = lambda s: StreamSpec(urls, [1.0] * 4, False, s, 0, 1, 16, 2, 0)  # noqa: E731
+    seed = next(s for s in range(100) if sorted(Path(u).name for u in epoch_shards(spec(s), 0, 0, 2))
+                == ["00000.tar", "00001.tar"])  # one worker's whole share is the two empty shards
+    run_dir = ctx.fresh("half-empty")
+    micro = [o for o in MICRO if not o.startswith("data.workers")]
+    proc = run(ctx.cmd(run_dir, "data.kind=wds", f"data.shards='{folder}/{{00000..00003}}.tar'", "data.num_samples=32",
+                       "data.workers=2", f"seed={seed}", "steps=4", "eval.tasks=[]", micro=micro))
+    skips = next((r["summary"]["skipped_samples"] for r in records(run_dir) if "summary" in r), {})
+    return proc.returncode == 0 and last_step(run_dir) == 4, f"exit {proc.returncode}; trained {last_step(run_dir)} steps; counted {skips}"
+
+
+def case_sigterm_final_eval(ctx: Ctx) -> tuple[bool, str]:
+    run_dir = ctx.fresh("sigterm-final-eval")
+    proc = start(ctx.cmd(run_dir, "steps=6", "checkpoint.every_n_steps=4", "eval.batch_size=1"),
+                 run_dir.with_suffix(".log"))
+    wait_until(proc, lambda: last_step(run_dir) >= 6)
+    time.sleep(0.5)  # inside the final eval (about 2 s with eval.batch_size=1)
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc = proc.wait(timeout=300)
+    names = checkpoints(run_dir)
+    evals = next((sorted(k for k in r["summary"] if k.startswith("eval/") and k.endswith("top1"))
+                  for r in records(run_dir) if "summary" in r), [])
+    return rc == 0 and names[-1:] == ["step_00000006"], f"exit {rc}; checkpoints {names}; final eval finished: {evals}"
+
+
+def case_sigterm(ctx: Ctx) -> tuple[bool, str]:
+    run_dir = ctx.fresh("sigterm")
+    proc = start(ctx.cmd(run_dir, *COMMON), run_dir.with_suffix(".log"))
+    wait_until(proc, lambda: last_step(run_dir) >= ctx.rng.randint(1, STEPS - 2))
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc = proc.wait(timeout=300)
+    stopped = checkpoints(run_dir)[-1]
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    return ok and rc == 0 and second.returncode == 0, f"exit {rc}, checkpoint {stopped}; resumed; {detail}"
+
+
+CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
+    "kill9 at a random moment (1)": case_kill9,
+    "kill9 at a random moment (2)": case_kill9,
+    "kill9 at a random moment (3)": case_kill9,
+    "kill9 mid-checkpoint": case_kill9_mid_checkpoint,
+    "sigterm mid-run, resume": case_sigterm,
+    "corrupt newest: truncated model.pt": case_corrupt("truncate-model.pt"),
+    "corrupt newest: random-bytes model.pt": case_corrupt("random-model.pt"),
+    "corrupt newest: train.pt cut to 1000 B": case_corrupt("cut-train.pt"),
+    "concurrent start on one run_dir": case_concurrent,
+    "stale lock after kill9": case_stale_lock,
+    "NaN injected into the weights": case_nan_weights,
+    "NaN injected into the gradients": case_nan_grads,
+    "optim.lr=inf": case_refused("lr-inf", "optim.lr=inf", expect="optim.lr=inf is not a finite number"),
+    "+optim.lrr=1 (typo added with +)": case_refused("plus-typo", "+optim.lrr=1", expect="did you mean optim.lr?"),
+    "resume with a new optim.lr": case_new_lr,
+    "resume with another model.name": case_refused_resume,
+    "half of the shards empty": case_half_empty,
+    "sigterm during the final eval": case_sigterm_final_eval,
+}
+
+
+def reference(ctx: Ctx) -> None:
+    proc = run(ctx.cmd(ctx.ref_dir, *COMMON))
+    if proc.returncode != 0:
+        sys.exit(f"the reference run failed:\n{proc.stderr[-3000:]}")
+    ctx.reference = {s: v[0] for s, v in losses(ctx.ref_dir).items()}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", nargs="*", default=None, help="substrings of case names to run (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random kill moments")
+    p.add_argument("--keep", default=None, help="work folder to keep (default: a temporary one, removed)")
+    a = p.parse_args(argv)
+    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="infclip-faults-"))
+    work.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(work, a.seed)
+    chosen = {k: v for k, v in CASES.items() if not a.cases or any(c in k for c in a.cases)}
+    t0 = time.perf_counter()
+    reference(ctx)
+    rows = []
+    for name, case in chosen.items():
+        t = time.perf_counter()
+        try:
+            ok, detail = case(ctx)
+        except Exception as e:  # a case that breaks is a finding, not the end of the table
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        rows.append((name, "ok" if ok else "FAIL", detail, time.perf_counter() - t))
+        print(f"{rows[-1][1]:4} {name}: {detail}", file=sys.stderr, flush=True)
+    print(f"| case | outcome | what happened | s |\n|---|---|---|---|")
+    for name, outcome, detail, secs in rows:
+        print(f"| {name} | {outcome} | {detail.replace('|', '/')} | {secs:.0f} |")
+    print(f"\n{sum(r[1] == 'ok' for r in rows)}/{len(rows)} ok in {time.perf_counter() - t0:.0f} s "
+          f"(seed {a.seed}, {sys.platform}, CPU)")
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r[1] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

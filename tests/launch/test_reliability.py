@@ -1,0 +1,171 @@
+"""A run is never lost or poisoned (issue 17), on the real train.py: a damaged newest
+checkpoint falls back to the previous intact one with identical losses after; a NaN put into
+the weights by an update is caught before any save and the printed resume command works; a
+resume with a new lr applies it; a refused resume leaves the run folder untouched; a second
+training on a busy run_dir refuses; SIGTERM during the final eval keeps every step."""
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launch_testutils import (
+    MICRO, ROOT, child_env, losses_by_step, records, run, start, step_records, train_cmd, wait_for_step,
+)
+
+from infclip.train import checkpoint as ckpt
+
+STEPS = 8
+COMMON = [f"steps={STEPS}", "checkpoint.every_n_steps=2", "checkpoint.keep_last=4",
+          "schedule.kind=constant", "schedule.warmup_steps=0", "optim.lr=1e-3"]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("synthetic")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_root):
+    """An uninterrupted run: its folder (checkpoints 2, 4, 6, 8) and its loss per step."""
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = run(train_cmd(data_root, tmp / "run", *COMMON), cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = losses_by_step(tmp / "run")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return tmp / "run", {s: v[0] for s, v in losses.items()}
+
+
+def _copy_until(reference, tmp_path, step):
+    """The reference run folder as a run killed right after checkpointing ``step`` left it."""
+    src, _ = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(src, run_dir)
+    for p in ckpt.list_checkpoints(run_dir):
+        if int(p.name[5:]) > step:
+            shutil.rmtree(p)
+    return run_dir
+
+
+def _damage(path, how):
+    target = path / ("train.pt" if how == "cut_train" else "model.pt")
+    data = target.read_bytes()
+    if how == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif how == "random":
+        target.write_bytes(os.urandom(len(data)))
+    else:
+        target.write_bytes(data[:1000])
+
+
+@pytest.mark.parametrize("how", ["truncate", "random", "cut_train"])
+def test_damaged_newest_checkpoint_falls_back_with_identical_losses(tmp_path, data_root, reference, how):
+    from infclip.eval.cli import resolve_checkpoint
+
+    run_dir = _copy_until(reference, tmp_path, 6)
+    newest = run_dir / "checkpoints" / "step_00000006"
+    _damage(newest, how)
+    if how != "cut_train":  # the eval command skips a damaged model.pt too
+        assert resolve_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "step_00000004" / "model.pt")
+    proc = run(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert f"skipping damaged checkpoint {newest}" in out and "Traceback" not in out
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004'} at step 4" in out
+    assert (run_dir / "checkpoints" / "step_00000006.damaged").is_dir()  # moved aside, not deleted
+    got = losses_by_step(run_dir)  # steps 5-6 replayed: their old records were dropped
+    assert {s: v for s, v in got.items()} == {s: [v] for s, v in reference[1].items()}
+
+
+def test_nan_in_the_weights_is_caught_before_any_save_and_the_printed_resume_works(tmp_path, data_root):
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(data_root, run_dir, *COMMON, "checkpoint.every_n_steps=1")
+    proc = run(cmd, cwd=tmp_path, env=child_env(INFCLIP_INJECT_NAN_WEIGHTS_AT_STEPS="4"))
+    err = proc.stderr
+    assert proc.returncode == 2, proc.stdout[-2000:] + err[-3000:]
+    assert "the update of step 4" in err and "made the weights non-finite" in err and "Traceback" not in err
+    names = [p.name for p in ckpt.list_checkpoints(run_dir)]
+    assert names == ["step_00000001", "step_00000002", "step_00000003"]  # nothing of step 4 written
+    for p in ckpt.list_checkpoints(run_dir):
+        weights, _, _ = ckpt.load(p, rank=0)
+        assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()), p
+    assert f"newest finite checkpoint is {run_dir / 'checkpoints' / 'step_00000003'}" in err
+    command = next(line.strip() for line in err.splitlines() if line.strip().startswith("python train.py"))
+    assert f"resume={run_dir / 'checkpoints' / 'step_00000003'}" in command and "optim.lr=0.0001" in command
+    # the command, exactly as printed, through a shell (python -> this interpreter)
+    resumed = subprocess.run(["bash", "-c", shlex.quote(sys.executable) + command[len("python"):]],
+                             cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    lrs = {r["step"]: r["lr"] for r in step_records(run_dir)}
+    assert sorted(lrs) == list(range(1, STEPS + 1)) and all(lrs[s] == pytest.approx(1e-4) for s in range(4, STEPS + 1))
+
+
+def test_resume_with_a_new_lr_applies_it_and_records_it(tmp_path, data_root, reference):
+    run_dir = _copy_until(reference, tmp_path, 4)
+    proc = run(train_cmd(data_root, run_dir, *COMMON, "optim.lr=3e-4"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("resume: ")]
+    assert lines == ["resume: optim.lr changed 0.001 -> 0.0003; applied from step 5 (lr now 0.0003)"], lines
+    lrs = {r["step"]: r["lr"] for r in step_records(run_dir)}
+    assert [lrs[s] for s in range(1, 5)] == [1e-3] * 4 and [lrs[s] for s in range(5, 9)] == [3e-4] * 4
+    change = [r for r in records(run_dir) if r.get("event") == "config_change"]
+    assert change == [{**change[0], "step": 4, "changes": {"optim.lr": [1e-3, 3e-4]}}]
+
+
+def _snapshot(run_dir):
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_resume_leaves_the_run_folder_exactly_as_it_was(tmp_path, data_root, reference):
+    run_dir = _copy_until(reference, tmp_path, 8)
+    before = _snapshot(run_dir)
+    proc = run(train_cmd(data_root, run_dir, *COMMON, "model.name=infclip-tiny"), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cannot resume" in proc.stderr and "model.name='infclip-micro'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert _snapshot(run_dir) == before  # config.yaml still says infclip-micro; no lock left
+
+
+def test_a_second_training_on_a_busy_run_dir_refuses(tmp_path, data_root):
+    run_dir, log = tmp_path / "run", tmp_path / "first.log"
+    first = start(train_cmd(data_root, run_dir, "steps=400", "checkpoint.every_n_steps=0"), cwd=tmp_path, log=log)
+    try:
+        wait_for_step(first, run_dir, 1, log)
+        second = run(train_cmd(data_root, run_dir, "steps=400"), cwd=tmp_path)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert f"run_dir {run_dir} is in use by another training (pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+        os.killpg(first.pid, signal.SIGTERM)  # the first one goes on undisturbed, then stops cleanly
+        assert first.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    steps = [r["step"] for r in step_records(run_dir)]
+    assert steps == list(range(1, len(steps) + 1))  # one writer: no interleaved records
+    assert not (run_dir / "train.lock").exists()
+
+
+def test_sigterm_during_the_final_eval_keeps_every_step(tmp_path, data_root):
+    """The final checkpoint comes before the final eval, and the handlers stay installed
+    through both: a SIGTERM half a second after the last step is logged (inside the final
+    eval, which takes about 2 s here with eval.batch_size=1) loses nothing and exits 0."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    micro = [o for o in MICRO if o != "eval.tasks=[]"]  # the quickstart's synthetic eval tasks
+    cmd = [sys.executable, str(ROOT / "train.py"), f"data.synthetic_root={data_root}", f"run_dir={run_dir}",
+           *micro, "steps=4", "checkpoint.every_n_steps=3", "eval.workers=0", "eval.batch_size=1"]
+    proc = start(cmd, cwd=tmp_path, log=log)
+    wait_for_step(proc, run_dir, 4, log)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    assert ckpt.list_checkpoints(run_dir)[-1].name == "step_00000004"
+    assert sorted(losses_by_step(run_dir)) == [1, 2, 3, 4]
+    summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
+    assert summary["steps"] == 4 and any(k.startswith("eval/") for k in summary)  # the eval finished too

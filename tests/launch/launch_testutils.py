@@ -81,3 +81,12 @@ def losses_by_step(run_dir: Path) -> dict[int, list[float]]:
     for r in step_records(run_dir):
         out.setdefault(r["step"], []).append(r["loss"])
     return out
+
+
+def reference_run(tmp: Path, data_root: Path, steps: int, *overrides: str) -> tuple[Path, dict[int, float]]:
+    """An uninterrupted run in ``tmp/run``: its folder and its one loss per step."""
+    proc = run(train_cmd(data_root, tmp / "run", *overrides), cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = losses_by_step(tmp / "run")
+    assert sorted(losses) == list(range(1, steps + 1)) and all(len(v) == 1 for v in losses.values())
+    return tmp / "run", {s: v[0] for s, v in losses.items()}

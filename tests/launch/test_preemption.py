@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from launch_testutils import (
-    child_env, losses_by_step, records, run, start, step_records, train_cmd, wait_for_step,
+    child_env, losses_by_step, records, reference_run, run, start, step_records, train_cmd, wait_for_step,
 )
 
 from infclip.train import checkpoint as ckpt
@@ -32,12 +32,7 @@ def data_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_root):
     """Losses of an uninterrupted run, one per step."""
-    tmp = tmp_path_factory.mktemp("reference")
-    proc = run(train_cmd(data_root, tmp / "run", *COMMON), cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ref = losses_by_step(tmp / "run")
-    assert sorted(ref) == list(range(1, STEPS + 1)) and all(len(v) == 1 for v in ref.values())
-    return {s: v[0] for s, v in ref.items()}
+    return reference_run(tmp_path_factory.mktemp("reference"), data_root, STEPS, *COMMON)[1]
 
 
 def assert_same_losses(run_dir, reference):

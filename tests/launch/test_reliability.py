@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from launch_testutils import (
-    MICRO, ROOT, child_env, losses_by_step, records, run, start, step_records, train_cmd, wait_for_step,
+    MICRO, ROOT, child_env, losses_by_step, records, reference_run, run, start, step_records, train_cmd,
+    wait_for_step,
 )
 
 from infclip.train import checkpoint as ckpt
@@ -35,12 +36,7 @@ def data_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_root):
     """An uninterrupted run: its folder (checkpoints 2, 4, 6, 8) and its loss per step."""
-    tmp = tmp_path_factory.mktemp("reference")
-    proc = run(train_cmd(data_root, tmp / "run", *COMMON), cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    losses = losses_by_step(tmp / "run")
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    return tmp / "run", {s: v[0] for s, v in losses.items()}
+    return reference_run(tmp_path_factory.mktemp("reference"), data_root, STEPS, *COMMON)
 
 
 def _copy_until(reference, tmp_path, step):

@@ -19,9 +19,10 @@ a float32 224^2 image would be 4x the bytes on the host and on the wire.
 
 The inputs come as a *feed* (``infclip.train.pipeline.StepFeed`` or ``TensorFeed``): rows are
 read with ``feed.rows(name, start, stop)``, which waits only for rows the loader has not
-delivered yet, so the cache pass starts while the step is still being assembled. A field
-the feed *streams* (read once per step, e.g. a locked LiT tower's images) is released
-micro-batch by micro-batch once its copy to the device is done.
+delivered yet, so the cache pass starts while the step is still being assembled. Rows are
+released with ``feed.release`` after their *last* read of the step (pass 2 for inputs the
+replay re-reads, pass 1 for those only the cache pass reads, e.g. a locked LiT tower's
+images), with the event of that copy, so the pipeline can refill them for the next step.
 
 On a CPU device the same code runs: buffers are allocated and filled with ``copy_``, only
 the stream/event synchronization is skipped.

@@ -36,6 +36,7 @@ filler waiting on a busy worker.
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 import time
@@ -65,7 +66,7 @@ class PipelineSettings:
     ring_rows: int = 0  # pool rows of a streamed field (>= 2 chunks, <= local)
     threaded: bool = True  # False: fill in the caller's thread on next() (no overlap at all)
     chunk_rows: int = 0  # rows per chunk (0: the whole step); divides local
-    budget_bytes: int = 0  # cap on all pools together (0: none); never below one step (+2 ring chunks)
+    budget_bytes: int = 0  # cap on all pools together (0: none); never below one step (+ the streamed pools)
 
     @property
     def chunk(self) -> int:
@@ -106,7 +107,6 @@ class StepFeed:
         self.data_state: Optional[dict] = None
         self.error: Optional[BaseException] = None
         self.wait_s = 0.0  # time the consumer blocked on rows not yet filled
-        self.fill_s = 0.0  # time the filler spent pulling loader batches and copying them
 
     # -- consumer side (the engine) -----------------------------------------------------
     def rows(self, name: str, start: int, stop: int) -> Tensor:
@@ -213,9 +213,6 @@ class TensorFeed:
 
     def wait_complete(self) -> None:
         pass
-
-    def streams(self, name: str) -> bool:
-        return False
 
 
 class StepPipeline:
@@ -373,7 +370,6 @@ class StepPipeline:
                 feed.put(images, tokens, self.data_state)
                 self._loader_s += t1 - t0
                 self._loader_rows += images.shape[0]
-                feed.fill_s += time.perf_counter() - t0
         except BaseException as e:
             feed.fail(e)
             raise
@@ -445,8 +441,6 @@ def host_budget_bytes(host_buffer_gb: Optional[float]) -> int:
     swapped; the loader workers and the page cache need the rest)."""
     if host_buffer_gb is not None:
         return int(host_buffer_gb * 2**30)
-    import os
-
     try:
         with open("/proc/meminfo") as f:
             avail_kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))

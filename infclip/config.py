@@ -198,6 +198,8 @@ def validate(cfg: Any, world_size: int) -> None:
                                  or len(cfg.eval.tasks)):
         raise ConfigError("task=simclr trains an image tower alone: it needs loss=nt_xent, no model.lock_* "
                           "and eval.tasks=[] (see configs/experiment/simclr_quickstart.yaml)")
+    if cfg.task == "simclr" and cfg.data.decode == "device":
+        raise ConfigError("task=simclr augments decoded images on the device itself; use data.decode=cpu")
     try:
         check_data_config(cfg.data)
         validate_eval(cfg.eval)

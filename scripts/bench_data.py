@@ -2,6 +2,13 @@
 
     python scripts/bench_data.py --workers 0,1,2                 # this machine
     python scripts/bench_data.py --workers 4,8,16 --images 8192  # a 16-core GPU host
+    python scripts/bench_data.py --workers 14 --side 128,256,512 --decode cpu,device --gpu-decode
+
+``--decode device`` times the loader of ``data.decode=device`` (workers parse the JPEG header,
+draw the crop and pack the bytes; infclip/data/jpeg.py); ``--gpu-decode`` adds the trainer-side
+cost: images/s of ``JpegDecoder`` (nvJPEG decode + bicubic resized crop + normalize) on
+micro-batches of ``--micro`` rows on the GPU, i.e. what each of the gradient cache's two
+passes spends per image.
 
 Writes local shards of ``--side``-px JPEGs (photo-like: smooth colour fields, a shape and grain,
 ~20 KB each, like img2dataset's 256-px LAION output) unless ``--root`` already holds them, then
@@ -71,9 +78,18 @@ def stage_costs(spec_root: str, image_size: int, tokenizer, n: int = 100) -> dic
     return {"decode": (t1 - t0) * k, "augment": (t2 - t1) * k, "tokenize": (t3 - t2) * k}
 
 
-def measure(spec: str, workers: int, batch: int, batches: int, image_size: int, tokenizer) -> float:
+def loader_transform(decode: str, image_size: int):
+    if decode == "device":
+        from infclip.data.jpeg import JpegPacker
+
+        return JpegPacker(image_size)
+    return train_transform(image_size)
+
+
+def measure(spec: str, workers: int, batch: int, batches: int, image_size: int, tokenizer,
+            decode: str = "cpu") -> float:
     cfg = DataConfig(kind="wds", workers=workers, loader_batch=batch, shuffle_buffer=1000, resampled=True)
-    data = build_train_data(cfg, transform=train_transform(image_size), tokenizer=tokenizer, rank=0,
+    data = build_train_data(cfg, transform=loader_transform(decode, image_size), tokenizer=tokenizer, rank=0,
                             world_size=1, seed=0, shards=spec, num_samples=10**9)
     it = data.batches()
     for _ in range(max(2 * workers, 2)):  # start-up: fork workers, open shards, fill buffers
@@ -82,15 +98,43 @@ def measure(spec: str, workers: int, batch: int, batches: int, image_size: int, 
     for _ in range(batches):
         images, tokens = next(it)
     dt = time.perf_counter() - t0
-    assert images.dtype == torch.uint8 and images.shape[-1] == image_size and tokens.dtype == torch.int64
+    assert images.dtype == torch.uint8 and tokens.dtype == torch.int64
+    it.close()
     return batches * batch / dt
+
+
+def gpu_decode_rate(spec: str, image_size: int, micro: int, tokenizer, repeats: int = 5) -> tuple[float, float]:
+    """(images/s of JpegDecoder on ``micro`` packed rows, mean packed JPEG KiB) on the GPU."""
+    from infclip.data.jpeg import HEADER, JpegDecoder, unpack_header
+
+    cfg = DataConfig(kind="wds", workers=2, loader_batch=micro, shuffle_buffer=0, resampled=True)
+    data = build_train_data(cfg, transform=loader_transform("device", image_size), tokenizer=tokenizer,
+                            rank=0, world_size=1, seed=0, shards=spec, num_samples=10**9)
+    it = data.batches()
+    rows = next(it)[0].pin_memory()
+    it.close()
+    dec = JpegDecoder(image_size, device="cuda")
+    dec(rows)  # warm-up (nvJPEG handles, cuBLAS)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = dec(rows)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    assert out.shape == (micro, 3, image_size, image_size) and dec.failures == 0
+    kib = unpack_header(rows)[:, 0].float().mean().item() / 1024
+    return micro / sorted(times)[len(times) // 2], kib
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default="/tmp/infclip-bench-shards", help="shard folder (written if empty)")
     p.add_argument("--images", type=int, default=2048)
-    p.add_argument("--side", type=int, default=256, help="stored JPEG side")
+    p.add_argument("--side", default="256", help="stored JPEG side(s), comma-separated (one shard folder each)")
+    p.add_argument("--decode", default="cpu", help="comma-separated: cpu (workers decode) and/or device (workers pack)")
+    p.add_argument("--gpu-decode", action="store_true", help="also time JpegDecoder on the GPU")
+    p.add_argument("--micro", type=int, default=1024, help="rows per JpegDecoder call (--gpu-decode)")
     p.add_argument("--image-size", type=int, default=224, help="model input side (RandomResizedCrop)")
     p.add_argument("--workers", default="0,1,2", help="comma-separated worker counts")
     p.add_argument("--batch", type=int, default=128)
@@ -101,21 +145,38 @@ def main() -> None:
 
     tokenizer = open_clip.get_tokenizer(a.tokenizer)
     counts = [int(w) for w in a.workers.split(",")]
-    if not os.path.exists(os.path.join(a.root, "sizes.json")):
+    print(f"cpu cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()}")
+    table = ["| stored side | KiB/sample | decode | workers | batch | image size | loader samples/s |",
+             "|---|---|---|---|---|---|---|"]
+    gpu = ["| stored side | packed KiB | micro-batch | JpegDecoder images/s (GPU) |", "|---|---|---|---|"]
+    for side in [int(x) for x in a.side.split(",")]:
+        root = a.root if "," not in a.side else f"{a.root}-{side}"
+        spec, kib = ensure_root(root, a.images, side, max(32, 2 * max(counts)))
+        costs = stage_costs(root, a.image_size, tokenizer)
+        print(f"{side}-px single-thread ms/sample: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
+        for decode in a.decode.split(","):
+            for w in counts:
+                rate = measure(spec, w, a.batch, a.batches, a.image_size, tokenizer, decode)
+                table.append(f"| {side} | {kib:.1f} | {decode} | {w} | {a.batch} | {a.image_size} | {rate:,.0f} |")
+                print(table[-1], flush=True)
+        if a.gpu_decode:
+            rate, packed = gpu_decode_rate(spec, a.image_size, a.micro, tokenizer)
+            gpu.append(f"| {side} | {packed:.1f} | {a.micro} | {rate:,.0f} |")
+            print(gpu[-1], flush=True)
+    print("\n" + "\n".join(table))
+    if a.gpu_decode:
+        print("\n" + "\n".join(gpu))
+
+
+def ensure_root(root: str, images: int, side: int, shards: int) -> tuple[str, float]:
+    """(brace spec of the shards in ``root``, mean KiB per sample); written if absent."""
+    if not os.path.exists(os.path.join(root, "sizes.json")):
         t0 = time.time()
-        write_bench_shards(a.root, a.images, a.side, max(32, 2 * max(counts)))
-        print(f"wrote {a.images} {a.side}-px JPEGs to {a.root} in {time.time() - t0:.1f}s")
-    nshards = len([f for f in os.listdir(a.root) if f.endswith(".tar")])
-    spec = os.path.join(a.root, f"{{00000..{nshards - 1:05d}}}.tar")
-    size = sum(os.path.getsize(os.path.join(a.root, f)) for f in os.listdir(a.root) if f.endswith(".tar"))
-    print(f"cpu cores: {os.cpu_count()}, torch threads: {torch.get_num_threads()}, "
-          f"mean shard bytes/sample: {size / a.images / 1024:.1f} KiB")
-    costs = stage_costs(a.root, a.image_size, tokenizer)
-    print("single-thread ms/sample: " + ", ".join(f"{k} {v:.2f}" for k, v in costs.items()))
-    print(f"\n| workers | batch | image size | samples/s |\n|---|---|---|---|")
-    for w in counts:
-        rate = measure(spec, w, a.batch, a.batches, a.image_size, tokenizer)
-        print(f"| {w} | {a.batch} | {a.image_size} | {rate:,.0f} |", flush=True)
+        write_bench_shards(root, images, side, shards)
+        print(f"wrote {images} {side}-px JPEGs to {root} in {time.time() - t0:.1f}s", flush=True)
+    tars = [f for f in os.listdir(root) if f.endswith(".tar")]
+    size = sum(os.path.getsize(os.path.join(root, f)) for f in tars)
+    return os.path.join(root, f"{{00000..{len(tars) - 1:05d}}}.tar"), size / images / 1024
 
 
 if __name__ == "__main__":

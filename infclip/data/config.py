@@ -32,6 +32,13 @@ class DataConfig:
     json_caption_key: Optional[str] = None  # pick the caption from this key of {key}.json instead
     aug_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop scale (the paper's)
     aug_ratio: tuple[float, float] = (0.75, 1.3333333)  # RandomResizedCrop ratio (the paper's)
+    # Where training images are decoded (infclip/data/jpeg.py): "cpu" (loader workers decode,
+    # crop, resize; 3*S*S bytes per sample in host memory) or "device" (workers parse only the
+    # JPEG header and draw the crop; the trainer decodes with nvJPEG on the GPU and resizes
+    # there, in both gradient-cache passes). "device" takes jpeg_max_bytes + 32 bytes per
+    # sample of host memory; larger files are downscaled by the worker until they fit.
+    decode: str = "cpu"
+    jpeg_max_bytes: int = 65536
     # Synthetic captioned-shapes dataset (kind=synthetic): generated deterministically into
     # `synthetic_root` (default: ~/.cache/infclip/synthetic-<params>) on first use.
     synthetic_root: Optional[str] = None
@@ -47,6 +54,10 @@ def check_data_config(cfg: DataConfig) -> None:
     (Structured configs built by Hydra never run ``__post_init__``, so the trainer's
     ``validate`` calls this.)
     """
+    if cfg.decode not in ("cpu", "device"):
+        raise ValueError(f"data.decode must be 'cpu' or 'device', got {cfg.decode!r}")
+    if cfg.jpeg_max_bytes < 1024:
+        raise ValueError(f"data.jpeg_max_bytes must be >= 1024 (bytes per packed JPEG), got {cfg.jpeg_max_bytes}")
     if cfg.loader_batch <= 0:
         raise ValueError(f"data.loader_batch must be > 0, got {cfg.loader_batch}")
     if cfg.workers < 0 or cfg.shuffle_buffer < 0:

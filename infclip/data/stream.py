@@ -186,21 +186,30 @@ def _caption(sample: RawSample, spec: StreamSpec, rng: random.Random) -> str:
 
 
 def _image(sample: RawSample) -> Image.Image:
-    ext = next((e for e in IMAGE_EXTS if e in sample), None)
-    if ext is None:
-        known = {"__key__", "__url__", "txt", "json"}
-        raise Skip("unknown_extension" if set(sample) - known else "missing_image")
+    data = _image_bytes(sample)
     try:
-        with Image.open(io.BytesIO(sample[ext])) as img:
+        with Image.open(io.BytesIO(data)) as img:
             return img.convert("RGB")  # forces the full decode here, not in the transform
     except Exception:
         raise Skip("corrupt_image") from None
 
 
+def _image_bytes(sample: RawSample) -> bytes:
+    ext = next((e for e in IMAGE_EXTS if e in sample), None)
+    if ext is None:
+        known = {"__key__", "__url__", "txt", "json"}
+        raise Skip("unknown_extension" if set(sample) - known else "missing_image")
+    return sample[ext]
+
+
 def decode(sample: RawSample, spec: StreamSpec, transform: Callable, rng: random.Random
            ) -> tuple[torch.Tensor, str]:
-    """(uint8 image (3,H,W), caption) or raise :class:`Skip`."""
+    """(uint8 image (3,H,W), caption) or raise :class:`Skip`. A transform with
+    ``takes_bytes`` (``infclip.data.jpeg.JpegPacker``) gets the raw file and returns a packed
+    uint8 row (the image is decoded on the training device)."""
     text = _caption(sample, spec, rng)
+    if getattr(transform, "takes_bytes", False):
+        return transform(_image_bytes(sample)), text
     image = _image(sample)
     try:
         out = transform(image)

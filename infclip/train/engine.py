@@ -121,7 +121,9 @@ class StepEngine:
         self.normalizer, self.loss_fn, self.scaler = normalizer, loss_fn, scaler
         self.group, self.world_size = group, world_size
         self.plan = plan or LockPlan()
-        self.stager = InputStager(self.device, settings.offload)
+        # A normalizer that decodes JPEG rows itself (data.decode=device) reads them from host memory.
+        host = ("images",) if getattr(normalizer, "reads_host", False) else ()
+        self.stager = InputStager(self.device, settings.offload, host_fields=host)
         self.measure_timings = True  # synchronize CUDA at phase boundaries to time them
         self.measure_memory = False  # CUDA: peak bytes per phase into last_phase_peaks (resets peak stats)
         self.last_phase_peaks: dict[str, int] = {}

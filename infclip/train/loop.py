@@ -161,7 +161,14 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
     from infclip.data.transforms import Normalizer, train_transform
 
     size = cfg.data.image_size or built.image_size
-    transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
+    if cfg.data.decode == "device":  # workers pack JPEG bytes + crop; the trainer decodes (data/jpeg.py)
+        from infclip.data.jpeg import JpegDecoder, JpegPacker
+
+        transform = JpegPacker(size, cfg.data.jpeg_max_bytes, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
+        normalizer = JpegDecoder(size, built.mean, built.std, device=info.device)
+    else:
+        transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
+        normalizer = Normalizer(built.mean, built.std).to(info.device)
     shards, num_samples, eval_cfg = None, None, _eval_config(cfg)
     if cfg.data.kind == "synthetic":
         shards, num_samples, eval_cfg = _synthetic(cfg, info)
@@ -171,7 +178,7 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
         data_cfg, transform=transform, tokenizer=built.tokenizer, rank=info.rank,
         world_size=info.world_size, seed=cfg.seed, shards=shards, num_samples=num_samples,
     )
-    return data, eval_cfg, Normalizer(built.mean, built.std).to(info.device)
+    return data, eval_cfg, normalizer
 
 
 def _synthetic(cfg: Any, info: DistInfo):

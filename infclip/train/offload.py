@@ -24,6 +24,11 @@ released with ``feed.release`` after their *last* read of the step (pass 2 for i
 replay re-reads, pass 1 for those only the cache pass reads, e.g. a locked LiT tower's
 images), with the event of that copy, so the pipeline can refill them for the next step.
 
+Fields named in ``host_fields`` are never copied: the consumer gets the host rows themselves
+(``data.decode=device``: ``torchvision.io.decode_jpeg`` reads JPEG bytes from host memory
+and decodes them on the GPU). They are released after the consumer returns from their last
+read, with an event on the compute stream.
+
 On a CPU device the same code runs: buffers are allocated and filled with ``copy_``, only
 the stream/event synchronization is skipped.
 """
@@ -43,9 +48,10 @@ Item = tuple[int, Sequence[str]]  # (micro-batch index, names of the inputs it n
 class InputStager:
     """Stages micro-batches of host inputs into device buffers (see the module docs)."""
 
-    def __init__(self, device: torch.device, offload: bool):
+    def __init__(self, device: torch.device, offload: bool, host_fields: Sequence[str] = ()):
         self.device = torch.device(device)
         self.offload = offload
+        self.host_fields = frozenset(host_fields)  # handed over as host rows (see module docs)
         self.buffers: dict[str, list[Tensor]] = {}  # name -> device buffers (1 or 2)
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if (offload and self._cuda) else None
@@ -63,18 +69,36 @@ class InputStager:
         """
         if isinstance(inputs, dict):  # plain tensors: a complete step
             inputs = TensorFeed(inputs)
+        self._last_use = {(k, n): i for i, (k, names) in enumerate(schedule) for n in names}
         if self.offload:
             yield from self._stream_offload(inputs, micro, schedule)
         else:
             yield from self._stream_resident(inputs, micro, schedule)
 
+    def _host_rows(self, inputs, micro: int, k: int, names) -> dict[str, Tensor]:
+        return {n: inputs.rows(n, k * micro, (k + 1) * micro) for n in names if n in self.host_fields}
+
+    def _release_host(self, inputs, micro: int, i: int, k: int, names) -> None:
+        """After the consumer's read ``i`` of micro-batch ``k``: free host fields read for the last time."""
+        done = [n for n in names if n in self.host_fields and self._last_use[(k, n)] == i]
+        if not done:
+            return
+        event = None
+        if self._cuda:  # the device work that reads them (decode_jpeg's copies) is enqueued
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        for n in done:
+            inputs.release(n, (k + 1) * micro, event)
+
     # -- resident: the whole per-rank batch on the device -------------------------------
     def _stream_resident(self, inputs, micro, schedule):
         staged = {}
-        for name in sorted({n for _, names in schedule for n in names}):
+        for name in sorted({n for _, names in schedule for n in names} - self.host_fields):
             staged[name] = self._stage_whole(inputs, name)
-        for k, names in schedule:
-            yield {n: staged[n][k * micro:(k + 1) * micro] for n in names}
+        for i, (k, names) in enumerate(schedule):
+            batch = {n: staged[n][k * micro:(k + 1) * micro] for n in names if n in staged}
+            yield {**batch, **self._host_rows(inputs, micro, k, names)}
+            self._release_host(inputs, micro, i, k, names)
 
     def _stage_whole(self, inputs, name: str) -> Tensor:
         """Copy every row of ``name`` to its device buffer, piece by piece (a feed's chunks),
@@ -94,22 +118,24 @@ class InputStager:
 
     # -- offload: two micro-batch buffers per input, filled ahead on a side stream ------
     def _stream_offload(self, inputs, micro, schedule):
-        self._last_use = {(k, n): i for i, (k, names) in enumerate(schedule) for n in names}
         ready = self._issue(inputs, micro, schedule, 0)
-        for i, (_, names) in enumerate(schedule):
+        for i, (k, names) in enumerate(schedule):
             nxt = self._issue(inputs, micro, schedule, i + 1) if i + 1 < len(schedule) else None
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
-            yield {n: self.buffers[n][i % 2] for n in names}
+            copied = [n for n in names if n not in self.host_fields]
+            yield {**{n: self.buffers[n][i % 2] for n in copied}, **self._host_rows(inputs, micro, k, names)}
             if self._cuda:  # the compute stream has now enqueued every use of slot i % 2
-                for n in names:
+                for n in copied:
                     ev = self._free[(n, i % 2)] = torch.cuda.Event()
                     ev.record(torch.cuda.current_stream(self.device))
+            self._release_host(inputs, micro, i, k, names)
             ready = nxt
 
     def _issue(self, inputs, micro, schedule, i) -> Optional[torch.cuda.Event]:
         """Start copying schedule item ``i`` into slot ``i % 2``; returns its ready event."""
         k, names = schedule[i]
+        names = [n for n in names if n not in self.host_fields]
         slot = i % 2
         rows = (k * micro, (k + 1) * micro)
         if not self._cuda:

@@ -1,0 +1,214 @@
+"""JPEG decoding on the training device (``data.decode=device``): the loader ships bytes.
+
+With ``data.decode=cpu`` each loader worker decodes a JPEG, crops and resizes it
+(RandomResizedCrop, bicubic) and ships 224x224x3 uint8 pixels; decoding bounds the loader at
+LAION's 256-512 px. With ``data.decode=device`` a worker only parses the JPEG header and draws
+the *same* crop box from the *same* RNG stream the CPU path would use
+(``RandomResizedCrop.get_params``), then packs header + bytes into a fixed-width uint8 row
+(:class:`JpegPacker`). The trainer's :class:`JpegDecoder` decodes a micro-batch of rows with
+nvJPEG (``torchvision.io.decode_jpeg(..., device="cuda")``), crops and resizes every image with
+PIL's antialiased bicubic filter as two batched matmuls, rounds to 8-bit levels and normalizes.
+It runs for each micro-batch in both passes of the gradient cache; decoding and resizing are
+deterministic, so the replay sees the pixels the cache pass saw.
+
+Row layout (uint8, ``HEADER + max_bytes`` per sample): int32 little-endian
+``[nbytes, top, left, height, width, image_h, image_w, flags]`` then the JPEG bytes, zero
+padded. A 20-60 KB LAION JPEG in a 64 KB row is under half of the 150 KB a decoded 224-px
+image takes in host memory and on PCIe (the rows never go to the device: ``decode_jpeg``
+reads host bytes, so the stager hands the decoder host rows, see ``reads_host``).
+
+The worker re-encodes (baseline RGB JPEG, flag ``REENCODED``) what nvJPEG should not get or the
+row cannot hold: other formats (PNG, WebP, ...), progressive or CMYK JPEGs, and files over
+``max_bytes`` (downscaled until they fit). A file that does not parse or lacks its end
+marker (truncated) is skipped and counted (``corrupt_image``) like on the CPU path. Damage
+that only a full decode finds fails on the device: that image becomes black and is counted
+in :attr:`JpegDecoder.failures` (a warning names the count).
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence
+
+import torch
+from PIL import Image
+from torch import Tensor, nn
+from torchvision.transforms import RandomResizedCrop
+
+HEADER_INTS = 8
+HEADER = 4 * HEADER_INTS  # bytes
+REENCODED = 1  # flags bit: the worker re-encoded the image (format, mode, progressive or size)
+
+if sys.byteorder != "little":  # the header is read back with a zero-copy int32 view
+    raise ImportError("infclip.data.jpeg packs little-endian int32 headers; this host is big-endian")
+
+
+@dataclass
+class JpegPacker:
+    """Worker side: raw image bytes -> packed uint8 row ``(HEADER + max_bytes,)``.
+
+    The crop box is drawn with torchvision's ``RandomResizedCrop.get_params`` from torch's
+    global RNG (seeded per loader batch by the stream), so a batch gets the boxes the CPU
+    transform would have used. Raises ``infclip.data.stream.Skip("corrupt_image")`` for bytes
+    that do not parse.
+    """
+
+    image_size: int
+    max_bytes: int = 65536
+    scale: Sequence[float] = (0.08, 1.0)
+    ratio: Sequence[float] = (0.75, 1.3333333)
+    takes_bytes: ClassVar[bool] = True  # the stream passes raw bytes, not a decoded PIL image
+
+    def __call__(self, data: bytes) -> Tensor:
+        data, (width, height), flags = self._baseline(data)
+        probe = torch.zeros(()).expand(1, height, width)  # get_params reads only the shape
+        top, left, h, w = RandomResizedCrop.get_params(probe, list(self.scale), list(self.ratio))
+        row = torch.zeros(HEADER + self.max_bytes, dtype=torch.uint8)
+        header = torch.tensor([len(data), top, left, h, w, height, width, flags], dtype=torch.int32)
+        row[:HEADER] = header.view(torch.uint8)
+        row[HEADER:HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return row
+
+    def _baseline(self, data: bytes) -> tuple[bytes, tuple[int, int], int]:
+        """(bytes nvJPEG can take, (width, height), flags); re-encodes what it cannot."""
+        from infclip.data.stream import Skip
+
+        try:
+            with Image.open(io.BytesIO(data)) as im:
+                progressive = bool(im.info.get("progressive") or im.info.get("progression"))
+                if (im.format == "JPEG" and im.mode in ("RGB", "L") and not progressive
+                        and len(data) <= self.max_bytes and data.rstrip(b"\0").endswith(b"\xff\xd9")):
+                    return data, im.size, 0
+                rgb = im.convert("RGB")  # full decode: the format/mode/size slow path
+        except Exception:
+            raise Skip("corrupt_image") from None
+        if data[:2] == b"\xff\xd8" and not data.rstrip(b"\0").endswith(b"\xff\xd9"):
+            raise Skip("corrupt_image")  # truncated: PIL pads it with grey, the CPU path would not
+        return self._reencode(rgb)
+
+    def _reencode(self, img: Image.Image) -> tuple[bytes, tuple[int, int], int]:
+        """Baseline RGB JPEG of ``img`` that fits the row: full size first, then smaller."""
+        for side, quality in ((None, 90), (None, 75), (2 * self.image_size, 90),
+                              (2 * self.image_size, 75), (self.image_size, 75), (self.image_size, 50)):
+            im = img
+            if side is not None and min(img.size) > side:
+                k = side / min(img.size)
+                im = img.resize((max(1, round(img.width * k)), max(1, round(img.height * k))),
+                                Image.Resampling.BICUBIC)
+            buf = io.BytesIO()
+            im.save(buf, format="JPEG", quality=quality)
+            if buf.tell() <= self.max_bytes:
+                return buf.getvalue(), im.size, REENCODED
+        from infclip.data.stream import Skip
+
+        raise Skip("image_too_large")
+
+
+def unpack_header(rows: Tensor) -> Tensor:
+    """int32 (B, 8) ``[nbytes, top, left, height, width, image_h, image_w, flags]`` of packed rows."""
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] <= HEADER:
+        raise ValueError(f"packed JPEG rows must be uint8 (B, {HEADER}+max_bytes), got {rows.dtype} "
+                         f"{tuple(rows.shape)}: was the loader built with data.decode=device?")
+    return rows[:, :HEADER].contiguous().view(torch.int32)
+
+
+def bicubic_weights(start: Tensor, length: Tensor, out: int, size: int) -> Tensor:
+    """PIL's antialiased bicubic resampling as a matrix, per image: (B, out, size) float32 on the
+    device of ``start``.
+
+    Row i of image n holds the weights of input pixels ``[start_n, start_n + length_n)`` for
+    output pixel i when ``length_n`` input pixels map onto ``out`` (crop then resize, as
+    torchvision's ``resized_crop`` on a PIL image): PIL's kernel (a = -0.5) stretched by the
+    downscale factor (antialiasing), each row normalized to sum 1. Columns outside the crop,
+    and at or past ``size``, are 0.
+    """
+    start, length = start.float(), length.float()
+    dev = start.device
+    scale = (length / out)[:, None, None]  # input pixels per output pixel
+    support = scale.clamp(min=1.0)
+    center = start[:, None, None] + (torch.arange(out, dtype=torch.float32, device=dev)[None, :, None] + 0.5) * scale
+    j = torch.arange(size, dtype=torch.float32, device=dev)[None, None, :]
+    x = ((j + 0.5 - center) / support).abs()
+    a = -0.5
+    w = torch.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                    torch.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, torch.zeros_like(x)))
+    inside = (j >= start[:, None, None]) & (j < (start + length)[:, None, None])
+    w = w * inside
+    return w / w.sum(-1, keepdim=True).clamp(min=1e-12)
+
+
+class JpegDecoder(nn.Module):
+    """Device side: packed rows (host, uint8 (B, HEADER + max_bytes)) -> normalized float
+    images (B, 3, S, S) on ``device``, equal to the CPU path's ``Normalizer(train_transform(img))``
+    up to JPEG decoder rounding (nvJPEG vs libjpeg-turbo IDCT) and +-1 level of resampling.
+
+    ``chunk``: images resized together (bounds the padded canvas: chunk x 3 x H x W).
+    """
+
+    reads_host: ClassVar[bool] = True  # the input stager passes host rows (decode_jpeg reads CPU bytes)
+
+    def __init__(self, image_size: int, mean: Optional[Sequence[float]] = None,
+                 std: Optional[Sequence[float]] = None, device: torch.device | str = "cpu", chunk: int = 256):
+        super().__init__()
+        from infclip.data.transforms import Normalizer
+
+        self.size, self.chunk, self.device = image_size, chunk, torch.device(device)
+        self.normalizer = Normalizer(mean, std).to(self.device)
+        self.failures = 0  # images that failed to decode (black instead)
+
+    def forward(self, rows: Tensor) -> Tensor:
+        header = unpack_header(rows).tolist()
+        datas = [rows[k, HEADER:HEADER + h[0]] for k, h in enumerate(header)]
+        images = self._decode(datas, header)
+        # Compute in float32 on the CPU, fp16 on the GPU (exact for 0..255; ~1e-3 relative
+        # weights, fp32 accumulation): the result is rounded to 8-bit levels anyway.
+        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
+        out = torch.empty((len(datas), 3, self.size, self.size), dtype=torch.uint8, device=self.device)
+        boxes = torch.tensor([h[1:5] for h in header], dtype=torch.int64).reshape(-1, 4)
+        for a in range(0, len(datas), self.chunk):
+            b = min(a + self.chunk, len(datas))
+            out[a:b] = self._resized_crop(images[a:b], boxes[a:b], dtype)
+        return self.normalizer(out)  # the CPU path's own uint8 -> float step
+
+    def _decode(self, datas: list[Tensor], header: list[list[int]]) -> list[Tensor]:
+        """(3, H, W) uint8 per image on the device; a failing image becomes black (counted)."""
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        try:
+            return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=self.device))
+        except RuntimeError:
+            pass
+        images, failed = [], 0
+        for data, h in zip(datas, header):  # find the bad ones one by one
+            try:
+                images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
+            except RuntimeError:
+                images.append(torch.zeros((3, h[5], h[6]), dtype=torch.uint8, device=self.device))
+                failed += 1
+        self.failures += failed
+        warnings.warn(f"data.decode=device: {failed} JPEG(s) of a micro-batch failed to decode and "
+                      f"were replaced by black images ({self.failures} so far); their files are damaged "
+                      "beyond what the loader's header check finds", stacklevel=2)
+        return images
+
+    def _resized_crop(self, images: list[Tensor], boxes: Tensor, dtype: torch.dtype) -> Tensor:
+        """Crop box (top, left, h, w) of each image resized to S x S: (n, 3, S, S) uint8,
+        rounded and clamped like PIL's uint8 output."""
+        shapes = {tuple(im.shape) for im in images}
+        if len(shapes) == 1:
+            canvas = torch.stack(images).to(dtype)
+        else:  # pad to the largest image of the chunk; zero columns get zero weight
+            hmax = max(im.shape[1] for im in images)
+            wmax = max(im.shape[2] for im in images)
+            canvas = torch.zeros((len(images), 3, hmax, wmax), dtype=dtype, device=self.device)
+            for k, im in enumerate(images):
+                canvas[k, :, :im.shape[1], :im.shape[2]] = im
+        top, left, h, w = boxes.to(self.device).unbind(1)
+        ry = bicubic_weights(top, h, self.size, canvas.shape[2]).to(dtype)
+        rx = bicubic_weights(left, w, self.size, canvas.shape[3]).to(dtype)
+        tmp = torch.matmul(canvas, rx.transpose(1, 2)[:, None])  # horizontal pass: (n, 3, H, S)
+        out = torch.matmul(ry[:, None], tmp)  # vertical pass: (n, 3, S, S)
+        return out.float().round_().clamp_(0, 255).to(torch.uint8)

@@ -1,0 +1,140 @@
+"""data.decode=device: the worker packs JPEG bytes and the crop box the CPU path would draw;
+the decoder's pixels match the CPU transform's within one 8-bit level; what nvJPEG should not
+get is re-encoded, what does not parse is skipped, what fails on the device is counted."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import RandomResizedCrop
+
+from infclip.data.jpeg import HEADER, REENCODED, JpegDecoder, JpegPacker, bicubic_weights, unpack_header
+from infclip.data.stream import Skip
+from infclip.data.transforms import train_transform
+
+S = 48  # model input side: small keeps the CPU test fast
+
+
+def photo(width: int, height: int, seed: int, fmt: str = "JPEG", mode: str = "RGB", **save) -> bytes:
+    """Smooth colour fields + an edge + grain: content where resampling errors would show."""
+    g = torch.Generator().manual_seed(seed)
+    small = torch.randint(0, 256, (4, 4, 3), generator=g, dtype=torch.uint8)
+    img = Image.fromarray(small.numpy()).resize((width, height), Image.Resampling.BICUBIC)
+    grain = (torch.rand((height, width, 3), generator=g) * 40).to(torch.uint8)
+    pixels = torch.from_numpy(__import__("numpy").asarray(img).copy()).clamp(max=215) + grain
+    pixels[: height // 3, : width // 2] = 250  # a sharp edge
+    img = Image.fromarray(pixels.numpy()).convert(mode)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **({"quality": 92} if fmt == "JPEG" else {}), **save)
+    return buf.getvalue()
+
+
+def cpu_path(data: bytes, seed: int) -> torch.Tensor:
+    """uint8 (3, S, S): what a worker ships with data.decode=cpu, under the batch seed."""
+    torch.manual_seed(seed)
+    return train_transform(S)(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def levels(decoder: JpegDecoder, out: torch.Tensor) -> torch.Tensor:
+    """The decoder's normalized floats back to 8-bit levels."""
+    return ((out - decoder.normalizer.shift) / decoder.normalizer.scale).round()
+
+
+def test_packer_keeps_the_bytes_and_draws_the_cpu_paths_crop():
+    data = photo(90, 70, seed=1)
+    torch.manual_seed(7)
+    row = JpegPacker(S)(data)
+    torch.manual_seed(7)
+    box = RandomResizedCrop.get_params(Image.open(io.BytesIO(data)), [0.08, 1.0], [0.75, 1.3333333])
+    header = unpack_header(row[None])[0].tolist()
+    assert row.shape == (HEADER + 65536,) and row.dtype == torch.uint8
+    assert header == [len(data), *box, 70, 90, 0]
+    assert bytes(row[HEADER:HEADER + len(data)].tolist()) == data
+    assert not row[HEADER + len(data):].any()
+
+
+@pytest.mark.parametrize("sizes", [[(64, 64)] * 3, [(90, 70), (40, 120), (64, 64), (200, 150)]])
+def test_decoder_matches_the_cpu_transform_within_one_level(sizes):
+    """Same-size batches (stacked) and mixed sizes (padded canvas), grey and colour."""
+    packer, decoder = JpegPacker(S), JpegDecoder(S, chunk=3)
+    datas = [photo(w, h, seed=i, mode="L" if i == 1 else "RGB") for i, (w, h) in enumerate(sizes)]
+    rows, refs = [], []
+    for i, data in enumerate(datas):
+        torch.manual_seed(100 + i)
+        rows.append(packer(data))
+        refs.append(cpu_path(data, 100 + i))
+    out = decoder(torch.stack(rows))
+    assert out.shape == (len(sizes), 3, S, S) and out.dtype == torch.float32
+    diff = (levels(decoder, out) - torch.stack(refs).float()).abs()
+    assert diff.max() <= 1, diff.max()
+    assert diff.mean() < 0.35, diff.mean()  # PIL rounds between its two passes; we do not
+
+
+def test_bicubic_weights_are_normalized_inside_the_crop_and_zero_outside():
+    start, length = torch.tensor([0, 5, 17]), torch.tensor([40, 10, 3])
+    w = bicubic_weights(start, length, out=8, size=40)
+    assert torch.allclose(w.sum(-1), torch.ones(3, 8), atol=1e-6)
+    cols = torch.arange(40)
+    for n in range(3):
+        outside = (cols < start[n]) | (cols >= start[n] + length[n])
+        assert not w[n][:, outside].any()
+    # identity when the crop already has the output size
+    eye = bicubic_weights(torch.tensor([2]), torch.tensor([8]), out=8, size=12)[0]
+    assert torch.allclose(eye[:, 2:10], torch.eye(8), atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["png", "progressive", "cmyk", "too_large"])
+def test_what_nvjpeg_should_not_get_is_reencoded(case):
+    max_bytes = 65536
+    if case == "png":
+        data = photo(60, 50, seed=3, fmt="PNG")
+    elif case == "progressive":
+        data = photo(60, 50, seed=3, progressive=True)
+    elif case == "cmyk":
+        data = photo(60, 50, seed=3, mode="CMYK")
+    else:
+        data, max_bytes = photo(400, 300, seed=3), 6000
+        assert len(data) > max_bytes
+    row = JpegPacker(S, max_bytes=max_bytes)(data)
+    n, top, left, h, w, img_h, img_w, flags = unpack_header(row[None])[0].tolist()
+    assert flags & REENCODED and n <= max_bytes
+    with Image.open(io.BytesIO(bytes(row[HEADER:HEADER + n].tolist()))) as im:
+        assert im.format == "JPEG" and im.mode == "RGB" and not im.info.get("progressive")
+        assert im.size == (img_w, img_h)
+    assert 0 <= top and top + h <= img_h and 0 <= left and left + w <= img_w
+    if case == "too_large":
+        assert min(img_w, img_h) <= 2 * S  # downscaled until it fit
+    else:
+        assert (img_w, img_h) == (60, 50)
+    out = JpegDecoder(S)(row[None])
+    assert torch.isfinite(out).all()
+
+
+def test_unparseable_or_truncated_files_are_skipped_like_on_the_cpu_path():
+    data = photo(64, 64, seed=4)
+    for bad in (b"not an image at all", data[: len(data) // 2]):
+        with pytest.raises(Skip) as info:
+            JpegPacker(S)(bad)
+        assert info.value.reason == "corrupt_image"
+
+
+def test_an_image_failing_on_the_device_turns_black_and_is_counted():
+    good = JpegPacker(S)(photo(64, 64, seed=5))
+    bad = good.clone()
+    junk = torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    bad[HEADER:HEADER + 500] = junk  # the header check passed in the worker; the bytes rotted after
+    bad[:4] = torch.tensor([500], dtype=torch.int32).view(torch.uint8)
+    decoder = JpegDecoder(S)
+    with pytest.warns(UserWarning, match="failed to decode"):
+        out = decoder(torch.stack([good, bad]))
+    assert decoder.failures == 1
+    assert torch.equal(levels(decoder, out[1:]), torch.zeros(1, 3, S, S))
+    assert torch.equal(out[0], decoder(good[None])[0])  # its neighbour is untouched
+
+
+def test_rows_that_are_not_packed_jpegs_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="data.decode=device"):
+        JpegDecoder(S)(torch.zeros(2, 3, S, S, dtype=torch.uint8))

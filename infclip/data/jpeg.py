@@ -158,8 +158,27 @@ class JpegDecoder(nn.Module):
         self.size, self.chunk, self.device = image_size, chunk, torch.device(device)
         self.normalizer = Normalizer(mean, std).to(self.device)
         self.failures = 0  # images that failed to decode (black instead)
+        # nvJPEG writes its outputs on a stream of torchvision's own, into tensors allocated
+        # on the *current* stream, without waiting for that stream. Decoding on a stream of
+        # ours that we synchronize first guarantees that memory is no longer read or written
+        # by earlier work (on the compute stream, in-flight kernels of freed activations).
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def forward(self, rows: Tensor) -> Tensor:
+        """Normalized float32 images; autocast is off inside, so every pass decodes identically."""
+        if self._stream is None:
+            with torch.autocast("cpu", enabled=False):
+                return self.normalizer(self._decode_resize(rows))
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._stream), torch.autocast("cuda", enabled=False):
+            self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
+            out = self._decode_resize(rows)
+        compute.wait_stream(self._stream)
+        out.record_stream(compute)
+        return self.normalizer(out)  # the CPU path's own uint8 -> float step
+
+    def _decode_resize(self, rows: Tensor) -> Tensor:
+        """uint8 (B, 3, S, S) on the device, in the current stream."""
         header = unpack_header(rows).tolist()
         datas = [rows[k, HEADER:HEADER + h[0]] for k, h in enumerate(header)]
         images = self._decode(datas, header)
@@ -171,7 +190,7 @@ class JpegDecoder(nn.Module):
         for a in range(0, len(datas), self.chunk):
             b = min(a + self.chunk, len(datas))
             out[a:b] = self._resized_crop(images[a:b], boxes[a:b], dtype)
-        return self.normalizer(out)  # the CPU path's own uint8 -> float step
+        return out
 
     def _decode(self, datas: list[Tensor], header: list[list[int]]) -> list[Tensor]:
         """(3, H, W) uint8 per image on the device; a failing image becomes black (counted)."""

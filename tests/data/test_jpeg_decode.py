@@ -138,3 +138,12 @@ def test_an_image_failing_on_the_device_turns_black_and_is_counted():
 def test_rows_that_are_not_packed_jpegs_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="data.decode=device"):
         JpegDecoder(S)(torch.zeros(2, 3, S, S, dtype=torch.uint8))
+
+
+def test_autocast_does_not_change_the_pixels():
+    """Pass 1 of the gradient cache decodes under autocast, the replay outside it."""
+    rows = torch.stack([JpegPacker(S)(photo(90, 70, seed=s)) for s in range(3)])
+    decoder = JpegDecoder(S)
+    plain = decoder(rows)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(decoder(rows), plain)

@@ -55,12 +55,12 @@ def main() -> None:
         second = gpu(rows)
     # Allocator hazard check: decode while the compute stream has queued work on memory that
     # is freed and re-allocated meanwhile; the queued results must stay right.
-    w = torch.randn(4096, 4096, device="cuda")
+    w = torch.randn(8192, 8192, device="cuda")
     ref = (w @ w).sum().item()
     bad = 0
-    for _ in range(10):
+    for _ in range(5):
         acc = []
-        for _ in range(8):
+        for _ in range(16):
             x = w @ w  # queued; freed below while kernels may still run
             acc.append(x.sum())
             del x

@@ -123,7 +123,7 @@ class StepEngine:
         self.plan = plan or LockPlan()
         # A normalizer that decodes JPEG rows itself (data.decode=device) reads them from host memory.
         host = ("images",) if getattr(normalizer, "reads_host", False) else ()
-        self.stager = InputStager(self.device, settings.offload, host_fields=host)
+        self.stager = InputStager(self.device, settings.offload, host_fields=host, host_reader=normalizer)
         self.measure_timings = True  # synchronize CUDA at phase boundaries to time them
         self.measure_memory = False  # CUDA: peak bytes per phase into last_phase_peaks (resets peak stats)
         self.last_phase_peaks: dict[str, int] = {}

@@ -48,10 +48,14 @@ Item = tuple[int, Sequence[str]]  # (micro-batch index, names of the inputs it n
 class InputStager:
     """Stages micro-batches of host inputs into device buffers (see the module docs)."""
 
-    def __init__(self, device: torch.device, offload: bool, host_fields: Sequence[str] = ()):
+    def __init__(self, device: torch.device, offload: bool, host_fields: Sequence[str] = (),
+                 host_reader: Any = None):
         self.device = torch.device(device)
         self.offload = offload
         self.host_fields = frozenset(host_fields)  # handed over as host rows (see module docs)
+        # The consumer of the host fields (JpegDecoder): told the next item's rows ahead
+        # (``prefetch(thunk)``) and when a stream ends (``cancel_prefetch()``).
+        self.host_reader = host_reader if hasattr(host_reader, "prefetch") else None
         self.buffers: dict[str, list[Tensor]] = {}  # name -> device buffers (1 or 2)
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if (offload and self._cuda) else None
@@ -70,10 +74,23 @@ class InputStager:
         if isinstance(inputs, dict):  # plain tensors: a complete step
             inputs = TensorFeed(inputs)
         self._last_use = {(k, n): i for i, (k, names) in enumerate(schedule) for n in names}
-        if self.offload:
-            yield from self._stream_offload(inputs, micro, schedule)
-        else:
-            yield from self._stream_resident(inputs, micro, schedule)
+        try:
+            if self.offload:
+                yield from self._stream_offload(inputs, micro, schedule)
+            else:
+                yield from self._stream_resident(inputs, micro, schedule)
+        finally:
+            if self.host_reader is not None:
+                self.host_reader.cancel_prefetch()
+
+    def _prefetch_host(self, inputs, micro: int, schedule, i: int) -> None:
+        """Let the host reader start on item ``i``'s host rows (in its thread)."""
+        if self.host_reader is None or i >= len(schedule):
+            return
+        k, names = schedule[i]
+        for n in names:
+            if n in self.host_fields:
+                self.host_reader.prefetch(lambda n=n, k=k: inputs.rows(n, k * micro, (k + 1) * micro))
 
     def _host_rows(self, inputs, micro: int, k: int, names) -> dict[str, Tensor]:
         return {n: inputs.rows(n, k * micro, (k + 1) * micro) for n in names if n in self.host_fields}
@@ -95,9 +112,12 @@ class InputStager:
         staged = {}
         for name in sorted({n for _, names in schedule for n in names} - self.host_fields):
             staged[name] = self._stage_whole(inputs, name)
+        self._prefetch_host(inputs, micro, schedule, 0)
         for i, (k, names) in enumerate(schedule):
             batch = {n: staged[n][k * micro:(k + 1) * micro] for n in names if n in staged}
-            yield {**batch, **self._host_rows(inputs, micro, k, names)}
+            host = self._host_rows(inputs, micro, k, names)
+            self._prefetch_host(inputs, micro, schedule, i + 1)
+            yield {**batch, **host}
             self._release_host(inputs, micro, i, k, names)
 
     def _stage_whole(self, inputs, name: str) -> Tensor:
@@ -118,13 +138,16 @@ class InputStager:
 
     # -- offload: two micro-batch buffers per input, filled ahead on a side stream ------
     def _stream_offload(self, inputs, micro, schedule):
+        self._prefetch_host(inputs, micro, schedule, 0)
         ready = self._issue(inputs, micro, schedule, 0)
         for i, (k, names) in enumerate(schedule):
             nxt = self._issue(inputs, micro, schedule, i + 1) if i + 1 < len(schedule) else None
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
             copied = [n for n in names if n not in self.host_fields]
-            yield {**{n: self.buffers[n][i % 2] for n in copied}, **self._host_rows(inputs, micro, k, names)}
+            host = self._host_rows(inputs, micro, k, names)
+            self._prefetch_host(inputs, micro, schedule, i + 1)
+            yield {**{n: self.buffers[n][i % 2] for n in copied}, **host}
             if self._cuda:  # the compute stream has now enqueued every use of slot i % 2
                 for n in copied:
                     ev = self._free[(n, i % 2)] = torch.cuda.Event()

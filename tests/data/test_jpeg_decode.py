@@ -147,3 +147,16 @@ def test_autocast_does_not_change_the_pixels():
     plain = decoder(rows)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(decoder(rows), plain)
+
+
+def test_prefetched_decodes_are_picked_up_in_order_and_cancelled_cleanly():
+    rows = [torch.stack([JpegPacker(S)(photo(64 + 8 * k, 64, seed=k + i) ) for i in range(2)]) for k in range(3)]
+    decoder = JpegDecoder(S)
+    direct = [decoder(r) for r in rows]
+    fetched = []
+    for k, r in enumerate(rows):
+        decoder.prefetch(lambda r=r, k=k: fetched.append(k) or r)
+    assert all(torch.equal(decoder(r), d) for r, d in zip(rows[:2], direct[:2]))
+    decoder.cancel_prefetch()  # the third was never consumed
+    assert decoder._pending == [] and sorted(fetched) == [0, 1, 2]
+    assert torch.equal(decoder(rows[2]), direct[2])  # decoded afresh, not a stale prefetch

@@ -291,7 +291,7 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
                      g_d_ptr, p_ptr, ds_ptr, dv_ptr, R, row_start, N, K, stride_a, stride_b, stride_p,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                      EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                     PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                     PREC: tl.constexpr, DOT_F32: tl.constexpr, FOLD: tl.constexpr = False):
     """P[i, j] = s * dX[row_start + i, j] for a strip of R rows, in the input dtype.
 
     The strip path of the backward: a GEMM-shaped kernel (any BM, no register accumulator
@@ -300,7 +300,10 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
     column tiles of B are reused from L2. ds_part[program] = its share of
     sum dX_ij <A_i, B_j>, from the fp32 values (positives folded in). HAS_DIAG: the
     positives' s * dX_ii go to dv[i] (fp32) instead of P, for the host to add s dX_ii B_i
-    in fp32 to the product before its rounding.
+    in fp32 to the product before its rounding; with FOLD they stay in P instead: the
+    folded fp32 value rounded once to P's dtype, as vanilla autograd rounds its
+    (softmax - one-hot) before the product (exact in fp32; in bf16 one rounding of the
+    small folded value, no fp32 (R, c) product and fixup passes on the host).
     """
     pid = tl.program_id(0)
     r0, r, row_ok, r_ld, a_blk, j0, cn, col_ok, c_ld, b_blk = strip_tile(
@@ -327,7 +330,10 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
             e_o = ((g_a + g_bd) - g_d) * o_a * s2
             d_vec = tl.zeros((BM,), dtype=tl.float32)
             p, q, d_vec, ds_row = _take_positives(p, q, d_ii, e_o, row0 + r, j0 + cn, row_ok, j0, d_vec, ds_row, BN)
-            has = row_ok & (row0 + r >= j0) & (row0 + r < j0 + BN)  # each row's diagonal is in one tile
-            tl.store(dv_ptr + r0 + r, d_vec * s, mask=has)
+            if FOLD:
+                p = tl.where((row0 + r)[:, None] == (j0 + cn)[None, :], d_ii[:, None], p)
+            else:
+                has = row_ok & (row0 + r >= j0) & (row0 + r < j0 + BN)  # each row's diagonal is in one tile
+                tl.store(dv_ptr + r0 + r, d_vec * s, mask=has)
     tl.store(ds_ptr + pid, tl.sum(tl.sum(q, 1) + ds_row, 0) / s2)
     store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)

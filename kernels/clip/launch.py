@@ -168,14 +168,16 @@ def _vecs(a: Tensor, off_a: Tensor | None, off_b: Tensor | None, g_d: Tensor | N
 def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
                      g_b: Tensor, out: Tensor, rows: int, cfg: StripConfig, prec: str,
                      alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
-                     off_b: Tensor | None = None) -> Tensor:
+                     off_b: Tensor | None = None, fold: bool = False) -> Tensor:
     """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
     dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype. g_d, off_a,
-    off_b: as in ``grad_rows``."""
+    off_b: as in ``grad_rows``. fold (with g_d): the positives' folded fp32 s dX_ii go into
+    P (one rounding to the input dtype, then the plain product into ``out``) instead of
+    an fp32 product per strip plus the host's fp32 fixup + s dX_ii b_i."""
     k, n = a.shape[1], b.shape[0]
     o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d)
-
-    d_vec = alloc(min(rows, a.shape[0]), device=a.device, dtype=torch.float32) if g_d is not None else scale
+    fixup = g_d is not None and not fold
+    d_vec = alloc(min(rows, a.shape[0]), device=a.device, dtype=torch.float32) if fixup else scale
 
     def fill(r0: int, r: int, scratch: Tensor) -> Tensor:
         grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
@@ -184,14 +186,14 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
             a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, n, k,
             a.stride(0), b.stride(0), scratch.stride(0),
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, EVEN_K=k % cfg.BK == 0, PREC=prec,
-            DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            DOT_F32=_dot_f32(a), FOLD=fold, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
         return ds_part.sum()
 
     def positives(r0: int, r: int, prod: Tensor) -> None:  # + s dX_ii b_i, fp32, before the rounding
         prod.addcmul_(d_vec[:r, None], b[r0:r0 + r])
 
-    return strip_backward(a, b, out, rows, False, fill, alloc, positives if g_d is not None else None)
+    return strip_backward(a, b, out, rows, False, fill, alloc, positives if fixup else None)
 
 
 def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,

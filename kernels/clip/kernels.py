@@ -47,7 +47,8 @@ the inner loop) and masked out of every reduction and store.
 import triton
 import triton.language as tl
 
-from ..tiles import LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_tile, update_rows
+from ..tiles import (LN2, LOG2E, col_tile, dot_stream, grouped_tile, row_block, store_rows, store_strip,
+                     strip_tile, update_rows)
 
 
 # -- tile epilogue pieces shared by the three kernels ------------------------------------------
@@ -309,9 +310,22 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
     r0, r, row_ok, r_ld, a_blk, j0, cn, col_ok, c_ld, b_blk = strip_tile(
         pid, R, row_start, N, a_ptr, b_ptr, stride_a, stride_b, BM, BN, GROUP)
     s = tl.load(scale_ptr).to(tl.float32)
-    s2 = s * LOG2E
     # -- compute tile --: base-2 logits, then s * dX.
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
+    ds = _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
+                         off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
+                         BM, BN, HAS_OFF, HAS_DIAG, FOLD)
+    tl.store(ds_ptr + pid, ds)
+
+
+@triton.jit
+def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
+                    off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
+                    BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
+                    FOLD: tl.constexpr):
+    """The strip kernels' tile epilogue: stores P = s dX of the tile (and dv, see
+    ``_dx_strip_kernel``); returns the tile's share of d scale."""
+    s2 = s * LOG2E
     row0 = row_start + r0
     lse_a = tl.load(lse_a_ptr + row0 + r_ld).to(tl.float32) * LOG2E
     g_a = tl.load(g_a_ptr + row0 + r_ld).to(tl.float32)
@@ -335,5 +349,48 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
             else:
                 has = row_ok & (row0 + r >= j0) & (row0 + r < j0 + BN)  # each row's diagonal is in one tile
                 tl.store(dv_ptr + r0 + r, d_vec * s, mask=has)
-    tl.store(ds_ptr + pid, tl.sum(tl.sum(q, 1) + ds_row, 0) / s2)
     store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)
+    return tl.sum(tl.sum(q, 1) + ds_row, 0) / s2
+
+
+@triton.jit
+def _dx_strip_tma_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr,
+                         g_d_ptr, p_ptr, ds_ptr, dv_ptr, R, row_start, M, N, K, stride_a, stride_b, stride_p,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                         NUM_PROGS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
+                         FOLD: tl.constexpr, WS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``_dx_strip_kernel`` as a persistent kernel with TMA loads (tensor descriptors over
+    the whole of A (M, K) and B (N, K): rows/columns past the end read as zeros and are
+    masked as usual): NUM_PROGS programs stride over the strip's tiles in the same grouped
+    order; WS asks the compiler to warp-specialize the tile loop (producer warps issuing
+    the loads, consumers running the MMAs and the epilogue). ds_part[program] sums its
+    tiles' shares. 16-bit inputs only (tensor-core dtypes; K * 2 bytes a multiple of 16)."""
+    pid = tl.program_id(0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BN, BK])
+    s = tl.load(scale_ptr).to(tl.float32)
+    n_tiles = tl.cdiv(R, BM) * tl.cdiv(N, BN)
+    r = tl.arange(0, BM)
+    cn = tl.arange(0, BN)
+    ds = tl.zeros((1,), dtype=tl.float32)
+    for tile in tl.range(pid, n_tiles, NUM_PROGS, flatten=True, warp_specialize=WS):
+        pid_m, pid_n = grouped_tile(tile, R, N, BM, BN, GROUP)
+        r0 = pid_m * BM
+        j0 = pid_n * BN
+        # -- compute tile --: base-2 logits via TMA loads, then s * dX.
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            x = a_desc.load([row_start + r0, k0])
+            y = b_desc.load([j0, k0])
+            if DOT_F32:
+                x = x.to(tl.float32)
+                y = y.to(tl.float32)
+            acc = tl.dot(x, tl.trans(y), acc, input_precision=PREC)
+        row_ok = r0 + r < R
+        r_ld = tl.minimum(r, R - 1 - r0)
+        col_ok = j0 + cn < N
+        c_ld = tl.minimum(cn, N - 1 - j0)
+        ds += _strip_epilogue(acc, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
+                              off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
+                              BM, BN, HAS_OFF, HAS_DIAG, FOLD)
+    tl.store(ds_ptr + pid + tl.arange(0, 1), ds)

@@ -16,10 +16,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 from torch import Tensor
 
 from ..launching import cdiv, column_splits, strip_backward
-from .kernels import _dx_strip_kernel, _grad_kernel, _lse_fwd_kernel
+from .kernels import _dx_strip_kernel, _dx_strip_tma_kernel, _grad_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
 TUNE_ROWS = 65536  # tuning runs on at most this many rows/columns (same config class)
@@ -108,7 +109,10 @@ def bwd_candidates(k: int, esize: int) -> list[BwdConfig]:
 
 @dataclass(frozen=True)
 class StripConfig:
-    """Strip backward: P tiles of BM x BN (K in BK chunks), GROUP row tiles per L2 group."""
+    """Strip backward: P tiles of BM x BN (K in BK chunks), GROUP row tiles per L2 group.
+
+    tma: the persistent kernel with TMA (tensor-descriptor) loads, one program per SM
+    (``_dx_strip_tma_kernel``; 16-bit inputs); ws: warp-specialize its tile loop."""
 
     BM: int
     BN: int
@@ -116,6 +120,8 @@ class StripConfig:
     GROUP: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False
+    ws: bool = False
 
 
 # The loss's extra-memory rule: at most the two feature gradients + 1 KB x b + 64 MB. The
@@ -181,6 +187,9 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
 
     def fill(r0: int, r: int, scratch: Tensor) -> Tensor:
         grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
+        if cfg.tma:
+            return _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, d_vec, r, r0, cfg, prec,
+                             fold, flags, grid)
         ds_part = torch.empty(grid, device=a.device, dtype=torch.float32)
         _dx_strip_kernel[(grid,)](
             a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, n, k,
@@ -194,6 +203,35 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
         prod.addcmul_(d_vec[:r, None], b[r0:r0 + r])
 
     return strip_backward(a, b, out, rows, False, fill, alloc, positives if fixup else None)
+
+
+def _tma_ok(*ts: Tensor) -> bool:
+    """TMA descriptors need 16-bit rows of unit last stride, 16-byte aligned base and rows."""
+    return all(t.element_size() == 2 and t.stride(-1) == 1 and (t.stride(0) * 2) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in ts)
+
+
+def _set_allocator(device: torch.device) -> None:
+    """Device-side tensor descriptors need a global scratch from triton's allocator."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
+
+
+def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, d_vec, r, r0, cfg, prec, fold, flags,
+              tiles):
+    """One strip through the persistent TMA kernel; returns the strip's ds."""
+    if not _tma_ok(a, b):
+        raise ValueError("the TMA strip kernel needs 16-bit, 16-byte aligned rows (c a multiple of 8)")
+    _set_allocator(a.device)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 3
+    progs = min(tiles, sms)  # one program per SM (3 off CUDA: the interpreter tests the striding)
+    ds_part = torch.empty(progs, device=a.device, dtype=torch.float32)
+    _dx_strip_tma_kernel[(progs,)](
+        a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, a.shape[0],
+        b.shape[0], a.shape[1], a.stride(0), b.stride(0), scratch.stride(0),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, NUM_PROGS=progs, FOLD=fold, WS=cfg.ws, PREC=prec,
+        DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    )
+    return ds_part.sum()
 
 
 def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,

@@ -135,10 +135,11 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
                     stride_cp,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                    PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                    PREC: tl.constexpr, DOT_F32: tl.constexpr, WS: tl.constexpr = False):
     """row_part[pid_s, rows] and col_part[pid_m, cols - col_start]: partial LSEs (natural),
     relative to s * offsets when HAS_OFF. The column tiles crossing the diagonal (HAS_DIAG)
-    run in a loop of their own, between the tiles before and after them."""
+    run in a loop of their own, between the tiles before and after them. WS: ask the
+    compiler to warp-specialize the column loops (a variant timed by bench_loss_kernels)."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     s2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
@@ -155,12 +156,12 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
         d_hi = tl.maximum(tl.minimum(lo + tl.cdiv(tl.maximum(row0 + BM - lo, 0), BN) * BN, hi), d_lo)
     args = (a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr, stride_cp,
             pid_m, col_start)
-    for j0 in range(lo, d_lo, BN):
+    for j0 in tl.range(lo, d_lo, BN, warp_specialize=WS):
         m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32)
     if HAS_DIAG:
         for j0 in range(d_lo, d_hi, BN):
             m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, True, PREC, DOT_F32)
-        for j0 in range(d_hi, hi, BN):
+        for j0 in tl.range(d_hi, hi, BN, warp_specialize=WS):
             m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC,
                                  DOT_F32)
     tl.store(row_part_ptr + pid_s * M + row0 + r, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)

@@ -33,13 +33,15 @@ def interpreting() -> bool:
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Forward tile: BM rows x BN columns, K streamed in BK chunks."""
+    """Forward tile: BM rows x BN columns, K streamed in BK chunks; ws: warp-specialize the
+    column loops."""
 
     BM: int
     BN: int
     BK: int
     num_warps: int = 4
     num_stages: int = 3
+    ws: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,7 +261,7 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
         _lse_fwd_kernel[(nrb, splits)](
             a, b, scale, o_a, o_b, row_part, col_part, m, n, k, a.stride(0), b.stride(0), c0, c1, per, length,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=k % cfg.BK == 0, HAS_OFF=flags["HAS_OFF"], HAS_DIAG=diag,
-            PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PREC=prec, DOT_F32=_dot_f32(a), WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         part = torch.logsumexp(row_part, 0)
         row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)

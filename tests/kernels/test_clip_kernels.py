@@ -176,13 +176,14 @@ def test_fp32_precision_option():
     assert torch.isfinite(row).all()
 
 
+@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
 @pytest.mark.parametrize("bk", [32, 16], ids=["k_tail", "even_k"])
 @pytest.mark.parametrize("m,n,c", [(37, 130, 200), (1, 37, 16)])
-def test_forward_kernel_variants(bk, m, n, c):
+def test_forward_kernel_variants(bk, m, n, c, ws):
     a, b = _feats(m, c), _feats(n, c)
     s = torch.tensor(20.0, device=DEV)
     alloc = TritonTileOps(poison=True)._alloc
-    row, col = launch.lse_forward(a, b, s, FwdConfig(32, 32, bk), "ieee", alloc=alloc)
+    row, col = launch.lse_forward(a, b, s, FwdConfig(32, 32, bk, ws=ws), "ieee", alloc=alloc)
     ref_row, ref_col = lse_pair_reference(a, b, s)
     torch.testing.assert_close(row.double(), ref_row, rtol=1e-6, atol=2e-6)
     torch.testing.assert_close(col.double(), ref_col, rtol=1e-6, atol=2e-6)

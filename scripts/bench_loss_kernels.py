@@ -227,7 +227,9 @@ def variants(c: int, b: int, reps: int, peak: float, strip_rows: list[int]) -> N
             except Exception as e:  # noqa: BLE001
                 emit("strip", c=c, b=b, cfg=_cfg(cfg), fold=fold, status=_err(e))
     cfg0 = strip_variants(c)[0]
-    for rows in sorted(set(strip_rows) | {default_rows}):
+    n_strips = -(-b // default_rows)
+    balanced = -(-(-(-b // n_strips)) // 128) * 128  # same strip count, even heights (no short last strip)
+    for rows in sorted(set(strip_rows) | {default_rows, balanced}):
         rows = min(rows, b)
         out = torch.empty_like(img)
         scratch_mb = 2 * rows * b / 2**20
@@ -235,7 +237,7 @@ def variants(c: int, b: int, reps: int, peak: float, strip_rows: list[int]) -> N
                                              g_d=2 * g, off_a=pos, off_b=pos, fold=True)
         try:
             ms = time_ms(fn, reps)
-            emit("rows", c=c, b=b, rows=rows, scratch_mb=scratch_mb, default=rows == default_rows,
+            emit("rows", c=c, b=b, rows=rows, strips=-(-b // rows), scratch_mb=scratch_mb, default=rows == default_rows,
                  fits_rule=scratch_mb * 2**20 + 64 * b <= 1024 * b + (64 << 20), ms=ms)
         except Exception as e:  # noqa: BLE001
             emit("rows", c=c, b=b, rows=rows, status=_err(e))

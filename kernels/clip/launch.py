@@ -182,29 +182,35 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
     off_b: as in ``grad_rows``. fold (with g_d): the positives' folded fp32 s dX_ii go into
     P (one rounding to the input dtype, then the plain product into ``out``) instead of
     an fp32 product per strip plus the host's fp32 fixup + s dX_ii b_i."""
-    k, n = a.shape[1], b.shape[0]
+    m, k, n = a.shape[0], a.shape[1], b.shape[0]
     o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d)
     fixup = g_d is not None and not fold
-    d_vec = alloc(min(rows, a.shape[0]), device=a.device, dtype=torch.float32) if fixup else scale
+    rows = max(1, min(rows, m))
+    d_vec = alloc(rows, device=a.device, dtype=torch.float32) if fixup else scale
+    # One buffer of ds partials for all strips, summed once at the end (not a reduction
+    # launch per strip); zeros: a short last strip leaves some of its slots unwritten.
+    per = cdiv(rows, cfg.BM) * cdiv(n, cfg.BN)
+    ds_all = torch.zeros(cdiv(m, rows) * per, device=a.device, dtype=torch.float32)
 
-    def fill(r0: int, r: int, scratch: Tensor) -> Tensor:
+    def fill(r0: int, r: int, scratch: Tensor) -> None:
         grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
+        ds_part = ds_all[r0 // rows * per:]
         if cfg.tma:
-            return _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, d_vec, r, r0, cfg, prec,
-                             fold, flags, grid)
-        ds_part = torch.empty(grid, device=a.device, dtype=torch.float32)
+            _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg,
+                      prec, fold, flags, grid)
+            return
         _dx_strip_kernel[(grid,)](
             a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, n, k,
             a.stride(0), b.stride(0), scratch.stride(0),
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, EVEN_K=k % cfg.BK == 0, PREC=prec,
             DOT_F32=_dot_f32(a), FOLD=fold, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
-        return ds_part.sum()
 
     def positives(r0: int, r: int, prod: Tensor) -> None:  # + s dX_ii b_i, fp32, before the rounding
         prod.addcmul_(d_vec[:r, None], b[r0:r0 + r])
 
-    return strip_backward(a, b, out, rows, False, fill, alloc, positives if fixup else None)
+    strip_backward(a, b, out, rows, False, fill, alloc, positives if fixup else None)
+    return ds_all.sum()
 
 
 def _tma_ok(*ts: Tensor) -> bool:
@@ -218,22 +224,20 @@ def _set_allocator(device: torch.device) -> None:
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
 
 
-def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, d_vec, r, r0, cfg, prec, fold, flags,
-              tiles):
-    """One strip through the persistent TMA kernel; returns the strip's ds."""
+def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec, fold,
+              flags, tiles):
+    """One strip through the persistent TMA kernel; its programs' ds partials into ds_part."""
     if not _tma_ok(a, b):
         raise ValueError("the TMA strip kernel needs 16-bit, 16-byte aligned rows (c a multiple of 8)")
     _set_allocator(a.device)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 3
     progs = min(tiles, sms)  # one program per SM (3 off CUDA: the interpreter tests the striding)
-    ds_part = torch.empty(progs, device=a.device, dtype=torch.float32)
     _dx_strip_tma_kernel[(progs,)](
         a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, a.shape[0],
         b.shape[0], a.shape[1], a.stride(0), b.stride(0), scratch.stride(0),
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, NUM_PROGS=progs, FOLD=fold, WS=cfg.ws, PREC=prec,
         DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
-    return ds_part.sum()
 
 
 def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,

@@ -229,8 +229,8 @@ def variants(c: int, b: int, reps: int, peak: float, strip_rows: list[int]) -> N
     cfg0 = strip_variants(c)[0]
     n_strips = -(-b // default_rows)
     balanced = -(-(-(-b // n_strips)) // 128) * 128  # same strip count, even heights (no short last strip)
-    for rows in sorted(set(strip_rows) | {default_rows, balanced}):
-        rows = min(rows, b)
+    default_rows = min(default_rows, b)
+    for rows in sorted({min(r, b) for r in set(strip_rows) | {default_rows, balanced}}):
         out = torch.empty_like(img)
         scratch_mb = 2 * rows * b / 2**20
         fn = lambda: launch.grad_rows_strips(img, txt, scale, row, col, g, g, out, rows, cfg0, "tf32",  # noqa

@@ -21,6 +21,11 @@ Strip backward (``_dx_strip_kernel``): a GEMM-shaped kernel writes P = s * dX fo
 of R rows (bounded scratch); cuBLAS then forms dA[strip] = P @ B. No register accumulator
 over the feature dim, so it can use 128x256 tiles.
 
+Persistent TMA strip kernel (``_dx_strip_tma_kernel``, a variant for the GPU sweep of
+issue 15, not a default): the same tiles and epilogue (``_strip_epilogue``), one program
+per SM striding over the strip's tiles, operands loaded through tensor descriptors (TMA),
+the tile loop optionally warp-specialized (``tl.range(..., warp_specialize=True)``).
+
 Offsets and positives (HAS_OFF, HAS_DIAG; see ``infclip.loss.tiled.shifted_dots`` for the
 same math in PyTorch): with per-row / per-column offsets o_a, o_b (dot products, unscaled)
 the LSEs are relative to s * o, computed from s (<A_i, B_j> - o) so that no logit of
@@ -32,7 +37,9 @@ dX_ii = g_a (p_ii - 1) + g_b (p'_ii - 1) + (g_a + g_b - g_d), with p_ii - 1 = ex
 (``_take_positives``, on (BM,) vectors). d scale is summed from that same dX, in a form
 that uses each softmax row's sum of 1 analytically (``_dx_tile``). dX_ii never
 goes through the 16-bit product: it is taken out of the tile and s dX_ii B_i is added in
-fp32 (the fused kernel's epilogue; the strip path's host fixup). The forward handles the
+fp32 (the fused kernel's epilogue; the strip path's host fixup) -- or, with the strip
+kernels' FOLD, the folded fp32 value is written into P and rounded once with it (exact
+for fp32 inputs; for bf16 the same single rounding vanilla applies to its dX). The forward handles the
 tiles that cross the diagonal in a loop of their own (``_fwd_step`` with DIAG), so the
 replacement costs the other tiles nothing (no registers held across a runtime branch).
 

@@ -275,13 +275,13 @@ def sass_report() -> None:
 
 def _compiled(fn) -> list:
     """The CompiledKernels in a JITFunction's caches (layout differs across triton versions)."""
-    found = []
+    found = {}
     for entry in getattr(fn, "device_caches", {}).values():
         caches = entry if isinstance(entry, tuple) else (entry,)
         for cache in caches:
             if isinstance(cache, dict):
-                found += [k for k in cache.values() if hasattr(k, "asm")]
-    return found
+                found.update((id(k), k) for k in cache.values() if hasattr(k, "asm"))
+    return list(found.values())
 
 
 def main() -> None:

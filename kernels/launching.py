@@ -70,13 +70,13 @@ def product_into(out: Tensor, p: Tensor, b: Tensor, accumulate: bool) -> None:
 
 
 def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: bool,
-                   fill: Callable[[int, int, Tensor], Tensor], alloc=torch.empty,
-                   fixup: Callable[[int, int, Tensor], None] | None = None) -> Tensor:
+                   fill: Callable[[int, int, Tensor], Tensor | None], alloc=torch.empty,
+                   fixup: Callable[[int, int, Tensor], None] | None = None) -> Tensor | None:
     """out (+)= (s dX) @ b over the rows of ``a``, ``rows`` at a time; returns the sum over
-    strips of what ``fill`` returned.
+    strips of what ``fill`` returned (None if it returns None: it keeps its partials itself).
 
     fill(r0, r, scratch) writes P = s * dX[r0:r0 + r] into scratch[:r] (input dtype) and
-    returns that strip's partials (a tensor of a fixed shape). fixup(r0, r, prod), if
+    returns that strip's partials (a tensor of a fixed shape) or None. fixup(r0, r, prod), if
     given, adds to the strip's fp32 product (r, c) before its one rounding to out's dtype
     (then the product goes through an fp32 (rows, c) temporary)."""
     m, n = a.shape[0], b.shape[0]
@@ -92,4 +92,5 @@ def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: boo
         prod = mm_f32(scratch[:r], b)
         fixup(r0, r, prod)
         out[r0:r0 + r].add_(prod) if accumulate else out[r0:r0 + r].copy_(prod)
-    return torch.stack(parts).sum(0)
+    parts = [p for p in parts if p is not None]
+    return torch.stack(parts).sum(0) if parts else None

@@ -21,6 +21,11 @@ Strip backward (``_dx_strip_kernel``): a GEMM-shaped kernel writes P = s * dX fo
 of R rows (bounded scratch); cuBLAS then forms dA[strip] = P @ B. No register accumulator
 over the feature dim, so it can use 128x256 tiles.
 
+Persistent TMA strip kernel (``_dx_strip_tma_kernel``, a variant for the GPU sweep of
+issue 15, not a default): the same tiles and epilogue (``_strip_epilogue``), one program
+per SM striding over the strip's tiles, operands loaded through tensor descriptors (TMA),
+the tile loop optionally warp-specialized (``tl.range(..., warp_specialize=True)``).
+
 Offsets and positives (HAS_OFF, HAS_DIAG; see ``infclip.loss.tiled.shifted_dots`` for the
 same math in PyTorch): with per-row / per-column offsets o_a, o_b (dot products, unscaled)
 the LSEs are relative to s * o, computed from s (<A_i, B_j> - o) so that no logit of
@@ -32,7 +37,9 @@ dX_ii = g_a (p_ii - 1) + g_b (p'_ii - 1) + (g_a + g_b - g_d), with p_ii - 1 = ex
 (``_take_positives``, on (BM,) vectors). d scale is summed from that same dX, in a form
 that uses each softmax row's sum of 1 analytically (``_dx_tile``). dX_ii never
 goes through the 16-bit product: it is taken out of the tile and s dX_ii B_i is added in
-fp32 (the fused kernel's epilogue; the strip path's host fixup). The forward handles the
+fp32 (the fused kernel's epilogue; the strip path's host fixup) -- or, with the strip
+kernels' FOLD, the folded fp32 value is written into P and rounded once with it (exact
+for fp32 inputs; for bf16 the same single rounding vanilla applies to its dX). The forward handles the
 tiles that cross the diagonal in a loop of their own (``_fwd_step`` with DIAG), so the
 replacement costs the other tiles nothing (no registers held across a runtime branch).
 
@@ -47,7 +54,8 @@ the inner loop) and masked out of every reduction and store.
 import triton
 import triton.language as tl
 
-from ..tiles import LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_tile, update_rows
+from ..tiles import (LN2, LOG2E, col_tile, dot_stream, grouped_tile, row_block, store_rows, store_strip,
+                     strip_tile, update_rows)
 
 
 # -- tile epilogue pieces shared by the three kernels ------------------------------------------
@@ -134,10 +142,11 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
                     stride_cp,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                    PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                    PREC: tl.constexpr, DOT_F32: tl.constexpr, WS: tl.constexpr = False):
     """row_part[pid_s, rows] and col_part[pid_m, cols - col_start]: partial LSEs (natural),
     relative to s * offsets when HAS_OFF. The column tiles crossing the diagonal (HAS_DIAG)
-    run in a loop of their own, between the tiles before and after them."""
+    run in a loop of their own, between the tiles before and after them. WS: ask the
+    compiler to warp-specialize the column loops (a variant timed by bench_loss_kernels)."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     s2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
@@ -154,12 +163,12 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
         d_hi = tl.maximum(tl.minimum(lo + tl.cdiv(tl.maximum(row0 + BM - lo, 0), BN) * BN, hi), d_lo)
     args = (a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr, stride_cp,
             pid_m, col_start)
-    for j0 in range(lo, d_lo, BN):
+    for j0 in tl.range(lo, d_lo, BN, warp_specialize=WS):
         m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32)
     if HAS_DIAG:
         for j0 in range(d_lo, d_hi, BN):
             m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, True, PREC, DOT_F32)
-        for j0 in range(d_hi, hi, BN):
+        for j0 in tl.range(d_hi, hi, BN, warp_specialize=WS):
             m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC,
                                  DOT_F32)
     tl.store(row_part_ptr + pid_s * M + row0 + r, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
@@ -291,7 +300,7 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
                      g_d_ptr, p_ptr, ds_ptr, dv_ptr, R, row_start, N, K, stride_a, stride_b, stride_p,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                      EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                     PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                     PREC: tl.constexpr, DOT_F32: tl.constexpr, FOLD: tl.constexpr = False):
     """P[i, j] = s * dX[row_start + i, j] for a strip of R rows, in the input dtype.
 
     The strip path of the backward: a GEMM-shaped kernel (any BM, no register accumulator
@@ -300,15 +309,31 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
     column tiles of B are reused from L2. ds_part[program] = its share of
     sum dX_ij <A_i, B_j>, from the fp32 values (positives folded in). HAS_DIAG: the
     positives' s * dX_ii go to dv[i] (fp32) instead of P, for the host to add s dX_ii B_i
-    in fp32 to the product before its rounding.
+    in fp32 to the product before its rounding; with FOLD they stay in P instead: the
+    folded fp32 value rounded once to P's dtype, as vanilla autograd rounds its
+    (softmax - one-hot) before the product (exact in fp32; in bf16 one rounding of the
+    small folded value, no fp32 (R, c) product and fixup passes on the host).
     """
     pid = tl.program_id(0)
     r0, r, row_ok, r_ld, a_blk, j0, cn, col_ok, c_ld, b_blk = strip_tile(
         pid, R, row_start, N, a_ptr, b_ptr, stride_a, stride_b, BM, BN, GROUP)
     s = tl.load(scale_ptr).to(tl.float32)
-    s2 = s * LOG2E
     # -- compute tile --: base-2 logits, then s * dX.
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
+    ds = _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
+                         off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
+                         BM, BN, HAS_OFF, HAS_DIAG, FOLD)
+    tl.store(ds_ptr + pid, ds)
+
+
+@triton.jit
+def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
+                    off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
+                    BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
+                    FOLD: tl.constexpr):
+    """The strip kernels' tile epilogue: stores P = s dX of the tile (and dv, see
+    ``_dx_strip_kernel``); returns the tile's share of d scale."""
+    s2 = s * LOG2E
     row0 = row_start + r0
     lse_a = tl.load(lse_a_ptr + row0 + r_ld).to(tl.float32) * LOG2E
     g_a = tl.load(g_a_ptr + row0 + r_ld).to(tl.float32)
@@ -327,7 +352,53 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
             e_o = ((g_a + g_bd) - g_d) * o_a * s2
             d_vec = tl.zeros((BM,), dtype=tl.float32)
             p, q, d_vec, ds_row = _take_positives(p, q, d_ii, e_o, row0 + r, j0 + cn, row_ok, j0, d_vec, ds_row, BN)
-            has = row_ok & (row0 + r >= j0) & (row0 + r < j0 + BN)  # each row's diagonal is in one tile
-            tl.store(dv_ptr + r0 + r, d_vec * s, mask=has)
-    tl.store(ds_ptr + pid, tl.sum(tl.sum(q, 1) + ds_row, 0) / s2)
+            if FOLD:
+                p = tl.where((row0 + r)[:, None] == (j0 + cn)[None, :], d_ii[:, None], p)
+            else:
+                has = row_ok & (row0 + r >= j0) & (row0 + r < j0 + BN)  # each row's diagonal is in one tile
+                tl.store(dv_ptr + r0 + r, d_vec * s, mask=has)
     store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)
+    return tl.sum(tl.sum(q, 1) + ds_row, 0) / s2
+
+
+@triton.jit
+def _dx_strip_tma_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr,
+                         g_d_ptr, p_ptr, ds_ptr, dv_ptr, R, row_start, M, N, K, stride_a, stride_b, stride_p,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                         NUM_PROGS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
+                         FOLD: tl.constexpr, WS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``_dx_strip_kernel`` as a persistent kernel with TMA loads (tensor descriptors over
+    the whole of A (M, K) and B (N, K): rows/columns past the end read as zeros and are
+    masked as usual): NUM_PROGS programs stride over the strip's tiles in the same grouped
+    order; WS asks the compiler to warp-specialize the tile loop (producer warps issuing
+    the loads, consumers running the MMAs and the epilogue). ds_part[program] sums its
+    tiles' shares. 16-bit inputs only (tensor-core dtypes; K * 2 bytes a multiple of 16)."""
+    pid = tl.program_id(0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BN, BK])
+    s = tl.load(scale_ptr).to(tl.float32)
+    n_tiles = tl.cdiv(R, BM) * tl.cdiv(N, BN)
+    r = tl.arange(0, BM)
+    cn = tl.arange(0, BN)
+    ds = tl.zeros((1,), dtype=tl.float32)
+    for tile in tl.range(pid, n_tiles, NUM_PROGS, flatten=True, warp_specialize=WS):
+        pid_m, pid_n = grouped_tile(tile, R, N, BM, BN, GROUP)
+        r0 = pid_m * BM
+        j0 = pid_n * BN
+        # -- compute tile --: base-2 logits via TMA loads, then s * dX.
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            x = a_desc.load([row_start + r0, k0])
+            y = b_desc.load([j0, k0])
+            if DOT_F32:
+                x = x.to(tl.float32)
+                y = y.to(tl.float32)
+            acc = tl.dot(x, tl.trans(y), acc, input_precision=PREC)
+        row_ok = r0 + r < R
+        r_ld = tl.minimum(r, R - 1 - r0)
+        col_ok = j0 + cn < N
+        c_ld = tl.minimum(cn, N - 1 - j0)
+        ds += _strip_epilogue(acc, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
+                              off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
+                              BM, BN, HAS_OFF, HAS_DIAG, FOLD)
+    tl.store(ds_ptr + pid + tl.arange(0, 1), ds)

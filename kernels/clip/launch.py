@@ -16,10 +16,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 from torch import Tensor
 
 from ..launching import cdiv, column_splits, strip_backward
-from .kernels import _dx_strip_kernel, _grad_kernel, _lse_fwd_kernel
+from .kernels import _dx_strip_kernel, _dx_strip_tma_kernel, _grad_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
 TUNE_ROWS = 65536  # tuning runs on at most this many rows/columns (same config class)
@@ -32,13 +33,15 @@ def interpreting() -> bool:
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """Forward tile: BM rows x BN columns, K streamed in BK chunks."""
+    """Forward tile: BM rows x BN columns, K streamed in BK chunks; ws: warp-specialize the
+    column loops."""
 
     BM: int
     BN: int
     BK: int
     num_warps: int = 4
     num_stages: int = 3
+    ws: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,10 @@ def bwd_candidates(k: int, esize: int) -> list[BwdConfig]:
 
 @dataclass(frozen=True)
 class StripConfig:
-    """Strip backward: P tiles of BM x BN (K in BK chunks), GROUP row tiles per L2 group."""
+    """Strip backward: P tiles of BM x BN (K in BK chunks), GROUP row tiles per L2 group.
+
+    tma: the persistent kernel with TMA (tensor-descriptor) loads, one program per SM
+    (``_dx_strip_tma_kernel``; 16-bit inputs); ws: warp-specialize its tile loop."""
 
     BM: int
     BN: int
@@ -116,6 +122,8 @@ class StripConfig:
     GROUP: int = 8
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False
+    ws: bool = False
 
 
 # The loss's extra-memory rule: at most the two feature gradients + 1 KB x b + 64 MB. The
@@ -168,30 +176,68 @@ def _vecs(a: Tensor, off_a: Tensor | None, off_b: Tensor | None, g_d: Tensor | N
 def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
                      g_b: Tensor, out: Tensor, rows: int, cfg: StripConfig, prec: str,
                      alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
-                     off_b: Tensor | None = None) -> Tensor:
+                     off_b: Tensor | None = None, fold: bool = False) -> Tensor:
     """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
     dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype. g_d, off_a,
-    off_b: as in ``grad_rows``."""
-    k, n = a.shape[1], b.shape[0]
+    off_b: as in ``grad_rows``. fold (with g_d): the positives' folded fp32 s dX_ii go into
+    P (one rounding to the input dtype, then the plain product into ``out``) instead of
+    an fp32 product per strip plus the host's fp32 fixup + s dX_ii b_i."""
+    m, k, n = a.shape[0], a.shape[1], b.shape[0]
     o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d)
+    fixup = g_d is not None and not fold
+    rows = max(1, min(rows, m))
+    d_vec = alloc(rows, device=a.device, dtype=torch.float32) if fixup else scale
+    # One buffer of ds partials for all strips, summed once at the end (not a reduction
+    # launch per strip); zeros: a short last strip leaves some of its slots unwritten.
+    per = cdiv(rows, cfg.BM) * cdiv(n, cfg.BN)
+    ds_all = torch.zeros(cdiv(m, rows) * per, device=a.device, dtype=torch.float32)
 
-    d_vec = alloc(min(rows, a.shape[0]), device=a.device, dtype=torch.float32) if g_d is not None else scale
-
-    def fill(r0: int, r: int, scratch: Tensor) -> Tensor:
+    def fill(r0: int, r: int, scratch: Tensor) -> None:
         grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
-        ds_part = torch.empty(grid, device=a.device, dtype=torch.float32)
+        ds_part = ds_all[r0 // rows * per:]
+        if cfg.tma:
+            _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg,
+                      prec, fold, flags, grid)
+            return
         _dx_strip_kernel[(grid,)](
             a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, n, k,
             a.stride(0), b.stride(0), scratch.stride(0),
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, EVEN_K=k % cfg.BK == 0, PREC=prec,
-            DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            DOT_F32=_dot_f32(a), FOLD=fold, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
-        return ds_part.sum()
 
     def positives(r0: int, r: int, prod: Tensor) -> None:  # + s dX_ii b_i, fp32, before the rounding
         prod.addcmul_(d_vec[:r, None], b[r0:r0 + r])
 
-    return strip_backward(a, b, out, rows, False, fill, alloc, positives if g_d is not None else None)
+    strip_backward(a, b, out, rows, False, fill, alloc, positives if fixup else None)
+    return ds_all.sum()
+
+
+def _tma_ok(*ts: Tensor) -> bool:
+    """TMA descriptors need 16-bit rows of unit last stride, 16-byte aligned base and rows."""
+    return all(t.element_size() == 2 and t.stride(-1) == 1 and (t.stride(0) * 2) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in ts)
+
+
+def _set_allocator(device: torch.device) -> None:
+    """Device-side tensor descriptors need a global scratch from triton's allocator."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
+
+
+def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec, fold,
+              flags, tiles):
+    """One strip through the persistent TMA kernel; its programs' ds partials into ds_part."""
+    if not _tma_ok(a, b):
+        raise ValueError("the TMA strip kernel needs 16-bit, 16-byte aligned rows (c a multiple of 8)")
+    _set_allocator(a.device)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 3
+    progs = min(tiles, sms)  # one program per SM (3 off CUDA: the interpreter tests the striding)
+    _dx_strip_tma_kernel[(progs,)](
+        a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, a.shape[0],
+        b.shape[0], a.shape[1], a.stride(0), b.stride(0), scratch.stride(0),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, NUM_PROGS=progs, FOLD=fold, WS=cfg.ws, PREC=prec,
+        DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+    )
 
 
 def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
@@ -219,7 +265,7 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
         _lse_fwd_kernel[(nrb, splits)](
             a, b, scale, o_a, o_b, row_part, col_part, m, n, k, a.stride(0), b.stride(0), c0, c1, per, length,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=k % cfg.BK == 0, HAS_OFF=flags["HAS_OFF"], HAS_DIAG=diag,
-            PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PREC=prec, DOT_F32=_dot_f32(a), WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         part = torch.logsumexp(row_part, 0)
         row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)

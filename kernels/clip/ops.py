@@ -40,13 +40,18 @@ class TritonTileOps:
             every b, so the extra memory stays within the rule (the two feature gradients
             + 1 KB x b + 64 MB). Otherwise (fp32/fp16, accumulating into a buffer) the
             fused kernel (fp32 accumulator in registers). "always"/"never" force one.
+        strip_positives: how the strip path applies the positives' folded fp32 dX_ii:
+            "fixup" (default) adds s dX_ii b_i to an fp32 product before its one rounding;
+            "fold" writes dX_ii into the scratch (rounded once to the input dtype, as vanilla
+            rounds its softmax - one-hot) and the product goes straight into the gradient
+            (no fp32 (R, c) temporary, two elementwise passes less per strip).
     """
 
     name = "triton"
     writes_out_dtype = True  # backward(..., out_dtype=img.dtype) writes fresh grads directly
 
     def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
-                 grad_filter: tuple[float, int] | None = None):
+                 grad_filter: tuple[float, int] | None = None, strip_positives: str = "fixup"):
         if grad_filter is not None and (grad_filter[0] < 0 or grad_filter[1] < 1):
             raise ValueError(f"grad_filter must be (eps >= 0, columns >= 1), got {grad_filter}")
         self.threshold = None if grad_filter is None else grad_filter[0] / grad_filter[1]
@@ -55,6 +60,9 @@ class TritonTileOps:
             raise ValueError(f"fp32_precision must be one of {sorted(PRECISIONS)}, got {fp32_precision!r}")
         if strips not in ("auto", "always", "never"):
             raise ValueError(f"strips must be 'auto', 'always' or 'never', got {strips!r}")
+        if strip_positives not in ("fixup", "fold"):
+            raise ValueError(f"strip_positives must be 'fixup' or 'fold', got {strip_positives!r}")
+        self.fold = strip_positives == "fold"
         self.fp32_precision = fp32_precision
         self.poison = poison
         self.strips = strips
@@ -130,7 +138,7 @@ class TritonTileOps:
         if self._use_strips(a, out, accumulate, rows):
             cfg = self._strip_cfg(a, b, prec, scale, rows)
             ds = launch.grad_rows_strips(a, b, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec,
-                                         alloc=self._alloc, **vecs)
+                                         alloc=self._alloc, fold=self.fold, **vecs)
             return ds if compute_ds else None
         cfg = self._bwd_cfg(a, b, prec, scale)
         return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,

@@ -176,13 +176,14 @@ def test_fp32_precision_option():
     assert torch.isfinite(row).all()
 
 
+@pytest.mark.parametrize("ws", [False, True], ids=["plain", "ws"])
 @pytest.mark.parametrize("bk", [32, 16], ids=["k_tail", "even_k"])
 @pytest.mark.parametrize("m,n,c", [(37, 130, 200), (1, 37, 16)])
-def test_forward_kernel_variants(bk, m, n, c):
+def test_forward_kernel_variants(bk, m, n, c, ws):
     a, b = _feats(m, c), _feats(n, c)
     s = torch.tensor(20.0, device=DEV)
     alloc = TritonTileOps(poison=True)._alloc
-    row, col = launch.lse_forward(a, b, s, FwdConfig(32, 32, bk), "ieee", alloc=alloc)
+    row, col = launch.lse_forward(a, b, s, FwdConfig(32, 32, bk, ws=ws), "ieee", alloc=alloc)
     ref_row, ref_col = lse_pair_reference(a, b, s)
     torch.testing.assert_close(row.double(), ref_row, rtol=1e-6, atol=2e-6)
     torch.testing.assert_close(col.double(), ref_col, rtol=1e-6, atol=2e-6)
@@ -295,3 +296,37 @@ def test_triton_grad_filter_skips_tiles_within_the_bound():
     for err, bnd in zip(errs, bound):
         assert float(err) <= bnd + 1e-7, (float(err), bnd)
     assert not torch.equal(exact[1], got[1])  # something was dropped
+
+
+@pytest.mark.parametrize("ws", [False, True])
+@pytest.mark.parametrize("positives", ["fixup", "fold"])
+def test_strip_tma_kernel_matches_pointer_kernel(monkeypatch, ws, positives):
+    """The persistent TMA strip kernel (issue 15 item 3 variant; ragged 37-row strips, 3
+    programs striding over the tiles off CUDA) gives the pointer kernel's gradients and
+    d scale, bf16, positives folded in; fp32 inputs are refused."""
+    from infclip.kernels.clip.launch import StripConfig
+
+    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 2 * 101 * 37)
+    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
+    b, c = 101, 48
+    a, t = _feats(b, c).bfloat16(), _feats(b, c).bfloat16()
+    s = torch.tensor(10.0, device=DEV)
+    pos = (a.float() * t.float()).sum(-1)
+    row, col = (v.float() - s * pos for v in lse_pair_reference(a.double(), t.double(), s))
+    g = torch.full((b,), 0.5 / b, device=DEV)
+    out = []
+    for tma in (False, True):
+        cfg = StripConfig(32, 32, 16, 2, tma=tma, ws=ws)
+        monkeypatch.setattr(launch, "strip_candidates", lambda k, esize, cfg=cfg: [cfg])
+        monkeypatch.setattr(launch, "_TUNED", {})
+        ops = TritonTileOps(poison=True, strips="always", strip_positives=positives)
+        out.append(ops.backward(a, t, s, row, col, g, g, out_dtype=a.dtype, g_diag=2 * g, offsets=(pos, pos)))
+    for x, y in zip(*out):
+        assert torch.isfinite(y.float()).all()
+        torch.testing.assert_close(y.float(), x.float(), rtol=1e-5, atol=1e-6)
+    ref_a, _, _ = lse_grad_reference(a.double(), t.double(), s, g, g)
+    ref_a = ref_a - s.double() * 2 * g.double()[:, None] * t.double()
+    assert _rel(out[1][0], ref_a) < 2e-2  # bf16 rounding of P and of the result
+    with pytest.raises(ValueError, match="TMA"):
+        launch.grad_rows_strips(a.float(), t.float(), s, row, col, g, g, torch.empty(b, c, device=DEV), 37,
+                                StripConfig(32, 32, 16, tma=True), "ieee")

@@ -199,21 +199,39 @@ def test_siglip_positives_already_folded(impl):
         assert e < max(1e-5, 2 * v), f"{impl} {name}: {e:.3g} (vanilla fp32 {v:.3g})"
 
 
-@pytest.mark.parametrize("strips", ["always", "never"])
-def test_triton_both_backward_paths_exact_and_poisoned(strips, monkeypatch):
+@pytest.mark.parametrize("strips,positives", [("always", "fixup"), ("always", "fold"), ("never", "fixup")])
+def test_triton_both_backward_paths_exact_and_poisoned(strips, positives, monkeypatch):
     """The strip backward (s dX into a scratch, then a GEMM; positives added in fp32 before
-    the rounding) and the fused one, every output buffer NaN-poisoned first: peaked fp32
-    as above (several ragged strips), b = 1 bf16 exactly zero."""
+    the rounding, or folded into the scratch) and the fused one, every output buffer
+    NaN-poisoned first: peaked fp32 as above (several ragged strips), b = 1 bf16 exactly zero."""
     from infclip.kernels.clip import TritonTileOps, clip_loss_triton, launch
 
     monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 70 * 32)  # 32-row strips: 3 strips
     monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
-    ops = TritonTileOps(poison=True, strips=strips)
+    ops = TritonTileOps(poison=True, strips=strips, strip_positives=positives)
 
     def fn(i, t, sc):
         return clip_loss_triton(i, t, sc, ops=ops)
 
     _check_peaked_and_b1(fn)
+
+
+@pytest.mark.parametrize("positives", ["fixup", "fold"])
+@pytest.mark.parametrize("case", ["peaked", "unnormalized"])
+def test_bf16_strip_path_no_worse_than_vanilla_bf16(positives, case, monkeypatch):
+    """The strip path (the GPU's bf16 path; forced here, 32-row strips) with either way of
+    applying the positives: bf16 no worse than vanilla bf16, as the test above."""
+    from infclip.kernels.clip import TritonTileOps, clip_loss_triton, launch
+
+    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 2 * 70 * 32)
+    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
+    ops = TritonTileOps(poison=True, strips="always", strip_positives=positives)
+    img, txt, s = _inputs(case, 70, 64, seed=11, dtype=torch.bfloat16)
+    ref = _truth(img, txt, s)
+    van = _errs(_grads(vanilla_loss, img, txt, s, torch.bfloat16), ref)
+    got = _errs(_grads(lambda i, t, sc: clip_loss_triton(i, t, sc, ops=ops), img, txt, s, torch.bfloat16), ref)
+    for name, e, v in zip(("loss", "dimg", "dtxt", "ds"), got, van):
+        assert e <= 1.25 * v + 1e-6, f"{positives} {case} {name}: ours {e:.3g} vanilla bf16 {v:.3g}"
 
 
 def test_triton_d_scale_robust_to_forward_backward_dot_order(monkeypatch):

@@ -1,59 +1,35 @@
 """The training loop: one step is fetch batch -> engine (cache pass, loss across ranks,
 replay pass) -> optimizer -> log / eval / checkpoint.
 
-Objects are built from the config in ``build``; the loop itself parses no config.
+Objects are built from the config in ``infclip.train.build``; the loop itself parses no config.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from omegaconf import OmegaConf
 
 from infclip.config import validate
-from infclip.eval import check_tasks
-from infclip.export import checkpoint_writer
-from infclip.model import BuiltModel, build_model, clamp_logit_scale, compile_towers
+from infclip.model import clamp_logit_scale
 from infclip.train import checkpoint as ckpt
-from infclip.train.distributed import DistInfo, all_ok, barrier, init_distributed, on_rank0, shutdown
+from infclip.train.build import Parts, build
+from infclip.train.distributed import DistInfo, init_distributed, on_rank0, shutdown
 from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
-from infclip.train.guard import NonFiniteError, WeightGuard
+from infclip.train.guard import NonFiniteError
 from infclip.train.resume import last_finite_checkpoint, maybe_resume, resume_command
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
-from infclip.train.logger import _BOOKKEEPING, MetricsLogger, gpu_memory_gb, run_info
-from infclip.train.optim import build_optimizer, build_scheduler
+from infclip.train.logger import _BOOKKEEPING, gpu_memory_gb, run_info
 from infclip.train.pipeline import StepPipeline, TensorFeed, build_step_pipeline, duplicate_warning
-
-
-@dataclass
-class Parts:
-    """Everything built from the config for one run."""
-
-    built: BuiltModel
-    model: torch.nn.Module  # DDP-wrapped when distributed
-    data: Any  # infclip.data.pipeline.TrainData
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    scaler: Optional[torch.amp.GradScaler]
-    engine: Any  # infclip.train.engine step engine
-    checkpointer: ckpt.Checkpointer
-    logger: MetricsLogger
-    eval_cfg: Any  # EvalConfig with resolved dataset roots
-    run_dir: Path
-    guard: Optional[WeightGuard] = None  # finite-weights check after every update (built in build)
-    config: dict = field(default_factory=dict)  # the resolved config, saved in train.pt (resume compares it)
-    overrides: list[str] = field(default_factory=list)  # this start's command-line overrides
 
 
 @dataclass
@@ -95,119 +71,6 @@ def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dic
     parts.logger.start(state.step, run_info(overrides, info), changes)
     with signals_handled(state):  # through the final checkpoint and eval (infclip.train.signals)
         return fit(cfg, info, parts, state)
-
-
-# ----------------------------------------------------------------------------- build
-
-
-def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
-    from infclip.train.engine import build_engine
-    from infclip.train.lit import apply_locks
-
-    if cfg.precision.tf32 and info.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    built = build_model(cfg.model, device=info.device)
-    if cfg.task == "simclr":  # image tower + projection head; the two views fill both slots
-        from infclip.train.simclr import wrap_model
-
-        built = wrap_model(built, cfg.loss.temperature)
-    apply_locks(built.model, cfg.model)
-    if cfg.model.compile:  # in place: state-dict keys, locks and DDP see the same modules
-        compile_towers(built.model)
-    model = _wrap_ddp(built.model, info)
-    data, eval_cfg, normalizer = _build_data(cfg, info, built)
-    check_tasks(eval_cfg)  # open every eval dataset now: a wrong path fails before training
-    optimizer = build_optimizer(built.model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps)
-    scaler = torch.amp.GradScaler(info.device.type) if cfg.precision.amp == "fp16" else None
-    group = torch.distributed.group.WORLD if info.distributed else None
-    loss_fn = _loss_fn(cfg, group)
-    engine = build_engine(
-        cfg, model, device=info.device, normalizer=normalizer, loss_fn=loss_fn,
-        scaler=scaler, group=group, world_size=info.world_size,
-    )
-    checkpointer = ckpt.Checkpointer(
-        run_dir, cfg.checkpoint.keep_last, info.rank, lambda: barrier(info), agree=lambda ok: all_ok(ok, info),
-        on_publish=checkpoint_writer(built, cfg.model, cfg.checkpoint.open_clip_export),  # open_clip's format
-    )
-    logger = MetricsLogger(
-        run_dir, cfg.logging, info.is_main, cfg.steps, OmegaConf.to_container(cfg, resolve=True)
-    )
-    guard = WeightGuard([p for g in optimizer.param_groups for p in g["params"]],
-                        abort=lambda: "an optimizer update made the weights non-finite (NaN/inf)")
-    return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir,
-                 guard=guard, config=OmegaConf.to_container(cfg, resolve=True))
-
-
-def _wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
-    if not info.distributed:
-        return model
-    ids = [info.device.index] if info.device.type == "cuda" else None
-    # broadcast_buffers=False: open_clip towers keep no buffers that must stay in sync,
-    # and the gradient-cache replay runs several forwards per step.
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
-
-
-def _loss_fn(cfg: Any, group: Any):
-    """loss_fn(img, txt, logit_scale[, logit_bias]) for loss.kind (clip / siglip / nt_xent)."""
-    from infclip.loss import build_loss
-
-    return build_loss(cfg.loss, group=group)
-
-
-def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
-    from infclip.data.pipeline import build_train_data
-    from infclip.data.transforms import Normalizer, train_transform
-
-    size = cfg.data.image_size or built.image_size
-    if cfg.data.decode == "device":  # workers pack JPEG bytes + crop; the trainer decodes (data/jpeg.py)
-        from infclip.data.jpeg import JpegDecoder, JpegPacker
-
-        transform = JpegPacker(size, cfg.data.jpeg_max_bytes, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
-        normalizer = JpegDecoder(size, built.mean, built.std, device=info.device)
-    else:
-        transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
-        normalizer = Normalizer(built.mean, built.std).to(info.device)
-    shards, num_samples, eval_cfg = None, None, _eval_config(cfg)
-    if cfg.data.kind == "synthetic":
-        shards, num_samples, eval_cfg = _synthetic(cfg, info)
-    data_cfg = copy.deepcopy(cfg.data)
-    data_cfg.loader_batch = _loader_batch(cfg, info)
-    data = build_train_data(
-        data_cfg, transform=transform, tokenizer=built.tokenizer, rank=info.rank,
-        world_size=info.world_size, seed=cfg.seed, shards=shards, num_samples=num_samples,
-    )
-    return data, eval_cfg, normalizer
-
-
-def _synthetic(cfg: Any, info: DistInfo):
-    """Generates the embedded dataset once (rank 0 first) and points eval tasks at it."""
-    from infclip.data.synthetic import ensure_synthetic
-
-    ds = on_rank0(info, lambda: ensure_synthetic(cfg.data))
-    if not info.is_main:
-        ds = ensure_synthetic(cfg.data)  # already there: returns its paths
-    eval_cfg = _eval_config(cfg)
-    for task in eval_cfg.tasks:
-        if task.root.startswith("synthetic:"):
-            task.root = str(Path(ds.root) / "eval" / task.root.split(":", 1)[1])
-    return ds.train_shards, ds.num_train, eval_cfg
-
-
-def _eval_config(cfg: Any) -> Any:
-    """The eval section as a plain EvalConfig dataclass (what infclip.eval consumes)."""
-    return OmegaConf.to_object(cfg.eval) if OmegaConf.is_config(cfg.eval) else copy.deepcopy(cfg.eval)
-
-
-def _loader_batch(cfg: Any, info: DistInfo) -> int:
-    """Largest loader batch <= data.loader_batch that divides the per-rank step batch."""
-    local = cfg.batch.global_size // info.world_size
-    size = next(d for d in range(min(cfg.data.loader_batch, local), 0, -1) if local % d == 0)
-    if size != cfg.data.loader_batch and info.is_main:
-        print(f"note: data.loader_batch={cfg.data.loader_batch} does not divide the per-rank batch {local}; "
-              f"using {size}", flush=True)
-    return size
 
 
 # ----------------------------------------------------------------------------- loop

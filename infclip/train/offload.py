@@ -90,7 +90,9 @@ class InputStager:
         k, names = schedule[i]
         for n in names:
             if n in self.host_fields:
-                self.host_reader.prefetch(lambda n=n, k=k: inputs.rows(n, k * micro, (k + 1) * micro))
+                # read ahead while the GPU computes: a wait here is not the GPU waiting for data
+                self.host_reader.prefetch(
+                    lambda n=n, k=k: inputs.rows(n, k * micro, (k + 1) * micro, count_wait=False))
 
     def _host_rows(self, inputs, micro: int, k: int, names) -> dict[str, Tensor]:
         return {n: inputs.rows(n, k * micro, (k + 1) * micro) for n in names if n in self.host_fields}

@@ -109,9 +109,10 @@ class StepFeed:
         self.wait_s = 0.0  # time the consumer blocked on rows not yet filled
 
     # -- consumer side (the engine) -----------------------------------------------------
-    def rows(self, name: str, start: int, stop: int) -> Tensor:
-        """Host rows ``[start, stop)`` of field ``name``, waiting until they are filled."""
-        self._wait_filled(stop)
+    def rows(self, name: str, start: int, stop: int, count_wait: bool = True) -> Tensor:
+        """Host rows ``[start, stop)`` of field ``name``, waiting until they are filled.
+        ``count_wait=False``: a helper thread reading ahead (its wait is not the GPU's)."""
+        self._wait_filled(stop, count_wait)
         c = self.s.chunk
         j, lo = divmod(start, c)
         if (stop - 1) // c != j:
@@ -159,14 +160,15 @@ class StepFeed:
     def streams(self, name: str) -> bool:
         return name in self.s.streamed
 
-    def _wait_filled(self, stop: int) -> None:
+    def _wait_filled(self, stop: int, count_wait: bool = True) -> None:
         if self.filled >= stop:  # a racy read is fine: filled only grows
             return
         t0 = time.perf_counter()
         with self._cond:
             while self.filled < stop and self.error is None:
                 self._cond.wait(timeout=1.0)
-        self.wait_s += time.perf_counter() - t0
+        if count_wait:
+            self.wait_s += time.perf_counter() - t0
         if self.filled < stop:
             if isinstance(self.error, PipelineStopped):
                 raise PipelineStopped("the step pipeline was closed before the step's data arrived")
@@ -202,7 +204,7 @@ class TensorFeed:
         self.wait_s = 0.0
         self.num_rows = self.piece_rows = max(t.shape[0] for t in self.buffers.values())
 
-    def rows(self, name: str, start: int, stop: int) -> Tensor:
+    def rows(self, name: str, start: int, stop: int, count_wait: bool = True) -> Tensor:
         return self.buffers[name][start:stop]
 
     def release(self, name: str, stop: int, event: Any = None) -> None:

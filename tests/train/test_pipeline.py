@@ -131,6 +131,20 @@ def test_rows_can_be_read_before_the_step_is_complete():
         pipe.close()
 
 
+def test_a_read_ahead_thread_waiting_for_rows_is_not_counted_as_data_wait():
+    """data.decode=device reads the next micro-batch in a thread while the GPU computes."""
+    pipe = _pipeline(_Loader(delay=0.3), prefetch_steps=0)
+    try:
+        feed = pipe.next()
+        before, t0 = feed.wait_s, time.monotonic()
+        last = feed.rows("tokens", LOCAL - LOADER, LOCAL, count_wait=False)
+        assert time.monotonic() - t0 > 0.3  # it did block on the loader
+        assert torch.equal(last[:, 0], torch.arange(LOCAL - LOADER, LOCAL))
+        assert feed.wait_s == before
+    finally:
+        pipe.close()
+
+
 def test_loader_error_reaches_the_trainer():
     pipe = _pipeline(_Loader(fail_at=4), prefetch_steps=1)
     try:

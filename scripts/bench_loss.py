@@ -75,15 +75,23 @@ class Row:
 def matmul_peak_tflops(n: int = 8192, reps: int = 10) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    ms = _time_ms(lambda: a @ b, reps)
+    ms = time_ms(lambda: a @ b, reps)
     return 2 * n**3 / ms / 1e9
 
 
-def _time_ms(fn, reps: int) -> float:
+def time_ms(fn, reps: int) -> float:
+    """Median of ``reps`` timed calls after one warm-up (CUDA events; wall clock off CUDA,
+    for dry runs of the scripts)."""
     fn()
-    torch.cuda.synchronize()
+    cuda = torch.cuda.is_available()
     times = []
     for _ in range(reps):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+            continue
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -178,7 +186,7 @@ def measure(impl: str, b: int, c: int, reps: int, peak: float) -> Row:
     step()
     torch.cuda.synchronize()
     extra = (torch.cuda.max_memory_allocated() - base) / 1e9
-    ms = _time_ms(step, reps)
+    ms = time_ms(step, reps)
     tflops = 8 * b * b * c / ms / 1e9
     row = Row(impl, c, b, "ok", ms, extra, tflops, 100 * tflops / peak, loss=float(state["loss"]))
     if c == 512 and b in ANCHOR_VANILLA_BF16_MS:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -43,6 +42,8 @@ from infclip.kernels.clip.launch import FwdConfig, StripConfig  # noqa: E402
 from infclip.kernels.clip.reference import row_dot  # noqa: E402
 from infclip.loss.reference import vanilla_loss  # noqa: E402
 
+from bench_loss import time_ms  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 LOG: list[dict] = []
@@ -55,26 +56,6 @@ def emit(kind: str, **row) -> None:
 
 def _short(v):
     return f"{v:.4g}" if isinstance(v, float) else v
-
-
-def time_ms(fn, reps: int) -> float:
-    """Median of ``reps`` timed calls after one warm-up (CUDA events; wall clock off CUDA)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if CUDA:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def inputs(b: int, c: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,6 +74,15 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, t
         time.sleep(0.02)
     proc.kill()
     raise AssertionError(f"step {step} not reached in {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def start_and_kill(cmd: list[str], run_dir: Path, step: int, cwd: Path, log: Path) -> None:
+    """Start a training, SIGKILL it once ``step`` is logged (the kill may land mid-step or
+    mid-checkpoint) and check it died of that signal."""
+    proc = start(cmd, cwd=cwd, log=log)
+    wait_for_step(proc, run_dir, step, log)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
 def losses_by_step(run_dir: Path) -> dict[int, list[float]]:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from launch_testutils import (
-    child_env, losses_by_step, records, reference_run, run, start, step_records, train_cmd, wait_for_step,
+    child_env, losses_by_step, records, reference_run, run, start, start_and_kill, step_records, train_cmd,
+    wait_for_step,
 )
 
 from infclip.train import checkpoint as ckpt
@@ -47,10 +48,7 @@ def test_sigkill_at_random_step_then_resume_matches_uninterrupted(tmp_path, data
     run_dir, log = tmp_path / "run", tmp_path / "first.log"
     kill_at = random.Random().randint(2, STEPS - 2)
     print(f"SIGKILL after step {kill_at} is logged")
-    proc = start(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path, log=log)
-    wait_for_step(proc, run_dir, kill_at, log)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    start_and_kill(train_cmd(data_root, run_dir, *COMMON), run_dir, kill_at, tmp_path, log)
     before = (run_dir / "metrics.jsonl").read_text()
     # the kill may land mid-step or mid-checkpoint: resume=auto takes the newest complete one
     latest = ckpt.Checkpointer(run_dir, 2, 0, lambda: None).latest_loadable(world_size=1)

@@ -4,14 +4,13 @@ for bit alike; the run matches data.decode=cpu up to one 8-bit level of resampli
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from launch_testutils import losses_by_step, run, start, train_cmd, wait_for_step  # noqa: E402
+from launch_testutils import losses_by_step, run, start_and_kill, train_cmd  # noqa: E402
 
 from infclip.train.offload import InputStager  # noqa: E402
 from infclip.train.pipeline import TensorFeed  # noqa: E402
@@ -47,10 +46,7 @@ def test_sigkill_and_resume_with_device_decode_reproduce_the_run(tmp_path):
     ref = _train(tmp_path, "ref", "memory.offload=true")
     run_dir, log = tmp_path / "killed", tmp_path / "killed.log"
     cmd = train_cmd(tmp_path / "data", run_dir, *STEPS, "memory.offload=true", "memory.prefetch_steps=2")
-    proc = start(cmd, cwd=tmp_path, log=log)
-    wait_for_step(proc, run_dir, 3, log)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    start_and_kill(cmd, run_dir, 3, tmp_path, log)
     second = run(cmd, cwd=tmp_path)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     for step, values in losses_by_step(run_dir).items():

@@ -6,7 +6,6 @@ matches eager, and a batch that must repeat samples is warned about."""
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import torch
 from engine_testutils import assert_grads_close, batch, config, engine_for, grads_of, tiny_clip
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "launch"))
-from launch_testutils import losses_by_step, run, start, train_cmd, wait_for_step  # noqa: E402
+from launch_testutils import losses_by_step, run, start_and_kill, train_cmd  # noqa: E402
 
 from infclip.model import compile_towers  # noqa: E402
 from infclip.train.pipeline import duplicate_warning  # noqa: E402
@@ -54,10 +53,7 @@ def test_sigkill_with_deep_prefetch_resumes_exactly(tmp_path):
     ref_dir, _ = _train(tmp_path, "ref", "memory.prefetch_steps=1")
     run_dir, log = tmp_path / "killed", tmp_path / "killed.log"
     cmd = train_cmd(tmp_path / "data", run_dir, *STEPS, "memory.prefetch_steps=3")
-    proc = start(cmd, cwd=tmp_path, log=log)
-    wait_for_step(proc, run_dir, 3, log)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=60) == -signal.SIGKILL
+    start_and_kill(cmd, run_dir, 3, tmp_path, log)
     second = run(cmd, cwd=tmp_path)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     ref = {s: v[0] for s, v in losses_by_step(ref_dir).items()}

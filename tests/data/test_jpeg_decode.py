@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -24,7 +25,7 @@ def photo(width: int, height: int, seed: int, fmt: str = "JPEG", mode: str = "RG
     small = torch.randint(0, 256, (4, 4, 3), generator=g, dtype=torch.uint8)
     img = Image.fromarray(small.numpy()).resize((width, height), Image.Resampling.BICUBIC)
     grain = (torch.rand((height, width, 3), generator=g) * 40).to(torch.uint8)
-    pixels = torch.from_numpy(__import__("numpy").asarray(img).copy()).clamp(max=215) + grain
+    pixels = torch.from_numpy(np.asarray(img).copy()).clamp(max=215) + grain
     pixels[: height // 3, : width // 2] = 250  # a sharp edge
     img = Image.fromarray(pixels.numpy()).convert(mode)
     buf = io.BytesIO()
@@ -150,7 +151,7 @@ def test_autocast_does_not_change_the_pixels():
 
 
 def test_prefetched_decodes_are_picked_up_in_order_and_cancelled_cleanly():
-    rows = [torch.stack([JpegPacker(S)(photo(64 + 8 * k, 64, seed=k + i) ) for i in range(2)]) for k in range(3)]
+    rows = [torch.stack([JpegPacker(S)(photo(64 + 8 * k, 64, seed=k + i)) for i in range(2)]) for k in range(3)]
     decoder = JpegDecoder(S)
     direct = [decoder(r) for r in rows]
     fetched = []

@@ -294,7 +294,7 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     gnorm = torch.maximum(g_a.abs().max(), g_b.abs().max())
     if g_d is not None:
         gnorm = torch.maximum(gnorm, g_d.abs().max())
-    gnorm = gnorm.float().clamp_min(1e-30)
+    gnorm = _pow2_scale(gnorm)
     nrb, ncb = cdiv(m, cfg.BM), cdiv(k, cfg.DC)
     ds_part = torch.empty(nrb * ncb if compute_ds else 1, device=a.device, dtype=torch.float32)
     filt = threshold is not None
@@ -310,6 +310,14 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
         kept[0] = kept[0] + kept_part.sum()
         kept[1] += nrb * ncb * cdiv(n, cfg.BN)
     return ds_part.sum() if compute_ds else None
+
+
+def _pow2_scale(gmax: Tensor) -> Tensor:
+    """[g, 1 / g] fp32 with g the power of two >= gmax (>= 2^-100): the kernels' gradient
+    scalings by g and 1 / g are then exact (no rounding, none of the GPU's approximate
+    division), on the device (no host sync)."""
+    g = torch.exp2(torch.ceil(torch.log2(gmax.float().clamp_min(2.0 ** -100))))
+    return torch.stack([g, 1.0 / g])
 
 
 _TUNED: dict[tuple, object] = {}

@@ -150,7 +150,11 @@ def fwd_variants(k: int) -> list[FwdConfig]:
         return [FwdConfig(32, 32, 32), FwdConfig(32, 32, 16, ws=True)]
     base = launch.fwd_candidates(k, 2)
     return base + [FwdConfig(256, 128, 64, 8, 4), FwdConfig(128, 256, 64, 8, 3), FwdConfig(128, 128, 64, 4, 4),
-                   FwdConfig(256, 128, 64, 8, 3, ws=True), FwdConfig(128, 128, 64, 8, 3, ws=True)]
+                   FwdConfig(256, 128, 64, 8, 3, ws=True), FwdConfig(128, 128, 64, 8, 3, ws=True),
+                   # the exact (subtract-first) offsets of fp32 on 16-bit inputs: what the FMA shift saves
+                   FwdConfig(256, 128, 32, 8, 4, fast_off=False), FwdConfig(128, 128, 64, 8, 3, fast_off=False),
+                   # 64-row tiles, 4 warps: several programs per SM, one's epilogue beside another's MMAs
+                   FwdConfig(64, 128, 64, 4, 3), FwdConfig(64, 256, 64, 4, 3), FwdConfig(64, 128, 64, 4, 4)]
 
 
 def strip_variants(k: int) -> list[StripConfig]:
@@ -159,9 +163,15 @@ def strip_variants(k: int) -> list[StripConfig]:
                 StripConfig(32, 32, 16, 2, tma=True, ws=True)]
     base = launch.strip_candidates(k, 2)
     return base + [StripConfig(128, 256, 64, 8, 8, 4), StripConfig(128, 128, 64, 8, 4, 4),
-                   StripConfig(128, 256, 64, 8, 8, 3, tma=True), StripConfig(128, 128, 64, 8, 8, 4, tma=True),
+                   StripConfig(128, 256, 64, 8, 8, 3, tma=True),
                    StripConfig(128, 256, 64, 8, 8, 3, tma=True, ws=True),
-                   StripConfig(128, 128, 64, 8, 4, 3, tma=True, ws=True)]
+                   StripConfig(128, 128, 64, 8, 4, 3, tma=True, ws=True),
+                   StripConfig(128, 128, 64, 8, 8, 4, tma=True, fast_off=False),
+                   # 64-row tiles, 4 warps: several programs per SM (persistent: per_sm of them)
+                   StripConfig(64, 128, 64, 8, 4, 3), StripConfig(64, 256, 64, 8, 4, 3),
+                   StripConfig(64, 128, 64, 8, 4, 3, tma=True, per_sm=2),
+                   StripConfig(64, 256, 64, 8, 4, 3, tma=True, per_sm=2),
+                   StripConfig(64, 128, 64, 8, 4, 4, tma=True, per_sm=3)]
 
 
 def _err(e: Exception) -> str:

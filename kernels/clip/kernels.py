@@ -71,10 +71,17 @@ def _load_vec(ptr, idx, HAS: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _shifted(dot, o_a, o_b, s2, HAS_OFF: tl.constexpr):
-    """(row-direction, column-direction) base-2 logits less the offsets: s2 (dot - o)."""
+    """(row-direction, column-direction) base-2 logits less the offsets: s2 (dot - o).
+
+    HAS_OFF = 1 (fp32 inputs): subtract first, so no logit of magnitude s2 |dot| is rounded.
+    HAS_OFF = 2 (16-bit inputs): one FMA per direction, s2 dot - (s2 o), whose rounded
+    s2 o (~1e-5 at |s2 o| ~ 144) is far below the inputs' own bf16/fp16 rounding."""
     xr = dot * s2
     xc = xr
-    if HAS_OFF:
+    if HAS_OFF == 2:
+        xr = dot * s2 - (o_a * s2)[:, None]
+        xc = dot * s2 - (o_b * s2)[None, :]
+    elif HAS_OFF:
         xr = (dot - o_a[:, None]) * s2
         xc = (dot - o_b[None, :]) * s2
     return xr, xc

@@ -34,7 +34,7 @@ def interpreting() -> bool:
 @dataclass(frozen=True)
 class FwdConfig:
     """Forward tile: BM rows x BN columns, K streamed in BK chunks; ws: warp-specialize the
-    column loops."""
+    column loops; fast_off: 16-bit inputs shift by the offsets with one FMA (``_shifted``)."""
 
     BM: int
     BN: int
@@ -42,6 +42,7 @@ class FwdConfig:
     num_warps: int = 4
     num_stages: int = 3
     ws: bool = False
+    fast_off: bool = True
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,9 @@ def bwd_candidates(k: int, esize: int) -> list[BwdConfig]:
 class StripConfig:
     """Strip backward: P tiles of BM x BN (K in BK chunks), GROUP row tiles per L2 group.
 
-    tma: the persistent kernel with TMA (tensor-descriptor) loads, one program per SM
-    (``_dx_strip_tma_kernel``; 16-bit inputs); ws: warp-specialize its tile loop."""
+    tma: the persistent kernel with TMA (tensor-descriptor) loads, ``per_sm`` programs per SM
+    (``_dx_strip_tma_kernel``; 16-bit inputs, c a multiple of 8); ws: warp-specialize its
+    tile loop; fast_off: as ``FwdConfig``."""
 
     BM: int
     BN: int
@@ -124,6 +126,8 @@ class StripConfig:
     num_stages: int = 3
     tma: bool = False
     ws: bool = False
+    per_sm: int = 1
+    fast_off: bool = True
 
 
 # The loss's extra-memory rule: at most the two feature gradients + 1 KB x b + 64 MB. The
@@ -152,17 +156,23 @@ def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0) -> int
 
 
 def strip_candidates(k: int, esize: int) -> list[StripConfig]:
-    """Strip-kernel configs. H200, b = 64k, bf16 (with cuBLAS, raw TFLOP/s of both GEMMs):
-    128x256 tiles 402 at c = 512 and 475 at c = 1024; 128x128 345/430; 256x128 227/312."""
+    """Strip-kernel configs (the tuner times them all; the first is the untuned default).
+    H200, bf16, one direction (fill + cuBLAS), commit f0c96f3: c = 512, b = 64k: persistent
+    TMA 128x128 (8 warps, 4 stages, no spills) 22.7 ms, pointer 128x128 25.2, 128x256
+    (78 registers spilled) 26.8, 256x128 30.9; c = 1024, b = 16k: TMA 128x128 2.36 ms,
+    128x256 3.36. The 64-row configs (4 warps, several programs per SM) are untimed there."""
     if interpreting():
         return [StripConfig(32, 32, 32, 2)]
     if esize == 4:
         return [StripConfig(128, 128, 32, 8, 8, 3)]
-    return [StripConfig(128, 256, 64, 8, 8, 3), StripConfig(128, 128, 64, 8, 8, 4), StripConfig(256, 128, 64, 8, 8, 3)]
+    return [StripConfig(128, 128, 64, 8, 8, 4, tma=True), StripConfig(128, 256, 64, 8, 8, 3),
+            StripConfig(128, 128, 64, 8, 8, 4), StripConfig(64, 256, 64, 8, 4, 3),
+            StripConfig(64, 128, 64, 8, 4, 3, tma=True, per_sm=2)]
 
 
-def _vecs(a: Tensor, off_a: Tensor | None, off_b: Tensor | None, g_d: Tensor | None):
-    """(off_a, off_b, g_d) pointers for the kernels (a dummy where absent) and the flags."""
+def _vecs(a: Tensor, off_a: Tensor | None, off_b: Tensor | None, g_d: Tensor | None, fast: bool = False):
+    """(off_a, off_b, g_d) pointers for the kernels (a dummy where absent) and the flags;
+    HAS_OFF = 2 (the one-FMA shift of ``kernels._shifted``) for 16-bit inputs when ``fast``."""
     has_off = off_a is not None
     if has_off != (off_b is not None):
         raise ValueError("give both offsets (rows and columns) or neither")
@@ -170,7 +180,7 @@ def _vecs(a: Tensor, off_a: Tensor | None, off_b: Tensor | None, g_d: Tensor | N
         raise ValueError("g_d (the positives) needs the offsets: the positives' dot products")
     dummy = g_d if g_d is not None else (off_a if has_off else torch.empty(1, device=a.device))
     return (off_a if has_off else dummy, off_b if has_off else dummy, g_d if g_d is not None else dummy,
-            dict(HAS_OFF=has_off, HAS_DIAG=g_d is not None))
+            dict(HAS_OFF=(2 if fast and a.element_size() == 2 else 1) if has_off else 0, HAS_DIAG=g_d is not None))
 
 
 def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
@@ -183,7 +193,7 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
     P (one rounding to the input dtype, then the plain product into ``out``) instead of
     an fp32 product per strip plus the host's fp32 fixup + s dX_ii b_i."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
-    o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d)
+    o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d, cfg.fast_off)
     fixup = g_d is not None and not fold
     rows = max(1, min(rows, m))
     d_vec = alloc(rows, device=a.device, dtype=torch.float32) if fixup else scale
@@ -192,10 +202,14 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
     per = cdiv(rows, cfg.BM) * cdiv(n, cfg.BN)
     ds_all = torch.zeros(cdiv(m, rows) * per, device=a.device, dtype=torch.float32)
 
+    if cfg.tma and a.element_size() != 2:
+        raise ValueError("the TMA strip kernel needs 16-bit inputs (bf16/fp16)")
+    use_tma = cfg.tma and _tma_ok(a, b)  # else (a row not 16-byte aligned) the same tiles by pointers
+
     def fill(r0: int, r: int, scratch: Tensor) -> None:
         grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
         ds_part = ds_all[r0 // rows * per:]
-        if cfg.tma:
+        if use_tma:
             _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg,
                       prec, fold, flags, grid)
             return
@@ -231,7 +245,7 @@ def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_par
         raise ValueError("the TMA strip kernel needs 16-bit, 16-byte aligned rows (c a multiple of 8)")
     _set_allocator(a.device)
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 3
-    progs = min(tiles, sms)  # one program per SM (3 off CUDA: the interpreter tests the striding)
+    progs = min(tiles, sms * cfg.per_sm)  # (3 off CUDA: the interpreter tests the striding)
     _dx_strip_tma_kernel[(progs,)](
         a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, a.shape[0],
         b.shape[0], a.shape[1], a.stride(0), b.stride(0), scratch.stride(0),
@@ -250,7 +264,7 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
     are taken to be the offsets (the positives' <a_i, b_i>, see the kernels' docs)."""
     m, k = a.shape
     n = b.shape[0]
-    o_a, o_b, _, flags = _vecs(a, off_a, off_b, None)
+    o_a, o_b, _, flags = _vecs(a, off_a, off_b, None, cfg.fast_off)
     if diag and not (flags["HAS_OFF"] and m == n):
         raise ValueError(f"diag needs a square block pair and the offsets, got {m} x {n}")
     nrb = cdiv(m, cfg.BM)

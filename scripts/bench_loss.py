@@ -38,7 +38,7 @@ IMPLS = {
     "local_bf16": (torch.bfloat16, 65536, (512,)),
     "inf_cl": (torch.bfloat16, 131072, None),
     "triton_bf16": (torch.bfloat16, 1 << 20, None),
-    "triton_fold_bf16": (torch.bfloat16, 1 << 20, None),  # strip path with strip_positives="fold"
+    "triton_fixup_bf16": (torch.bfloat16, 1 << 20, None),  # strip path with strip_positives="fixup"
     "triton_fp32_tf32": (torch.float32, 65536, (512,)),
     "torch_bf16": (torch.bfloat16, 16384, (512,)),
 }
@@ -125,10 +125,10 @@ def loss_fn(impl: str):
         return lambda i, t, s: clip_loss(i, t, s, impl="torch")
     if impl == "triton_fp32_tf32":
         return lambda i, t, s: clip_loss(i, t, s, impl="triton", fp32_precision="tf32")
-    if impl == "triton_fold_bf16":
+    if impl == "triton_fixup_bf16":
         from infclip.kernels.clip import TritonTileOps, clip_loss_triton
 
-        ops = TritonTileOps(strip_positives="fold")
+        ops = TritonTileOps(strip_positives="fixup")
         return lambda i, t, s: clip_loss_triton(i, t, s, ops=ops)
     if impl.startswith("triton"):
         return lambda i, t, s: clip_loss(i, t, s, impl="triton")
@@ -299,7 +299,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="8192,16384,32768,65536,131072,262144,1048576")
     p.add_argument("--dims", default="512,768,1024")
-    p.add_argument("--impls", default=",".join(k for k in IMPLS if k not in OBJECTIVE_IMPLS and k != "triton_fold_bf16"))
+    p.add_argument("--impls", default=",".join(k for k in IMPLS if k not in OBJECTIVE_IMPLS and k != "triton_fixup_bf16"))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-s", type=float, default=90.0, help="skip a point estimated to take longer")
     p.add_argument("--commit", default=None, help="commit to report (default: git rev-parse --short HEAD)")

@@ -8,7 +8,7 @@
 # Parts:
 #   tests   - the exactness tests on the real kernels (item 1; TRITON_TUNE off: first configs)
 #   kernels - per-kernel timings, variants (ws / tma / configs / strip heights), SASS check (items 2-3)
-#   bench   - scripts/bench_loss.py table: CLIP (fixup and fold), SigLIP, NT-Xent, vanilla (items 2, 4)
+#   bench   - scripts/bench_loss.py table: CLIP (fold, the default, and fixup), SigLIP, NT-Xent, vanilla (items 2, 4)
 #   train   - the same-curve run (item 6): ViT-B/32, seed 0, vanilla vs triton loss, then the plot
 # Knobs: TESTS_S KERNELS_S BENCH_S TRAIN_S (seconds per part / per training run); SHAPES (kernels);
 # MODEL BATCH STEPS WORKERS NTRAIN (train); SKIP_INSTALL=1 and PY (the CPU dry run of this script).
@@ -44,7 +44,7 @@ if has kernels; then
 fi
 if has bench; then
   timeout "${BENCH_S:-130}" $PY -u scripts/bench_loss.py --batches 16384,32768,65536 --dims 1024,512 \
-      --impls triton_bf16,triton_fold_bf16,vanilla_bf16,siglip_triton_bf16,siglip_open_clip_bf16,nt_xent_triton_bf16,nt_xent_vanilla_bf16 \
+      --impls triton_bf16,triton_fixup_bf16,vanilla_bf16,siglip_triton_bf16,siglip_open_clip_bf16,nt_xent_triton_bf16,nt_xent_vanilla_bf16 \
       --reps 3 --max-s 12 --commit "$COMMIT" --out /tmp/bench 2>&1 | grep -v Warning > $OUT/bench.txt
   echo "rc=$?" >> $OUT/bench.txt
   cp /tmp/bench/bench_loss.csv $OUT/ 2>/dev/null

@@ -124,15 +124,19 @@ def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
               HAS_OFF: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
     """One column tile of the forward: updates (m_i, l_i) of the rows, stores the tile's
-    column partials. DIAG: the tile may cross the diagonal, whose dot products are replaced
-    by the offsets (the positives' <A_i, B_i>)."""
+    column partials. DIAG: the tile may cross the diagonal, whose dot products are the
+    offsets (the positives' <A_i, B_i>): their shifted logits are set to 0 (with the FMA
+    shift of 16-bit inputs s2 o - fl(s2 o) would leave a rounding residue: b = 1 must give
+    exactly 0)."""
     cn, col_ok, c_ld, b_blk = col_tile(j0, hi, b_ptr, stride_b, BN)
     # -- compute tile --: base-2 logits of (BM rows) x (BN columns), less the offsets.
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
-    if DIAG:
-        dot = tl.where((row0 + r)[:, None] == (j0 + cn)[None, :], o_a[:, None], dot)
     xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
+    if DIAG:  # the positives' dot products are the offsets: x_ii - s o_i = 0, exactly (any HAS_OFF)
+        on = (row0 + r)[:, None] == (j0 + cn)[None, :]
+        xr = tl.where(on, 0.0, xr)
+        xc = tl.where(on, 0.0, xc)
     # Row direction: online max / rescaled sum, kept in registers.
     xr = tl.where(col_ok[None, :], xr, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(xr, 1))

@@ -40,18 +40,21 @@ class TritonTileOps:
             every b, so the extra memory stays within the rule (the two feature gradients
             + 1 KB x b + 64 MB). Otherwise (fp32/fp16, accumulating into a buffer) the
             fused kernel (fp32 accumulator in registers). "always"/"never" force one.
-        strip_positives: how the strip path applies the positives' folded fp32 dX_ii:
-            "fixup" (default) adds s dX_ii b_i to an fp32 product before its one rounding;
-            "fold" writes dX_ii into the scratch (rounded once to the input dtype, as vanilla
-            rounds its softmax - one-hot) and the product goes straight into the gradient
-            (no fp32 (R, c) temporary, two elementwise passes less per strip).
+        strip_positives: how the strip path (16-bit inputs) applies the positives' folded
+            fp32 dX_ii: "fold" (default) writes it into the scratch with the rest of the
+            tile, rounded once to the input dtype (as vanilla rounds its softmax - one-hot,
+            but after the fold: the small p_ii - 1 is rounded, not p_ii ~ 1), and the product
+            goes straight into the gradient; "fixup" adds s dX_ii b_i to an fp32 product
+            before its one rounding (more exact than vanilla; an fp32 (R, c) temporary and
+            two elementwise passes per strip: H200, bf16, c = 1024, b = 16k: 7.40 ms vs
+            6.97, c = 512, b = 64k: 63.0 vs 62.7).
     """
 
     name = "triton"
     writes_out_dtype = True  # backward(..., out_dtype=img.dtype) writes fresh grads directly
 
     def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
-                 grad_filter: tuple[float, int] | None = None, strip_positives: str = "fixup"):
+                 grad_filter: tuple[float, int] | None = None, strip_positives: str = "fold"):
         if grad_filter is not None and (grad_filter[0] < 0 or grad_filter[1] < 1):
             raise ValueError(f"grad_filter must be (eps >= 0, columns >= 1), got {grad_filter}")
         self.threshold = None if grad_filter is None else grad_filter[0] / grad_filter[1]

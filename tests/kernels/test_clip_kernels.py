@@ -371,3 +371,17 @@ def test_positives_exact_for_any_gradient_weights(strips):
     got = ops.backward(a, t, s, row.float(), col.float(), g_row, g_col, g_diag=g_d, offsets=(pos, pos))
     errs = [_rel(x, r) for x, r in zip(got, ref)]
     assert max(errs) < 1e-5, errs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_dot_fp32_accumulation(dtype):
+    """The positives' dot products (offsets of every pass): fp32 accumulation of the exact
+    16-bit products (one batched product on CUDA, fp32 chunks elsewhere), b not a multiple
+    of anything, within fp32 rounding of float64."""
+    from infclip.kernels.clip.reference import row_dot
+
+    a, t = _feats(1037, 200, dtype), _feats(1037, 200, dtype)
+    got = row_dot(a, t)
+    ref = (a.double() * t.double()).sum(-1)
+    assert got.dtype == torch.float32 and got.shape == (1037,)
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-6)

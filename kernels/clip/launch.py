@@ -140,21 +140,24 @@ class StripConfig:
 # 408 -> 384 at 1M), so the strip path serves every b (the fused kernel, at 18-27 % of
 # peak past 64k, was the cliff). The rest of the rule's room: the positives' fp32 product
 # temporary (R x c fp32, <= 16 MB, see ``strip_rows``), partial LSEs (<= 32 MB, forward
-# only) and O(b) vectors (~40 B x b).
+# only) and O(b) vectors (~40 B x b). With the positives folded into the scratch (no
+# temporary) the scratch takes those 16 MB too: 64 MB + 768 B x b (2 strips instead of 3
+# at b = 8k, where the step is bound by the host's launches).
 STRIP_BUDGET_BYTES = 48 << 20  # fixed part of the strip scratch
 STRIP_BYTES_PER_COLUMN = 768  # O(b) part of the strip scratch
 STRIP_TEMP_BYTES = 16 << 20  # cap on the fp32 (R, c) product temporary of the positives' fixup
 STRIP_MIN_ROWS = 384  # below this cuBLAS's (R, n) @ (n, c) product gets too skinny to pay
 
 
-def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0) -> int:
-    """Rows per strip that fit the scratch budget, 48 MB + 768 B x n by default (a multiple
-    of 128 when >= 128), and keep an fp32 (rows, k) temporary within 16 MB."""
+def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0, temp: bool = True) -> int:
+    """Rows per strip that fit the scratch budget (a multiple of 128 when >= 128): with
+    ``temp`` (the positives' fp32 fixup) 48 MB + 768 B x n by default and an fp32 (rows, k)
+    temporary within 16 MB; without it 64 MB + 768 B x n."""
     n = max(n, 1)
     if budget is None:
-        budget = STRIP_BUDGET_BYTES + STRIP_BYTES_PER_COLUMN * n
+        budget = STRIP_BUDGET_BYTES + STRIP_BYTES_PER_COLUMN * n + (0 if temp else STRIP_TEMP_BYTES)
     rows = budget // (esize * n)
-    if k:
+    if k and temp:
         rows = min(rows, max(STRIP_TEMP_BYTES // (4 * k), STRIP_MIN_ROWS))
     return rows // 128 * 128 if rows >= 128 else rows
 

@@ -132,7 +132,7 @@ class TritonTileOps:
     def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec, g_d=None,
               off_a=None, off_b=None):
         """out (+)= s * dX @ b for the rows of a; returns ds when ``compute_ds``."""
-        rows = launch.strip_rows(b.shape[0], a.element_size(), k=a.shape[1])
+        rows = launch.strip_rows(b.shape[0], a.element_size(), k=a.shape[1], temp=not self.fold)
         vecs = dict(g_d=g_d, off_a=off_a, off_b=off_b)
         if self.threshold is not None:
             cfg = self._bwd_cfg(a, b, prec, scale)

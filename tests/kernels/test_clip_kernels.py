@@ -245,10 +245,11 @@ def test_strip_path_fits_the_memory_rule_at_every_b(c):
     at every b, and its scratch + fp32 fixup temporary + O(b) vectors stay within the
     loss's rule of 1 KB x b + 64 MB beyond the two feature gradients."""
     for b in (1024, 8192, 16384, 65536, 131072, 262144, 1 << 20, 4 << 20):
-        rows = launch.strip_rows(b, 2, k=c)
-        assert rows >= min(b, launch.STRIP_MIN_ROWS), (b, c, rows)
-        extra = 2 * min(rows, b) * b + 4 * min(rows, b) * c + 64 * b  # scratch, temp, vectors
-        assert extra <= 1024 * b + (64 << 20), (b, c, rows, extra)
+        for temp in (True, False):  # positives by fp32 fixup (temporary) / folded (none)
+            rows = launch.strip_rows(b, 2, k=c, temp=temp)
+            assert rows >= min(b, launch.STRIP_MIN_ROWS), (b, c, rows)
+            extra = 2 * min(rows, b) * b + temp * 4 * min(rows, b) * c + 64 * b  # scratch, temp, vectors
+            assert extra <= 1024 * b + (64 << 20), (b, c, rows, extra)
 
 
 def _filter_case(b: int, c: int, eps: float):

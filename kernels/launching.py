@@ -13,6 +13,7 @@ can use GEMM-sized tiles and the update runs at cuBLAS speed.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -23,11 +24,17 @@ def cdiv(x: int, y: int) -> int:
     return (x + y - 1) // y
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the loss is host-bound at small b)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def target_programs(device: torch.device) -> int:
     """Programs that fill the GPU (4 per SM); 4 off CUDA (the interpreter)."""
     if device.type != "cuda":
         return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 * sm_count(device)
 
 
 def column_splits(row_blocks: int, length: int, bn: int, device: torch.device) -> tuple[int, int]:

@@ -19,7 +19,7 @@ import torch
 import triton
 from torch import Tensor
 
-from ..launching import cdiv, column_splits, strip_backward
+from ..launching import cdiv, column_splits, sm_count, strip_backward
 from .kernels import _dx_strip_kernel, _dx_strip_tma_kernel, _grad_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
@@ -240,9 +240,16 @@ def _tma_ok(*ts: Tensor) -> bool:
                and t.data_ptr() % 16 == 0 for t in ts)
 
 
+_ALLOCATOR_FOR: list = [None]  # the device triton's allocator was last set for
+
+
 def _set_allocator(device: torch.device) -> None:
-    """Device-side tensor descriptors need a global scratch from triton's allocator."""
+    """Device-side tensor descriptors need a global scratch from triton's allocator (set once
+    per device, not per launch)."""
+    if _ALLOCATOR_FOR[0] == device:
+        return
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
+    _ALLOCATOR_FOR[0] = device
 
 
 def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec, fold,
@@ -251,7 +258,7 @@ def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_par
     if not _tma_ok(a, b):
         raise ValueError("the TMA strip kernel needs 16-bit, 16-byte aligned rows (c a multiple of 8)")
     _set_allocator(a.device)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else 3
+    sms = sm_count(a.device) if a.is_cuda else 3
     progs = min(tiles, sms * cfg.per_sm)  # (3 off CUDA: the interpreter tests the striding)
     _dx_strip_tma_kernel[(progs,)](
         a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, a.shape[0],

@@ -192,8 +192,7 @@ def test_forward_kernel_variants(bk, m, n, c, ws):
 @pytest.mark.parametrize("m,n,c", [(130, 37, 200), (37, 130, 16), (1, 37, 16)])
 def test_strip_backward_matches_float64(monkeypatch, m, n, c):
     """Strip path: s * dX for a few rows at a time into a scratch, then a GEMM per strip."""
-    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * max(m, n) * 40)  # 40-row strips
-    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
+    monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 40)  # 40-row strips
     a, b = _feats(m, c), _feats(n, c)
     s = torch.tensor(10.0, device=DEV)
     row, col = (v.float() for v in lse_pair_reference(a, b, s))
@@ -311,8 +310,7 @@ def test_strip_tma_kernel_matches_pointer_kernel(monkeypatch, ws, positives):
     d scale, bf16, positives folded in; fp32 inputs are refused."""
     from infclip.kernels.clip.launch import StripConfig
 
-    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 2 * 101 * 37)
-    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
+    monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 37)  # ragged 37-row strips
     b, c = 101, 48
     a, t = _feats(b, c).bfloat16(), _feats(b, c).bfloat16()
     s = torch.tensor(10.0, device=DEV)

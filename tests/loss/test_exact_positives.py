@@ -89,12 +89,17 @@ def test_fp32_within_1e5_of_float64(impl, case, b, c):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("case", ["peaked", "unnormalized"])
 def test_bf16_no_worse_than_vanilla_bf16(impl, case):
+    _check_bf16_vs_vanilla(lambda i, t, sc: clip_loss(i, t, sc, impl=impl), case, impl)
+
+
+def _check_bf16_vs_vanilla(loss_fn, case: str, label: str) -> None:
+    """bf16 (b = 70, c = 64): loss and every gradient no worse than vanilla bf16 (x 1.25)."""
     img, txt, s = _inputs(case, 70, 64, seed=11, dtype=torch.bfloat16)
     ref = _truth(img, txt, s)
     van = _errs(_grads(vanilla_loss, img, txt, s, torch.bfloat16), ref)
-    got = _errs(_grads(lambda i, t, sc: clip_loss(i, t, sc, impl=impl), img, txt, s, torch.bfloat16), ref)
+    got = _errs(_grads(loss_fn, img, txt, s, torch.bfloat16), ref)
     for name, e, v in zip(("loss", "dimg", "dtxt", "ds"), got, van):
-        assert e <= 1.25 * v + 1e-6, f"{impl} {case} {name}: ours {e:.3g} vanilla bf16 {v:.3g}"
+        assert e <= 1.25 * v + 1e-6, f"{label} {case} {name}: ours {e:.3g} vanilla bf16 {v:.3g}"
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -206,8 +211,7 @@ def test_triton_both_backward_paths_exact_and_poisoned(strips, positives, monkey
     NaN-poisoned first: peaked fp32 as above (several ragged strips), b = 1 bf16 exactly zero."""
     from infclip.kernels.clip import TritonTileOps, clip_loss_triton, launch
 
-    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 70 * 32)  # 32-row strips: 3 strips
-    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
+    monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 32)  # 3 strips, the last ragged
     ops = TritonTileOps(poison=True, strips=strips, strip_positives=positives)
 
     def fn(i, t, sc):
@@ -223,15 +227,9 @@ def test_bf16_strip_path_no_worse_than_vanilla_bf16(positives, case, monkeypatch
     applying the positives: bf16 no worse than vanilla bf16, as the test above."""
     from infclip.kernels.clip import TritonTileOps, clip_loss_triton, launch
 
-    monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 2 * 70 * 32)
-    monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
+    monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 32)  # 3 strips, the last ragged
     ops = TritonTileOps(poison=True, strips="always", strip_positives=positives)
-    img, txt, s = _inputs(case, 70, 64, seed=11, dtype=torch.bfloat16)
-    ref = _truth(img, txt, s)
-    van = _errs(_grads(vanilla_loss, img, txt, s, torch.bfloat16), ref)
-    got = _errs(_grads(lambda i, t, sc: clip_loss_triton(i, t, sc, ops=ops), img, txt, s, torch.bfloat16), ref)
-    for name, e, v in zip(("loss", "dimg", "dtxt", "ds"), got, van):
-        assert e <= 1.25 * v + 1e-6, f"{positives} {case} {name}: ours {e:.3g} vanilla bf16 {v:.3g}"
+    _check_bf16_vs_vanilla(lambda i, t, sc: clip_loss_triton(i, t, sc, ops=ops), case, positives)
 
 
 def test_triton_d_scale_robust_to_forward_backward_dot_order(monkeypatch):

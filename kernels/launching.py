@@ -45,7 +45,19 @@ def column_splits(row_blocks: int, length: int, bn: int, device: torch.device) -
     return cdiv(length, per), per
 
 
-_MM_OUT_DTYPE: list[bool] = []  # whether torch.mm(..., out_dtype=) works here (probed once)
+_OUT_DTYPE_OK: dict = {}  # op -> whether op(..., out_dtype=torch.float32) works here (probed once)
+
+
+def f32_out_ok(op, x: Tensor, y: Tensor) -> bool:
+    """Whether ``op(x, y, out_dtype=torch.float32)`` (fp32 output of 16-bit tensor-core
+    products: torch.mm / torch.bmm on CUDA) is supported by this torch; x, y: a tiny probe."""
+    if op not in _OUT_DTYPE_OK:
+        try:
+            op(x, y, out_dtype=torch.float32)
+            _OUT_DTYPE_OK[op] = True
+        except (TypeError, RuntimeError):
+            _OUT_DTYPE_OK[op] = False
+    return _OUT_DTYPE_OK[op]
 
 
 def mm_f32(p: Tensor, b: Tensor) -> Tensor:
@@ -53,13 +65,7 @@ def mm_f32(p: Tensor, b: Tensor) -> Tensor:
     (``torch.mm(out_dtype=)``), elsewhere the product of the upcast operands."""
     if p.dtype == torch.float32 or not p.is_cuda:
         return torch.mm(p.float(), b.float())
-    if not _MM_OUT_DTYPE:
-        try:
-            torch.mm(p[:1], b, out_dtype=torch.float32)
-            _MM_OUT_DTYPE.append(True)
-        except (TypeError, RuntimeError):
-            _MM_OUT_DTYPE.append(False)
-    if _MM_OUT_DTYPE[0]:
+    if f32_out_ok(torch.mm, p[:1], b):
         return torch.mm(p, b, out_dtype=torch.float32)
     return torch.mm(p, b).float()
 

@@ -21,10 +21,11 @@ Strip backward (``_dx_strip_kernel``): a GEMM-shaped kernel writes P = s * dX fo
 of R rows (bounded scratch); cuBLAS then forms dA[strip] = P @ B. No register accumulator
 over the feature dim, so it can use 128x256 tiles.
 
-Persistent TMA strip kernel (``_dx_strip_tma_kernel``, a variant for the GPU sweep of
-issue 15, not a default): the same tiles and epilogue (``_strip_epilogue``), one program
-per SM striding over the strip's tiles, operands loaded through tensor descriptors (TMA),
-the tile loop optionally warp-specialized (``tl.range(..., warp_specialize=True)``).
+Persistent TMA strip kernel (``_dx_strip_tma_kernel``, the first strip candidate for
+16-bit inputs with 16-byte aligned rows): the same tiles and epilogue (``_strip_epilogue``),
+``per_sm`` programs per SM striding over the strip's tiles, operands loaded through tensor
+descriptors (TMA), the tile loop optionally warp-specialized (``tl.range(...,
+warp_specialize=True)``, slower on the H200: a sweep variant only).
 
 Offsets and positives (HAS_OFF, HAS_DIAG; see ``infclip.loss.tiled.shifted_dots`` for the
 same math in PyTorch): with per-row / per-column offsets o_a, o_b (dot products, unscaled)

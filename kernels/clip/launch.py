@@ -254,9 +254,8 @@ def _set_allocator(device: torch.device) -> None:
 
 def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec, fold,
               flags, tiles):
-    """One strip through the persistent TMA kernel; its programs' ds partials into ds_part."""
-    if not _tma_ok(a, b):
-        raise ValueError("the TMA strip kernel needs 16-bit, 16-byte aligned rows (c a multiple of 8)")
+    """One strip through the persistent TMA kernel (``_tma_ok(a, b)`` checked by the caller);
+    its programs' ds partials into ds_part."""
     _set_allocator(a.device)
     sms = sm_count(a.device) if a.is_cuda else 3
     progs = min(tiles, sms * cfg.per_sm)  # (3 off CUDA: the interpreter tests the striding)

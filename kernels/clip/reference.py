@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..launching import f32_out_ok
+
 
 def lse_pair_reference(a: Tensor, b: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """(row_lse, col_lse) of x = s * a @ b.T, computed in float64."""
@@ -40,25 +42,12 @@ def clip_loss_reference(img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
 ROW_DOT_CHUNK = 1 << 20  # elements per chunk of row_dot's fp32 temporaries (3 x 4 MB)
 
 
-_BMM_OUT_DTYPE: list[bool] = []  # whether torch.bmm(..., out_dtype=float32) works here (probed once)
-
-
-def _bmm_f32_ok(a: Tensor) -> bool:
-    if not _BMM_OUT_DTYPE:
-        try:
-            torch.bmm(a[:1, None], a[:1, :, None], out_dtype=torch.float32)
-            _BMM_OUT_DTYPE.append(True)
-        except (TypeError, RuntimeError):
-            _BMM_OUT_DTYPE.append(False)
-    return _BMM_OUT_DTYPE[0]
-
-
 def row_dot(a: Tensor, b: Tensor) -> Tensor:
     """(m,) fp32 <a_i, b_i> (no autograd), with no fp32 (m, c) copy: 16-bit CUDA inputs in
     one batched product with fp32 accumulation and output (one launch: the loss is host-bound
     at small b), otherwise in fp32 chunks."""
     a, b = a.detach(), b.detach()
-    if a.is_cuda and a.element_size() == 2 and _bmm_f32_ok(a):
+    if a.is_cuda and a.element_size() == 2 and f32_out_ok(torch.bmm, a[:1, None], a[:1, :, None]):
         return torch.bmm(a[:, None], b[:, :, None], out_dtype=torch.float32).view(-1)
     out = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
     step = max(1, ROW_DOT_CHUNK // max(1, a.shape[1]))

@@ -42,6 +42,24 @@ def lse_pair_triton(img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps 
     return TritonLSEPair.apply(img, txt, scale, ops or TritonTileOps())
 
 
+def loss_forward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor):
+    """(loss 0-d fp32, row (b,), col (b,), pos (b,)) of the symmetric CLIP loss: row / col the
+    two directions' LSEs relative to the positives' logits s * pos, pos = <img_i, txt_i> fp32."""
+    pos = row_dot(img, txt)
+    row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True)
+    return 0.5 * (row.mean() + col.mean()), row, col, pos
+
+
+def loss_backward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, row: Tensor, col: Tensor,
+                  pos: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dimg, dtxt in the input dtype, dscale fp32 0-d) of ``loss_forward`` for upstream g (0-d)."""
+    b = img.shape[0]
+    g_lse = (0.5 / b * g.float()).expand(b).contiguous()
+    g_diag = 2 * g_lse  # exactly g_row + g_col: dX_ii = g (p_ii - 1) + g (p'_ii - 1)
+    return ops.backward(img, txt, scale, row, col, g_lse, g_lse, out_dtype=img.dtype, g_diag=g_diag,
+                        offsets=(pos, pos))
+
+
 class TritonCLIPLoss(torch.autograd.Function):
     """The whole symmetric CLIP loss of a square batch as one autograd node.
 
@@ -54,20 +72,15 @@ class TritonCLIPLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps) -> Tensor:
-        pos = row_dot(img, txt)
-        row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True)
+        loss, row, col, pos = loss_forward(ops, img, txt, scale)
         ctx.save_for_backward(img, txt, scale, row, col, pos)
         ctx.ops = ops
-        return 0.5 * (row.mean() + col.mean())
+        return loss
 
     @staticmethod
     def backward(ctx, g: Tensor):
         img, txt, scale, row, col, pos = ctx.saved_tensors
-        b = img.shape[0]
-        g_lse = (0.5 / b * g.float()).expand(b).contiguous()
-        g_diag = 2 * g_lse  # exactly g_row + g_col: dX_ii = g (p_ii - 1) + g (p'_ii - 1)
-        dimg, dtxt, ds = ctx.ops.backward(img, txt, scale, row, col, g_lse, g_lse, out_dtype=img.dtype,
-                                          g_diag=g_diag, offsets=(pos, pos))
+        dimg, dtxt, ds = loss_backward(ctx.ops, img, txt, scale, row, col, pos, g)
         need = ctx.needs_input_grad
         return (dimg if need[0] else None, dtxt if need[1] else None,
                 ds.to(scale.dtype) if need[2] else None, None)

@@ -48,13 +48,19 @@ class TritonTileOps:
             before its one rounding (more exact than vanilla; an fp32 (R, c) temporary and
             two elementwise passes per strip: H200, bf16, c = 1024, b = 16k: 7.40 ms vs
             6.97, c = 512, b = 64k: 63.0 vs 62.7).
+        strip_budget: bytes of the strip scratch (default: ``launch.strip_rows``' 64 MB +
+            768 B x b); the CUDA-graph path passes what its static buffers leave of the rule.
+        cuda_graphs: "auto" (default) runs ``fused_loss`` of small CUDA problems (b <= 16k, where
+            the host, not the GPU, bounds the step) through captured CUDA graphs (``graphs``);
+            "never" launches every kernel from Python.
     """
 
     name = "triton"
     writes_out_dtype = True  # backward(..., out_dtype=img.dtype) writes fresh grads directly
 
     def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
-                 grad_filter: tuple[float, int] | None = None, strip_positives: str = "fold"):
+                 grad_filter: tuple[float, int] | None = None, strip_positives: str = "fold",
+                 strip_budget: int | None = None, cuda_graphs: str = "auto"):
         if grad_filter is not None and (grad_filter[0] < 0 or grad_filter[1] < 1):
             raise ValueError(f"grad_filter must be (eps >= 0, columns >= 1), got {grad_filter}")
         self.threshold = None if grad_filter is None else grad_filter[0] / grad_filter[1]
@@ -65,7 +71,11 @@ class TritonTileOps:
             raise ValueError(f"strips must be 'auto', 'always' or 'never', got {strips!r}")
         if strip_positives not in ("fixup", "fold"):
             raise ValueError(f"strip_positives must be 'fixup' or 'fold', got {strip_positives!r}")
+        if cuda_graphs not in ("auto", "never"):
+            raise ValueError(f"cuda_graphs must be 'auto' or 'never', got {cuda_graphs!r}")
         self.fold = strip_positives == "fold"
+        self.strip_budget = strip_budget
+        self.cuda_graphs = cuda_graphs
         self.fp32_precision = fp32_precision
         self.poison = poison
         self.strips = strips
@@ -124,15 +134,20 @@ class TritonTileOps:
         return dimg, dtxt, ds
 
     def fused_loss(self, img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
-        """The symmetric CLIP loss of a square batch as one autograd node (see function.py)."""
+        """The symmetric CLIP loss of a square batch as one autograd node (see function.py),
+        replayed from CUDA graphs where ``graphs.eligible``."""
+        from . import graphs
         from .function import TritonCLIPLoss
 
+        if graphs.eligible(self, img, txt):
+            return graphs.graphed_loss(self, img, txt, scale)
         return TritonCLIPLoss.apply(img, txt, scale, self)
 
     def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec, g_d=None,
               off_a=None, off_b=None):
         """out (+)= s * dX @ b for the rows of a; returns ds when ``compute_ds``."""
-        rows = launch.strip_rows(b.shape[0], a.element_size(), k=a.shape[1], temp=not self.fold)
+        rows = launch.strip_rows(b.shape[0], a.element_size(), budget=self.strip_budget, k=a.shape[1],
+                                 temp=not self.fold)
         vecs = dict(g_d=g_d, off_a=off_a, off_b=off_b)
         if self.threshold is not None:
             cfg = self._bwd_cfg(a, b, prec, scale)

@@ -1,0 +1,230 @@
+"""CUDA graphs of the one-GPU CLIP loss, for the small batches where the host is the bottleneck.
+
+At b <= 16k the Triton loss is one to four milliseconds of GPU work issued through ~45
+launches (five Triton kernels at ~80 us of host time each, cuBLAS products, LSE merges, the
+autograd node): on an H200 the host needs 2.6 ms to issue a forward + backward that the GPU
+runs in 1.2 ms (b = 8k, c = 512, ``scripts/profile_loss_host.py``), so the step took 2.4 ms,
+as long as vanilla's. Replayed from graphs, a step costs what the GPU needs.
+
+A graph's kernels read fixed addresses, and copying the features into static buffers would
+cost 2 b c x the element size of memory the loss's rule does not have room for. So a graph
+is captured on the caller's own feature tensors and replayed only for calls whose features
+are at those addresses with the same shape, strides and dtype (``_key``): the case of a
+training loop or a benchmark that reuses its buffers. It is captured on the second
+consecutive call with the same key (a loop whose buffers move never pays a capture); other
+calls run eagerly (``TritonCLIPLoss``), as do problems that do not fit (``eligible``).
+
+Static buffers:
+- the scale (0-d, copied in every call: the caller's ``logit_scale.exp()`` is a new tensor);
+- the feature gradients are written into static buffers and *returned* (no copy): autograd
+  copies them before storing them as a leaf's ``.grad`` (they are referenced here, so
+  ``AccumulateGrad`` cannot take them), and a non-leaf's gradient is consumed by the next
+  node of the same backward. If a returned gradient is still referenced when the next
+  backward runs (a hook kept it), that backward runs eagerly instead of overwriting it.
+- the LSEs and positives of the last forward: a second forward before the first one's
+  backward stashes them (O(b)) with the first call; its backward copies them back.
+
+Memory, within the loss's rule (the two feature gradients + 1 KB x b + 64 MB): with leaf
+features the ``.grad`` copies are the two feature gradients; the static gradient buffers,
+the strip scratch, the partial LSE buffers and the O(b) vectors share the 1 KB x b + 64 MB
+(``strip_budget``: the scratch shrinks to what is left; no graphs where fewer than
+``launch.STRIP_MIN_ROWS`` rows would remain). A captured problem keeps that memory while it
+is cached: at most ``CACHE_SIZE`` problems, least recently used dropped first; ``release()``
+drops them all. ``INFCLIP_CUDA_GRAPHS=0`` or ``TritonTileOps(cuda_graphs="never")`` turns
+graphs off.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from . import launch
+from .function import loss_backward, loss_forward
+
+MAX_ROWS = 16384  # graphs only where the host is slower than the GPU (b <= 16k, H200)
+RESERVE_BYTES = 8 << 20  # partial LSE buffers (<= 4.6 MB at 16k with 256-row tiles) and O(b) vectors
+RULE_FIXED_BYTES = 64 << 20  # the rule's fixed 64 MB
+RULE_BYTES_PER_ROW = 1024  # the rule's 1 KB x b
+CACHE_SIZE = 2  # captured problems kept (each holds its static buffers and scratch)
+
+_CACHE: OrderedDict = OrderedDict()
+_LAST: list = [None]  # the key of the last call not replayed (captured when seen twice in a row)
+
+
+def strip_budget(b: int, c: int, esize: int, strips: bool, temp: bool = False) -> int | None:
+    """Scratch bytes left for the strip backward once the static gradients are in the rule's
+    1 KB x b + 64 MB, or None when graphs would not fit (``strips``: the backward takes the
+    strip path and needs ``launch.STRIP_MIN_ROWS`` rows; otherwise no scratch is used;
+    ``temp``: the positives' fixup also takes its fp32 temporary, ``launch.STRIP_TEMP_BYTES``)."""
+    room = RULE_BYTES_PER_ROW * b + RULE_FIXED_BYTES - 2 * b * c * esize - RESERVE_BYTES
+    room -= launch.STRIP_TEMP_BYTES if strips and temp else 0
+    need = launch.STRIP_MIN_ROWS * b * esize if strips else 0
+    default = launch.STRIP_BUDGET_BYTES + launch.STRIP_BYTES_PER_COLUMN * b + (0 if temp else launch.STRIP_TEMP_BYTES)
+    return min(room, default) if room >= need else None
+
+
+def eligible(ops, img: Tensor, txt: Tensor) -> bool:
+    """Whether ``ops``' loss of (img, txt) runs through graphs: CUDA, b <= MAX_ROWS, not inside
+    another capture, no NaN-poisoned buffers or gradient filter (their host-side state), the
+    static buffers within the memory rule."""
+    if not img.is_cuda or getattr(ops, "cuda_graphs", "auto") != "auto" or os.environ.get(
+            "INFCLIP_CUDA_GRAPHS", "1") == "0":
+        return False
+    if ops.poison or ops.threshold is not None or img.shape[0] > MAX_ROWS or torch.cuda.is_current_stream_capturing():
+        return False
+    return _budget(ops, img) is not None
+
+
+def _budget(ops, img: Tensor) -> int | None:
+    """``strip_budget`` of ops' backward for img (the strip path: as ``TritonTileOps._use_strips``)."""
+    strips = ops.strips == "always" or (ops.strips == "auto" and img.dtype == torch.bfloat16)
+    return strip_budget(img.shape[0], img.shape[1], img.element_size(), strips, temp=not ops.fold)
+
+
+def release() -> None:
+    """Drop every captured problem (their static buffers and graph memory)."""
+    _CACHE.clear()
+    _LAST[0] = None
+
+
+def _key(ops, img: Tensor, txt: Tensor) -> tuple:
+    """What a captured graph depends on: the features' addresses, layout and dtype, ops' config."""
+    return (img.device, img.data_ptr(), txt.data_ptr(), img.shape, txt.shape, img.stride(), txt.stride(),
+            img.dtype, ops.fp32_precision, ops.fold, ops.strips)
+
+
+def graphed_loss(ops, img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
+    """The CLIP loss of ``TritonCLIPLoss``, replayed from this problem's graphs once captured."""
+    from .function import TritonCLIPLoss
+
+    key = _key(ops, img, txt)
+    graphs = _CACHE.pop(key, None)
+    if graphs is None:
+        if _LAST[0] != key:  # first call at these addresses: eager (the buffers may move)
+            _LAST[0] = key
+            return TritonCLIPLoss.apply(img, txt, scale, ops)
+        while len(_CACHE) >= CACHE_SIZE:
+            _CACHE.popitem(last=False)
+        graphs = LossGraphs(ops, img, txt, scale)
+    _CACHE[key] = graphs
+    return GraphedCLIPLoss.apply(img, txt, scale, graphs)
+
+
+class _Call:
+    """One forward's claim on the static buffers: ``stash`` (row, col, pos) is set when a
+    later forward overwrites them before this call's backward ran."""
+
+    def __init__(self):
+        self.stash: tuple | None = None
+        self.done = False
+
+
+class LossGraphs:
+    """Forward and backward graphs of the CLIP loss on one pair of feature tensors (``_key``).
+
+    Read in place: img, txt (b, c), the caller's tensors at capture (a replay reads whatever
+    tensors are at those addresses: the call's own, by the key). Static tensors: scale 0-d
+    fp32 (input); loss 0-d, row, col, pos (b,) fp32 (forward outputs); g 0-d fp32 (upstream
+    gradient); dimg, dtxt (b, c) input dtype, ds 0-d fp32 (backward outputs)."""
+
+    def __init__(self, ops, img: Tensor, txt: Tensor, scale: Tensor):
+        from .ops import TritonTileOps
+
+        self.ops = TritonTileOps(ops.fp32_precision, strips=ops.strips, strip_positives="fold" if ops.fold else "fixup",
+                                 strip_budget=_budget(ops, img), cuda_graphs="never")
+        self.current = lambda: None  # weakref to the _Call whose state the buffers hold
+        with torch.cuda.device(img.device):
+            self.scale = scale.detach().float().reshape(()).clone()
+            self.g = torch.ones((), device=img.device)
+            self._capture(img.detach(), txt.detach())  # (no reference kept: the key holds addresses)
+
+    def _backward(self, img: Tensor, txt: Tensor, g: Tensor):
+        return loss_backward(self.ops, img, txt, self.scale, self.row, self.col, self.pos, g)
+
+    def _capture(self, img: Tensor, txt: Tensor) -> None:
+        """Warm up eagerly on a side stream (compiles and tunes every kernel the capture will
+        launch), then capture forward and backward into one memory pool."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad(), torch.autocast("cuda", enabled=False):
+            self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
+            self._backward(img, txt, self.g)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.autocast("cuda", enabled=False):
+            with torch.cuda.graph(self.fwd, pool=pool):
+                self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
+            with torch.cuda.graph(self.bwd, pool=pool):
+                self.dimg, self.dtxt, self.ds = self._backward(img, txt, self.g)
+        self.outputs = (self.dimg, self.dtxt, self.ds)
+        self.owned = [_use_count(t) for t in self.outputs]  # references held here alone
+
+    def run_forward(self, scale: Tensor) -> _Call:
+        """Replay the forward (on the features at the captured addresses) with this scale;
+        returns the call's claim on the buffers."""
+        self._stash_holder()
+        self.scale.copy_(scale.detach().reshape(()))
+        self.fwd.replay()
+        call = _Call()
+        self.current = weakref.ref(call)
+        return call
+
+    def _stash_holder(self) -> None:
+        """Before the buffers are overwritten: stash the state of the call they hold if that
+        call's backward is still to come."""
+        holder = self.current()
+        if holder is not None and not holder.done:
+            holder.stash = (self.row.clone(), self.col.clone(), self.pos.clone())
+
+    def run_backward(self, call: _Call, img: Tensor, txt: Tensor, scale: Tensor, g: Tensor):
+        """(dimg, dtxt, ds) of ``call``'s forward for upstream g: the static outputs, or fresh
+        tensors from an eager backward when a returned gradient is still referenced."""
+        if self.current() is not call:  # another forward ran since: restore this call's state
+            self._stash_holder()
+            self.scale.copy_(scale.detach().reshape(()))
+            if call.stash is None:  # (a second backward of a finished call: recompute)
+                self.fwd.replay()
+            else:
+                for dst, src in zip((self.row, self.col, self.pos), call.stash):
+                    dst.copy_(src)
+            self.current = weakref.ref(call)
+        call.done = True
+        if any(_use_count(t) is None or _use_count(t) > n for t, n in zip(self.outputs, self.owned)):
+            return self._backward(img, txt, g.detach().float().reshape(()))
+        self.g.copy_(g.detach().reshape(()))
+        self.bwd.replay()
+        return self.dimg, self.dtxt, self.ds
+
+
+def _use_count(t: Tensor) -> int | None:
+    """References to ``t``'s storage (tensors and views of it); None where this torch cannot
+    tell (a returned gradient is then never overwritten: every backward after the first
+    runs eagerly)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(t.untyped_storage()._cdata)
+
+
+class GraphedCLIPLoss(torch.autograd.Function):
+    """``TritonCLIPLoss`` replayed from ``LossGraphs`` (same math, same kernels)."""
+
+    @staticmethod
+    def forward(ctx, img: Tensor, txt: Tensor, scale: Tensor, graphs: LossGraphs) -> Tensor:
+        ctx.call = graphs.run_forward(scale)
+        ctx.graphs = graphs
+        ctx.save_for_backward(img, txt, scale)
+        return graphs.loss.clone()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        img, txt, scale = ctx.saved_tensors  # (their version check: not modified in place since)
+        dimg, dtxt, ds = ctx.graphs.run_backward(ctx.call, img, txt, scale, g)
+        need = ctx.needs_input_grad
+        return (dimg if need[0] else None, dtxt if need[1] else None,
+                ds.to(scale.dtype) if need[2] else None, None)

@@ -1,0 +1,199 @@
+"""CUDA graphs of the one-GPU CLIP loss (``infclip.kernels.clip.graphs``).
+
+CPU: the memory arithmetic (static inputs + scratch within the loss's rule) and that
+nothing off CUDA is graphed. CUDA (the GPU machine): the graphed loss equals the eager one
+for fresh inputs every call, interleaved forwards, retained graphs, and returned gradients
+that something still holds are never overwritten.
+"""
+
+import pytest
+import torch
+
+from infclip.kernels.clip import TritonTileOps, graphs, launch
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA (CPU tests above)")
+RULE = lambda b: 1024 * b + (64 << 20)  # noqa: E731 -- the rule's room beyond the two gradients
+
+
+@pytest.mark.parametrize("esize", [2, 4])
+@pytest.mark.parametrize("c", [40, 200, 512, 640, 768, 1024])
+@pytest.mark.parametrize("b", [1, 777, 4096, 8192, 12288, 16384])
+def test_strip_budget_keeps_static_inputs_within_the_rule(b, c, esize):
+    for strips in (True, False):
+        budget = graphs.strip_budget(b, c, esize, strips)
+        if budget is None:
+            assert 2 * b * c * esize + graphs.RESERVE_BYTES + (launch.STRIP_MIN_ROWS * b * esize if strips else 0) \
+                > RULE(b)
+            continue
+        assert 2 * b * c * esize + budget + graphs.RESERVE_BYTES <= RULE(b)
+        if strips:
+            assert launch.strip_rows(b, esize, budget=budget, k=c, temp=False) >= min(b, launch.STRIP_MIN_ROWS)
+
+
+def test_strip_budget_where_graphs_fit():
+    assert graphs.strip_budget(8192, 1024, 2, True) is not None  # 32 MB of static inputs
+    assert graphs.strip_budget(16384, 768, 2, True) is not None
+    assert graphs.strip_budget(16384, 1024, 2, True) is None  # 64 MB of inputs leave < 384 rows
+    fixup = graphs.strip_budget(8192, 512, 2, True, temp=True)
+    assert fixup == graphs.strip_budget(8192, 512, 2, True) - launch.STRIP_TEMP_BYTES
+
+
+def test_not_graphed_off_cuda_or_when_turned_off(monkeypatch):
+    x = torch.randn(8, 16)
+    assert not graphs.eligible(TritonTileOps(), x, x)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        TritonTileOps(cuda_graphs="always")
+    if CUDA:
+        y = x.cuda().bfloat16()
+        assert graphs.eligible(TritonTileOps(), y, y)
+        assert not graphs.eligible(TritonTileOps(cuda_graphs="never"), y, y)
+        monkeypatch.setenv("INFCLIP_CUDA_GRAPHS", "0")
+        assert not graphs.eligible(TritonTileOps(), y, y)
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+
+def _inputs(b, c, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    img = torch.randn(b, c, device="cuda", generator=g)
+    txt = 0.3 * img + torch.randn(b, c, device="cuda", generator=g)
+    img = img.to(dtype).requires_grad_()
+    txt = txt.to(dtype).requires_grad_()
+    log_s = torch.tensor(2.0 + seed / 10, device="cuda", requires_grad=True)
+    return img, txt, log_s
+
+
+def _refill(bufs, seed):
+    """New values in the same buffers (a training loop's features: replayed once captured)."""
+    with torch.no_grad():
+        for buf, new in zip(bufs, _inputs(bufs[0].shape[0], bufs[0].shape[1], bufs[0].dtype, seed)):
+            buf.copy_(new)
+            buf.grad = None
+
+
+def _eager(ops, img, txt, log_s):
+    """(loss, dimg, dtxt, dlog_s) from the eager kernels with the graphs' strip budget."""
+    eager = TritonTileOps(strip_budget=graphs._budget(ops, img), cuda_graphs="never")
+    i, t, s = (x.detach().clone().requires_grad_() for x in (img, txt, log_s))
+    loss = eager.fused_loss(i, t, s.exp())
+    loss.backward()
+    return loss.detach(), i.grad, t.grad, s.grad
+
+
+def _check(got, want):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-6)
+
+
+def _replayed(loss) -> bool:
+    return type(loss.grad_fn).__name__.startswith("GraphedCLIPLoss")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,c", [(777, 200), (1000, 640)])
+def test_graphed_loss_matches_eager_for_new_values(b, c, dtype):
+    graphs.release()
+    ops = TritonTileOps()
+    bufs = _inputs(b, c, dtype, 0)
+    for seed in range(4):  # eager, capture + replay, replay, replay
+        _refill(bufs, seed)
+        img, txt, log_s = bufs
+        loss = ops.fused_loss(img, txt, log_s.exp())
+        assert _replayed(loss) == (seed > 0)
+        loss.backward()
+        _check((loss.detach(), img.grad, txt.grad, log_s.grad), _eager(ops, img, txt, log_s))
+
+
+@needs_cuda
+def test_moving_buffers_run_eagerly():
+    graphs.release()
+    ops = TritonTileOps()
+    for seed in range(3):
+        img, txt, log_s = _inputs(256, 64, torch.bfloat16, seed)
+        keep = (img, txt)  # all alive: every call at new addresses
+        assert not _replayed(ops.fused_loss(img, txt, log_s.exp()))
+    assert keep
+
+
+@needs_cuda
+def test_interleaved_forwards_and_retained_graph():
+    graphs.release()
+    ops = TritonTileOps()
+    bufs = _inputs(640, 128, torch.bfloat16, 0)
+    ops.fused_loss(bufs[0], bufs[1], bufs[2].exp()).backward()  # eager: captured from the next call on
+    first = [x.detach().clone().requires_grad_() for x in bufs]
+    _refill(bufs, 1)
+    img, txt, log_s = bufs
+    s1 = log_s.exp()
+    loss1 = ops.fused_loss(img, txt, s1)
+    with torch.no_grad():
+        log_s.add_(0.5)  # the second forward: another scale, same features
+    loss2 = ops.fused_loss(img, txt, log_s.exp())
+    assert _replayed(loss1) and _replayed(loss2)
+    want1 = _eager(ops, img, txt, log_s - 0.5)
+    want2 = _eager(ops, img, txt, log_s)
+    g1 = torch.autograd.grad(loss1, (img, txt, s1), retain_graph=True)  # restores the first call's state
+    g2 = torch.autograd.grad(loss2, (img, txt))
+    _check((loss1.detach(), *g1[:2]), want1[:3])
+    _check((loss2.detach(), *g2), want2[:3])
+    g1_again = torch.autograd.grad(loss1, (img, txt))  # a finished call again (recomputes its forward)
+    _check(g1_again, want1[1:3])
+    assert first
+
+
+@needs_cuda
+def test_returned_gradients_still_held_are_not_overwritten():
+    graphs.release()
+    ops = TritonTileOps()
+    bufs = _inputs(640, 128, torch.bfloat16, 0)
+    kept = []  # (the gradient a hook kept, its value when the hook saw it)
+    for step in range(4):
+        _refill(bufs, step)
+        img, txt, log_s = bufs
+        feats = img.view(img.shape)  # a non-leaf at img's address: the hook sees the returned tensor
+        feats.register_hook(lambda g: kept.append((g, g.clone())))
+        loss = ops.fused_loss(feats, txt, log_s.exp())
+        assert _replayed(loss) == (step > 0)
+        loss.backward()
+        torch.testing.assert_close(kept[-1][0].float(), _eager(ops, img, txt, log_s)[1].float(), rtol=1e-5,
+                                   atol=1e-6)
+        for held, value in kept:
+            assert torch.equal(held, value)  # no earlier step's kept gradient was overwritten
+
+
+@needs_cuda
+def test_leaf_gradients_are_not_aliased_and_large_batches_not_graphed():
+    graphs.release()
+    ops = TritonTileOps()
+    bufs = _inputs(512, 64, torch.bfloat16, 0)
+    held = []
+    for seed in range(3):
+        _refill(bufs, seed)
+        ops.fused_loss(bufs[0], bufs[1], bufs[2].exp()).backward()
+        held.append((bufs[0].grad, bufs[0].grad.clone()))
+    for g, copy in held:
+        assert torch.equal(g, copy)
+    big = torch.randn(graphs.MAX_ROWS + 1, 64, device="cuda", dtype=torch.bfloat16)
+    assert not graphs.eligible(ops, big, big)
+
+
+@needs_cuda
+def test_graphed_loss_memory_within_the_rule():
+    graphs.release()
+    b, c = 8192, 1024
+    img, txt, log_s = _inputs(b, c, torch.bfloat16, 0)
+    ops = TritonTileOps()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(3):  # eager, capture, replay
+        img.grad = txt.grad = log_s.grad = None
+        loss = ops.fused_loss(img, txt, log_s.exp())
+        loss.backward()
+    torch.cuda.synchronize()
+    assert _replayed(loss)
+    grads = 2 * b * c * 2  # the two feature gradients (.grad)
+    extra = torch.cuda.max_memory_allocated() - base
+    assert extra <= grads + RULE(b), (extra / 2**20, (grads + RULE(b)) / 2**20)

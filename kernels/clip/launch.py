@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -240,16 +241,18 @@ def _tma_ok(*ts: Tensor) -> bool:
                and t.data_ptr() % 16 == 0 for t in ts)
 
 
-_ALLOCATOR_FOR: list = [None]  # the device triton's allocator was last set for
+_ALLOCATOR_SET = threading.local()  # .device: the device this thread's triton allocator was set for
 
 
 def _set_allocator(device: torch.device) -> None:
     """Device-side tensor descriptors need a global scratch from triton's allocator (set once
-    per device, not per launch)."""
-    if _ALLOCATOR_FOR[0] == device:
+    per device and thread, not per launch: triton keeps the allocator in a context variable,
+    which each thread starts without -- autograd runs backward in its own thread, CUDA-graph
+    capture in the caller's)."""
+    if getattr(_ALLOCATOR_SET, "device", None) == device:
         return
     triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
-    _ALLOCATOR_FOR[0] = device
+    _ALLOCATOR_SET.device = device
 
 
 def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec, fold,

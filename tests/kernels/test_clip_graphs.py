@@ -197,3 +197,27 @@ def test_graphed_loss_memory_within_the_rule():
     grads = 2 * b * c * 2  # the two feature gradients (.grad)
     extra = torch.cuda.max_memory_allocated() - base
     assert extra <= grads + RULE(b), (extra / 2**20, (grads + RULE(b)) / 2**20)
+
+
+@needs_cuda
+def test_tma_strip_kernel_runs_from_any_thread():
+    """triton's allocator (the TMA kernel's descriptors need it) lives in a per-thread context
+    variable: autograd runs backward in its own thread, graph capture in the caller's."""
+    import threading
+
+    b, c = 512, 64
+    a, bb = (torch.randn(b, c, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    vec = lambda v: torch.full((b,), v, device="cuda")  # noqa: E731
+    cfg = launch.StripConfig(128, 128, 64, 8, 8, 4, tma=True)
+    scale = torch.tensor(10.0, device="cuda")
+
+    def run(out):
+        out.append(launch.grad_rows_strips(a, bb, scale, vec(5.0), vec(5.0), vec(1.0), vec(1.0),
+                                           torch.empty_like(a), 256, cfg, "tf32"))
+
+    results = []
+    worker = threading.Thread(target=run, args=(results,))
+    worker.start()
+    worker.join()
+    run(results)  # this thread's allocator was never set by the worker
+    assert len(results) == 2 and torch.equal(results[0], results[1])

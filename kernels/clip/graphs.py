@@ -54,6 +54,7 @@ CACHE_SIZE = 2  # captured problems kept (each holds its static buffers and scra
 
 _CACHE: OrderedDict = OrderedDict()
 _LAST: list = [None]  # the key of the last call not replayed (captured when seen twice in a row)
+_STREAMS: dict = {}  # device -> the side stream of every warm-up and capture (one cuBLAS workspace)
 
 
 def strip_budget(b: int, c: int, esize: int, strips: bool, temp: bool = False) -> int | None:
@@ -149,7 +150,7 @@ class LossGraphs:
     def _capture(self, img: Tensor, txt: Tensor) -> None:
         """Warm up eagerly on a side stream (compiles and tunes every kernel the capture will
         launch), then capture forward and backward into one memory pool."""
-        side = torch.cuda.Stream()
+        side = _STREAMS.setdefault(img.device, torch.cuda.Stream(img.device))
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad(), torch.autocast("cuda", enabled=False):
             self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
@@ -159,9 +160,9 @@ class LossGraphs:
         pool = torch.cuda.graph_pool_handle()
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.autocast("cuda", enabled=False):
-            with torch.cuda.graph(self.fwd, pool=pool):
+            with torch.cuda.graph(self.fwd, pool=pool, stream=side):
                 self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
-            with torch.cuda.graph(self.bwd, pool=pool):
+            with torch.cuda.graph(self.bwd, pool=pool, stream=side):
                 self.dimg, self.dtxt, self.ds = self._backward(img, txt, self.g)
         self.outputs = (self.dimg, self.dtxt, self.ds)
         self.owned = [_use_count(t) for t in self.outputs]  # references held here alone

@@ -180,23 +180,31 @@ def test_leaf_gradients_are_not_aliased_and_large_batches_not_graphed():
 
 
 @needs_cuda
-def test_graphed_loss_memory_within_the_rule():
+@pytest.mark.parametrize("c", [512, 1024])
+def test_graphed_loss_memory_within_the_rule(c):
+    """Peak memory beyond the inputs, per phase (eager call, capture, replays): the two
+    feature gradients (.grad) + 1 KB x b + 64 MB."""
     graphs.release()
-    b, c = 8192, 1024
+    b = 8192
     img, txt, log_s = _inputs(b, c, torch.bfloat16, 0)
     ops = TritonTileOps()
+    ops.fused_loss(img, txt, log_s.exp()).backward()  # compiles / tunes outside the measurement
+    img.grad = txt.grad = log_s.grad = None
+    graphs.release()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(3):  # eager, capture, replay
+    base = torch.cuda.memory_allocated()  # the cached graphs' memory counts from here on
+    peaks = []
+    for _ in range(4):  # eager, capture + replay, replay, replay
         img.grad = txt.grad = log_s.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
         loss = ops.fused_loss(img, txt, log_s.exp())
         loss.backward()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
     assert _replayed(loss)
-    grads = 2 * b * c * 2  # the two feature gradients (.grad)
-    extra = torch.cuda.max_memory_allocated() - base
-    assert extra <= grads + RULE(b), (extra / 2**20, (grads + RULE(b)) / 2**20)
+    allowed = (2 * b * c * 2 + RULE(b)) / 2**20
+    assert max(peaks) <= allowed, (peaks, allowed)
 
 
 @needs_cuda

@@ -37,6 +37,7 @@ graphs off.
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from collections import OrderedDict
 
@@ -165,7 +166,7 @@ class LossGraphs:
             with torch.cuda.graph(self.bwd, pool=pool, stream=side):
                 self.dimg, self.dtxt, self.ds = self._backward(img, txt, self.g)
         self.outputs = (self.dimg, self.dtxt, self.ds)
-        self.owned = [_use_count(t) for t in self.outputs]  # references held here alone
+        self.owned = self._counts()  # references held here alone
 
     def run_forward(self, scale: Tensor) -> _Call:
         """Replay the forward (on the features at the captured addresses) with this scale;
@@ -176,6 +177,10 @@ class LossGraphs:
         call = _Call()
         self.current = weakref.ref(call)
         return call
+
+    def _counts(self) -> list:
+        """``_references`` of the static outputs (one code path for capture and check)."""
+        return [_references(t) for t in self.outputs]
 
     def _stash_holder(self) -> None:
         """Before the buffers are overwritten: stash the state of the call they hold if that
@@ -197,19 +202,18 @@ class LossGraphs:
                     dst.copy_(src)
             self.current = weakref.ref(call)
         call.done = True
-        if any(_use_count(t) is None or _use_count(t) > n for t, n in zip(self.outputs, self.owned)):
+        if self._counts() != self.owned:  # a returned gradient is still held: do not overwrite it
             return self._backward(img, txt, g.detach().float().reshape(()))
         self.g.copy_(g.detach().reshape(()))
         self.bwd.replay()
         return self.dimg, self.dtxt, self.ds
 
 
-def _use_count(t: Tensor) -> int | None:
-    """References to ``t``'s storage (tensors and views of it); None where this torch cannot
-    tell (a returned gradient is then never overwritten: every backward after the first
-    runs eagerly)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else count(t.untyped_storage()._cdata)
+def _references(t: Tensor) -> tuple[int, int, int]:
+    """(Python references to the tensor object, C++ references to its TensorImpl, tensors and
+    views on its storage): any of them above its value at capture means that a returned
+    gradient is still held (the same object through a hook, a view, a C++ holder)."""
+    return sys.getrefcount(t), t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 class GraphedCLIPLoss(torch.autograd.Function):

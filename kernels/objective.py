@@ -131,19 +131,31 @@ class ObjectiveTiles:
             return False
         return self.strips == "always" or (a.is_cuda and a.element_size() == 2)
 
-    def _grad(self, a: Tensor, b: Tensor, vecs: tuple, out: Tensor, accumulate: bool, flags: dict) -> Tensor:
-        """out (+)= s dX @ b for the rows of ``a``; returns the family's partial sums."""
-        rows = max(launch.strip_rows(b.shape[0], a.element_size()), launch.STRIP_MIN_ROWS)
+    # -- family hooks of the strip path (defaults: SigLIP's) --
+
+    def _strip_rows(self, a: Tensor, b: Tensor) -> int:
+        """Rows per strip: the scratch budget with the fp32 fixup temporary's room kept."""
+        return max(launch.strip_rows(b.shape[0], a.element_size()), launch.STRIP_MIN_ROWS)
+
+    @staticmethod
+    def _strip_candidates(k: int, esize: int) -> list[StripConfig]:
+        return strip_candidates(k, esize)
+
+    def _grad(self, a: Tensor, b: Tensor, vecs: tuple, out: Tensor, accumulate: bool, flags: dict,
+              kind: str = "strip") -> Tensor:
+        """out (+)= s dX @ b for the rows of ``a``; returns the family's partial sums. ``kind``:
+        the tuning cache's name of the strip problem (a family's variants of it tune apart)."""
+        rows = self._strip_rows(a, b)
 
         def scratch_out(a_sub: Tensor) -> Tensor:
-            return torch.empty(a_sub.shape, device=a.device, dtype=torch.float32)
+            return torch.empty(a_sub.shape, device=a.device, dtype=out.dtype)
 
         if self._use_strips(a):
             def run_strips(cfg, a_sub, b_sub):
                 sub = self._sub_vecs(vecs, flags, a_sub.shape[0], b_sub.shape[0])
                 self._strips(a_sub, b_sub, sub, scratch_out(a_sub), False, rows, cfg, flags)
 
-            cfg = self._pick("strip", a, b, strip_candidates(a.shape[1], a.element_size()), run_strips)
+            cfg = self._pick(kind, a, b, self._strip_candidates(a.shape[1], a.element_size()), run_strips)
             return self._strips(a, b, vecs, out, accumulate, rows, cfg, flags)
 
         def run_fused(cfg, a_sub, b_sub):

@@ -73,6 +73,40 @@ def strip_tile(pid, R, row_start, N, a_ptr, b_ptr, stride_a, stride_b,
 
 
 @triton.jit
+def strip_coords(tile, R, N, BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr):
+    """(r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld) of tile ``tile`` of a strip of R rows x N
+    columns in ``grouped_tile`` order: ``strip_tile`` without the block pointers, for the
+    persistent kernels that load their operands through tensor descriptors."""
+    pid_m, pid_n = grouped_tile(tile, R, N, BM, BN, GROUP)
+    r0 = pid_m * BM
+    j0 = pid_n * BN
+    r = tl.arange(0, BM)
+    cn = tl.arange(0, BN)
+    row_ok = r0 + r < R
+    r_ld = tl.minimum(r, R - 1 - r0)
+    col_ok = j0 + cn < N
+    c_ld = tl.minimum(cn, N - 1 - j0)
+    return r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld
+
+
+@triton.jit
+def tma_dot(a_desc, b_desc, row, j0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """(BM, BN) fp32 = A[row:row + BM] @ B[j0:j0 + BN]^T through tensor descriptors (TMA;
+    rows past the descriptors' shapes read as zeros), K in chunks of BK (``dot_stream``'s
+    order)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = a_desc.load([row, k0])
+        y = b_desc.load([j0, k0])
+        if DOT_F32:  # interpreter: see load_kchunk
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        acc = tl.dot(x, tl.trans(y), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def load_kchunk(a_blk, b_blk, r_ld, c_ld, kk, K, stride_a, stride_b,
                 EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
     """(A[r_ld, kk], B[c_ld, kk]) operand tiles of one K chunk (zero past K)."""

@@ -21,6 +21,9 @@ Tile-operation protocol (``TorchMaskedLSEOps``; ``infclip.kernels.nt_xent.Triton
         same block).
     backward(a, b, scale, row_lse, g_row, mask_diag, da=None, db=None, offsets=None)
         -> (da (m,c), db (n,c), dscale 0-d) fp32, row_lse the final (global) LSEs.
+    Optional: backward_own(f, scale, row_lse, g_row, offsets=None, out_dtype) -> (df, dscale),
+        the own block's da + db in one pass (one process: the block is symmetric, so
+        dF = s (dX + dX^T) F is one product; ``TritonMaskedLSEOps``).
     offsets (m,): the rows' positives' dot products o_i = <F_i, F_pos(i)>. The LSEs are
         taken and returned relative to s o (computed as LSE_j s (<F_i, F_j> - o_i): the
         per-row loss itself, no difference of two large numbers); on the own block the
@@ -122,6 +125,10 @@ class _NTXentRows(torch.autograd.Function):
     def backward(ctx, g_row):
         f, scale, rows, off = ctx.saved_tensors
         g_row = g_row.to(rows.dtype).contiguous()
+        if ctx.group is None and hasattr(ctx.ops, "backward_own"):  # one pass over the symmetric block
+            df, ds = ctx.ops.backward_own(f, scale, rows, g_row, offsets=off, out_dtype=f.dtype)
+            return (df if ctx.needs_input_grad[0] else None,
+                    ds.to(scale.dtype) if ctx.needs_input_grad[1] else None, None, None)
         if ctx.group is None:
             d_rows, d_cols, ds = ctx.ops.backward(f, f, scale, rows, g_row, True, offsets=off)
         else:

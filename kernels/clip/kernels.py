@@ -55,8 +55,8 @@ the inner loop) and masked out of every reduction and store.
 import triton
 import triton.language as tl
 
-from ..tiles import (LN2, LOG2E, col_tile, dot_stream, grouped_tile, row_block, store_rows, store_strip,
-                     strip_tile, update_rows)
+from ..tiles import (LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_coords,
+                     strip_tile, tma_dot, update_rows)
 
 
 # -- tile epilogue pieces shared by the three kernels ------------------------------------------
@@ -397,26 +397,11 @@ def _dx_strip_tma_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_pt
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BN, BK])
     s = tl.load(scale_ptr).to(tl.float32)
     n_tiles = tl.cdiv(R, BM) * tl.cdiv(N, BN)
-    r = tl.arange(0, BM)
-    cn = tl.arange(0, BN)
     ds = tl.zeros((1,), dtype=tl.float32)
     for tile in tl.range(pid, n_tiles, NUM_PROGS, flatten=True, warp_specialize=WS):
-        pid_m, pid_n = grouped_tile(tile, R, N, BM, BN, GROUP)
-        r0 = pid_m * BM
-        j0 = pid_n * BN
+        r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld = strip_coords(tile, R, N, BM, BN, GROUP)
         # -- compute tile --: base-2 logits via TMA loads, then s * dX.
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            x = a_desc.load([row_start + r0, k0])
-            y = b_desc.load([j0, k0])
-            if DOT_F32:
-                x = x.to(tl.float32)
-                y = y.to(tl.float32)
-            acc = tl.dot(x, tl.trans(y), acc, input_precision=PREC)
-        row_ok = r0 + r < R
-        r_ld = tl.minimum(r, R - 1 - r0)
-        col_ok = j0 + cn < N
-        c_ld = tl.minimum(cn, N - 1 - j0)
+        acc = tma_dot(a_desc, b_desc, row_start + r0, j0, K, BM, BN, BK, PREC, DOT_F32)
         ds += _strip_epilogue(acc, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
                               off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
                               BM, BN, HAS_OFF, HAS_DIAG, FOLD)

@@ -17,7 +17,14 @@ ds = sum dX_ij <A_i, B_j>. The logits are recomputed with ``tiles.dot_stream``.
 
 Strip backward (``_masked_strip_kernel``): P = s * dX for a strip of rows into a bounded
 scratch (and its ds shares); cuBLAS then forms out[strip] = P @ B
-(``infclip.kernels.launching.strip_backward``).
+(``infclip.kernels.launching.strip_backward``). ``_masked_strip_tma_kernel``: the same tiles
+and epilogue (``_strip_epilogue``) as a persistent kernel with TMA loads (CLIP's
+``_dx_strip_tma_kernel``), the first candidate for 16-bit inputs with 16-byte aligned rows.
+
+Symmetric strips (SYM, the own block of one process, A = B = F): the block is symmetric,
+so P = s (dX + dX^T) (``_sym_dx``: each tile holds both softmaxes' terms, as CLIP's tiles)
+and one product P @ F is the whole gradient of F: one recomputation of the dot products
+and one product instead of one of each per direction (4 b^2 c FLOPs instead of 8).
 
 Positives (HAS_POS, the own block only; see ``infclip.loss.nt_xent``): row i's positive is
 column pos(i) = (i + half) mod 2 half. As in the CLIP kernels, the owner side's offsets o
@@ -26,23 +33,30 @@ logit, so the LSEs are relative to s o and LSE_j x_ij - x_i,pos(i) is formed wit
 cancellation; the positives' dot products are *defined* as o, and the backward folds the
 positive term into dX in fp32: dX_i,pos(i) = g_i (p - 1) = g_i expm1(-lse_i). That entry
 is kept out of the 16-bit product: it goes to a per-row vector and s dX B_pos(i) is added
-in fp32.
+in fp32 -- or, in the strip kernels with FOLD, stays in P (the folded fp32 value rounded
+once to the input dtype, as CLIP's default strip path and as vanilla rounds its dX).
 """
 
 import triton
 import triton.language as tl
 
 from ..clip.kernels import _expm1, _load_vec
-from ..tiles import LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_tile, update_rows
+from ..tiles import (LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_coords, strip_tile,
+                     tma_dot, update_rows)
+
+
+@triton.jit
+def _positive_near(row0, j0, half, BM: tl.constexpr, BN: tl.constexpr):
+    """Whether the tile (rows row0.., columns j0..) may hold a positive (i, (i + half) mod 2 half)."""
+    lo = row0 + half
+    hi = lo + BM
+    return ((j0 < hi) & (j0 + BN > lo)) | ((j0 < hi - 2 * half) & (j0 + BN > lo - 2 * half))
 
 
 @triton.jit
 def _positive_mask(rows, cols, row0, j0, half, BM: tl.constexpr, BN: tl.constexpr):
     """(any, mask): whether the tile holds a positive (i, (i + half) mod 2 half) and where."""
-    lo = row0 + half
-    hi = lo + BM
-    near = ((j0 < hi) & (j0 + BN > lo)) | ((j0 < hi - 2 * half) & (j0 + BN > lo - 2 * half))
-    return near, cols[None, :] == (rows[:, None] + half) % (2 * half)
+    return _positive_near(row0, j0, half, BM, BN), cols[None, :] == (rows[:, None] + half) % (2 * half)
 
 
 @triton.jit
@@ -193,34 +207,125 @@ def _masked_grad_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, off_ptr, out_pt
 
 
 @triton.jit
+def _sym_dx(dot, s2, lse_ptr, g_ptr, off_ptr, i_ld, j_ld, live, rows, cols, row0, j0, half,
+            BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr, HAS_POS: tl.constexpr):
+    """(G, q) of an own-block tile (SYM): G_ij = dX_ij + dX_ji = g_i 2^(xr - lse_i) +
+    g_j 2^(xc - lse_j), xr = s2 (dot - o_i), xc = s2 (dot - o_j) (o = 0 without HAS_OFF):
+    the own block is symmetric (x_ij = x_ji), so one tile holds both softmaxes' terms, as
+    CLIP's ``_dx_tile``. On the positives (HAS_POS; pos(pos(i)) = i, so (i, pos(i)) is
+    also column pos(i)'s positive) both terms folded in fp32: g_i expm1(-lse_i) +
+    g_j expm1(-lse_j). q = dX_ij x_ij (row softmax only): sum q / s2 is the tile's share of
+    d scale (as ``_masked_dx``). Zero where not ``live``."""
+    lse_a = tl.load(lse_ptr + i_ld).to(tl.float32) * LOG2E
+    g_a = tl.load(g_ptr + i_ld).to(tl.float32)
+    lse_b = tl.load(lse_ptr + j_ld).to(tl.float32) * LOG2E
+    g_b = tl.load(g_ptr + j_ld).to(tl.float32)
+    xr = dot * s2
+    xc = xr
+    if HAS_OFF:
+        xr = (dot - _load_vec(off_ptr, i_ld, HAS_OFF, BM)[:, None]) * s2
+        xc = (dot - _load_vec(off_ptr, j_ld, HAS_OFF, BN)[None, :]) * s2
+    pr = g_a[:, None] * tl.exp2(xr - lse_a[:, None])
+    p = pr + g_b[None, :] * tl.exp2(xc - lse_b[None, :])
+    q = pr * xr
+    if HAS_POS:  # no branch on the rare tiles that hold positives: it costs more registers
+        on = cols[None, :] == (rows[:, None] + half) % (2 * half)
+        fold = (g_a * _expm1(-lse_a * LN2))[:, None] + (g_b * _expm1(-lse_b * LN2))[None, :]
+        p = tl.where(on, fold, p)
+        q = tl.where(on, 0.0, q)  # the positives' dot products are the offsets: xr = 0 there
+    return tl.where(live, p, 0.0), tl.where(live, q, 0.0)
+
+
+@triton.jit
+def _strip_dx(dot, s2, lse_ptr, g_ptr, off_ptr, r_ld, c_ld, live, rows, cols, row0, j0, half,
+              BM: tl.constexpr, BN: tl.constexpr, LSE_ON_A: tl.constexpr, SYM: tl.constexpr,
+              HAS_OFF: tl.constexpr, HAS_POS: tl.constexpr):
+    """(p, q) of a strip tile: p = dX (SYM: dX + dX^T), sum q / s2 its share of d scale."""
+    if SYM:
+        p, q = _sym_dx(dot, s2, lse_ptr, g_ptr, off_ptr, row0 + r_ld, j0 + c_ld, live, rows, cols, row0, j0,
+                       half, BM, BN, HAS_OFF, HAS_POS)
+    else:
+        lse_a, g_a = _row_vectors(lse_ptr, g_ptr, row0 + r_ld, BM, LSE_ON_A)
+        o_a = _load_vec(off_ptr, row0 + r_ld, HAS_OFF, BM)
+        dot = _pos_dots(dot, o_a, rows, cols, row0, j0, half, BM, BN, HAS_POS)
+        p, x = _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live, rows, cols, row0,
+                          half, BM, BN, LSE_ON_A, HAS_OFF, HAS_POS)
+        q = p * x
+    return p, q
+
+
+@triton.jit
+def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_ptr, g_ptr, off_ptr,
+                    p_ptr, dv_ptr, stride_p, diag, half,
+                    BM: tl.constexpr, BN: tl.constexpr, LSE_ON_A: tl.constexpr, SYM: tl.constexpr,
+                    HAS_OFF: tl.constexpr, HAS_POS: tl.constexpr, FOLD: tl.constexpr):
+    """The strip kernels' tile epilogue: stores P = s dX of the tile (SYM: s (dX + dX^T),
+    ``_sym_dx``) and, unless FOLD, moves the positives' fp32 s dX to dv (HAS_POS); returns
+    the tile's share of d scale. ``dot``: the tile's (BM, BN) fp32 dot products."""
+    s2 = s * LOG2E
+    row0 = row_start + r0
+    rows = row0 + r
+    cols = j0 + cn
+    ok = row_ok[:, None] & col_ok[None, :]
+    live = ok & ((rows[:, None] - cols[None, :]) != diag)
+    p, q = _strip_dx(dot, s2, lse_ptr, g_ptr, off_ptr, r_ld, c_ld, live, rows, cols, row0, j0, half, BM, BN,
+                     LSE_ON_A, SYM, HAS_OFF, HAS_POS)
+    if HAS_POS:
+        if not FOLD:  # positives to dv (s dX, fp32), for the host to add s dX B_pos in fp32
+            d_vec = tl.zeros((BM,), dtype=tl.float32)
+            p, d_vec = _split_pos(p, d_vec, rows, cols, row0, j0, half, BM, BN, HAS_POS)
+            pc = (rows + half) % (2 * half)
+            mine = row_ok & (pc >= j0) & (pc < j0 + BN)  # each row's positive is in one tile
+            tl.store(dv_ptr + r0 + r, d_vec * s, mask=mine)
+    store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)
+    return tl.sum(tl.sum(q, 1), 0) / s2
+
+
+@triton.jit
 def _masked_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, off_ptr, p_ptr, ds_ptr, dv_ptr,
                          R, row_start, N, K, stride_a, stride_b, stride_p, diag, half,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                          EVEN_K: tl.constexpr, LSE_ON_A: tl.constexpr, HAS_OFF: tl.constexpr,
-                         HAS_POS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
-    """P[i, j] = s * dX[row_start + i, j] for a strip of R rows (input dtype);
-    ds_part[program] = its share of sum dX_ij <A_i, B_j> from the fp32 dX."""
+                         HAS_POS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+                         SYM: tl.constexpr = False, FOLD: tl.constexpr = False):
+    """P[i, j] = s * dX[row_start + i, j] for a strip of R rows (input dtype; SYM: s * (dX +
+    dX^T), the own block's whole gradient); ds_part[program] = its share of
+    sum dX_ij <A_i, B_j> from the fp32 dX. The positives (HAS_POS): their folded fp32 s dX
+    into dv (the host adds s dX B_pos in fp32), or with FOLD left in P (one rounding)."""
     pid = tl.program_id(0)
     r0, r, row_ok, r_ld, a_blk, j0, cn, col_ok, c_ld, b_blk = strip_tile(
         pid, R, row_start, N, a_ptr, b_ptr, stride_a, stride_b, BM, BN, GROUP)
     s = tl.load(scale_ptr).to(tl.float32)
-    s2 = s * LOG2E
-    rows = row_start + r0 + r
+    # -- compute tile --: the dot products, then s * dX and its ds share.
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
-    # -- compute tile --: s * dX and its ds share.
-    row0 = row_start + r0
-    lse_a, g_a = _row_vectors(lse_ptr, g_ptr, row0 + r_ld, BM, LSE_ON_A)
-    o_a = _load_vec(off_ptr, row0 + r_ld, HAS_OFF, BM)
-    ok = row_ok[:, None] & col_ok[None, :]
-    live = ok & ((rows[:, None] - (j0 + cn)[None, :]) != diag)
-    dot = _pos_dots(dot, o_a, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
-    p, x = _masked_dx(dot, s2, lse_a, g_a, o_a, lse_ptr, g_ptr, off_ptr, j0, c_ld, live, rows, j0 + cn, row0,
-                      half, BM, BN, LSE_ON_A, HAS_OFF, HAS_POS)
-    tl.store(ds_ptr + pid, tl.sum(tl.sum(p * x, 1), 0) / s2)
-    if HAS_POS:  # positives to dv (s dX, fp32), for the host to add s dX B_pos in fp32
-        d_vec = tl.zeros((BM,), dtype=tl.float32)
-        p, d_vec = _split_pos(p, d_vec, rows, j0 + cn, row0, j0, half, BM, BN, HAS_POS)
-        pc = (rows + half) % (2 * half)
-        mine = row_ok & (pc >= j0) & (pc < j0 + BN)  # each row's positive is in one tile
-        tl.store(dv_ptr + r0 + r, d_vec * s, mask=mine)
-    store_strip(p_ptr, p * s, r0, r, cn, j0, ok, stride_p)
+    ds = _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_ptr, g_ptr, off_ptr,
+                         p_ptr, dv_ptr, stride_p, diag, half, BM, BN, LSE_ON_A, SYM, HAS_OFF, HAS_POS, FOLD)
+    tl.store(ds_ptr + pid, ds)
+
+
+@triton.jit
+def _masked_strip_tma_kernel(a_ptr, b_ptr, scale_ptr, lse_ptr, g_ptr, off_ptr, p_ptr, ds_ptr, dv_ptr,
+                             R, row_start, M, N, K, stride_a, stride_b, stride_p, diag, half,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+                             NUM_PROGS: tl.constexpr, LSE_ON_A: tl.constexpr, SYM: tl.constexpr,
+                             HAS_OFF: tl.constexpr, HAS_POS: tl.constexpr, FOLD: tl.constexpr,
+                             WS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``_masked_strip_kernel`` as a persistent kernel with TMA loads, as CLIP's
+    ``_dx_strip_tma_kernel``: NUM_PROGS programs stride over the strip's tiles in grouped
+    order, operands through tensor descriptors over the whole of A (M, K) and B (N, K) (rows
+    past the end read as zeros, masked as usual); WS: warp-specialize the tile loop.
+    ds_part[program] sums its tiles' shares. 16-bit inputs, K * 2 bytes a multiple of 16."""
+    pid = tl.program_id(0)
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BN, BK])
+    s = tl.load(scale_ptr).to(tl.float32)
+    n_tiles = tl.cdiv(R, BM) * tl.cdiv(N, BN)
+    ds = tl.zeros((1,), dtype=tl.float32)
+    for tile in tl.range(pid, n_tiles, NUM_PROGS, flatten=True, warp_specialize=WS):
+        r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld = strip_coords(tile, R, N, BM, BN, GROUP)
+        # -- compute tile --: the dot products via TMA loads, then s * dX.
+        dot = tma_dot(a_desc, b_desc, row_start + r0, j0, K, BM, BN, BK, PREC, DOT_F32)
+        ds += _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_ptr, g_ptr,
+                              off_ptr, p_ptr, dv_ptr, stride_p, diag, half, BM, BN, LSE_ON_A, SYM, HAS_OFF,
+                              HAS_POS, FOLD)
+    tl.store(ds_ptr + pid + tl.arange(0, 1), ds)

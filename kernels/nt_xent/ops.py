@@ -4,11 +4,15 @@
         excluding (i, i) when ``mask_diag`` (a and b are the same block)
     backward(a, b, scale, row_lse, g_row, mask_diag, da=None, db=None, offsets=None)
         -> (da (m,c), db (n,c), dscale 0-d) fp32; accumulates when given.
+    backward_own(f, scale, row_lse, g_row, offsets=None, out_dtype=fp32) -> (df, dscale):
+        the own block's whole gradient da + db of ``backward(f, f, ..., True)`` in one pass
+        (the block is symmetric: P = s (dX + dX^T), one product P @ f), df in ``out_dtype``.
     offsets (m,): the rows' positives' dot products <a_i, a_pos(i)>: the LSEs are relative
     to s * offsets and, on the own block (mask_diag), the positives pos(i) = (i + m/2) mod m
     are part of the tile (``infclip.loss.nt_xent``): their gradient -g_i is folded into dX.
 Paths and block configs as ``infclip.kernels.objective.ObjectiveTiles`` (strip backward for
-16-bit CUDA inputs, the fused kernel otherwise; configs timed once).
+16-bit CUDA inputs, the fused kernel otherwise; configs timed once); the strip configs and
+the persistent TMA strip kernel are CLIP's (``strip_candidates``).
 """
 
 from __future__ import annotations
@@ -16,17 +20,51 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..launching import cdiv, strip_backward
+from ..clip import launch
+from ..clip.launch import StripConfig, _set_allocator, _tma_ok
+from ..launching import cdiv, sm_count, strip_backward
 from ..objective import ObjectiveTiles
-from .kernels import _masked_grad_kernel, _masked_lse_fwd_kernel, _masked_strip_kernel
+from ..objective import strip_candidates as objective_strip_candidates
+from .kernels import _masked_grad_kernel, _masked_lse_fwd_kernel, _masked_strip_kernel, _masked_strip_tma_kernel
+
+
+def strip_candidates(k: int, esize: int) -> list[StripConfig]:
+    """Strip configs: CLIP's H200 choices (``clip.launch.strip_candidates``: persistent TMA
+    128x128, BK 64, 8 warps, 4 stages first, 22.7 ms vs 25.2 for the pointer kernel at
+    c = 512, b = 64k, one direction), whose tiles and epilogue are the same shape here
+    (the masked epilogue adds two compares per entry). The interpreter runs the TMA kernel
+    (16-bit inputs; fp32 falls back to pointer loads)."""
+    if launch.interpreting():
+        return [StripConfig(16, 16, 16, 2, 1, 1, tma=True)]
+    if esize == 4:
+        return objective_strip_candidates(k, esize)
+    return [StripConfig(128, 128, 64, 8, 8, 4, tma=True), StripConfig(128, 128, 64, 8, 8, 4),
+            StripConfig(128, 256, 64, 8, 8, 3), StripConfig(64, 128, 64, 8, 4, 3, tma=True, per_sm=2)]
 
 
 class TritonMaskedLSEOps(ObjectiveTiles):
     """Fused Triton NT-Xent tiles: one forward pass (masked row LSE), one backward pass per
-    direction. Args as ``ObjectiveTiles`` (fp32_precision, strips, poison)."""
+    direction, or one for the own block (``backward_own``).
+
+    Args as ``ObjectiveTiles`` (fp32_precision, strips, poison), and
+        strip_positives: how the strip path applies the positives' folded fp32 s dX (as
+            CLIP's option): "fold" (default) leaves it in the scratch P, rounded once to
+            the input dtype with the rest of the tile (exact for fp32; in 16-bit the one
+            rounding vanilla applies to its dX), so the product goes straight into the
+            gradient; "fixup" keeps it out of P and adds s dX b_pos in fp32 to an fp32
+            product per strip (an (R, c) fp32 temporary, a gather and two elementwise passes
+            per strip).
+    """
 
     name = "triton"
     family = "masked_lse"
+
+    def __init__(self, fp32_precision: str = "ieee", *, strips: str = "auto", poison: bool = False,
+                 strip_positives: str = "fold"):
+        super().__init__(fp32_precision, strips=strips, poison=poison)
+        if strip_positives not in ("fixup", "fold"):
+            raise ValueError(f"strip_positives must be 'fixup' or 'fold', got {strip_positives!r}")
+        self.fold = strip_positives == "fold"
 
     def forward(self, a: Tensor, b: Tensor, scale: Tensor, mask_diag: bool, offsets: Tensor | None = None
                 ) -> Tensor:
@@ -51,35 +89,80 @@ class TritonMaskedLSEOps(ObjectiveTiles):
         self._grad(b, a, vecs, db, acc_b, dict(diag=diag, half=half, LSE_ON_A=False, **flags))
         return da, db, ds
 
+    def backward_own(self, f: Tensor, scale: Tensor, row_lse: Tensor, g_row: Tensor,
+                     offsets: Tensor | None = None, out_dtype: torch.dtype = torch.float32
+                     ) -> tuple[Tensor, Tensor]:
+        """(df (m,c) ``out_dtype``, ds 0-d fp32) of the own block f: df = s (dX + dX^T) f, the
+        sum of ``backward(f, f, ..., mask_diag=True)``'s da and db. On the strip path one
+        pass (``_sym_dx``: P = s (dX + dX^T) strip by strip, then P @ f); otherwise the two
+        directions, added."""
+        f, _, scale = _prep(f, f, scale)
+        if not self._use_strips(f):
+            da, db, ds = self.backward(f, f, scale, row_lse, g_row, True, offsets=offsets)
+            return da.add_(db).to(out_dtype), ds
+        off, flags = _offsets(offsets, f, True)
+        vecs = (scale, row_lse.float().contiguous(), g_row.float().contiguous(), off)
+        df = self._alloc(*f.shape, device=f.device, dtype=out_dtype)
+        flags = dict(diag=0, half=f.shape[0] // 2, LSE_ON_A=True, SYM=True, **flags)
+        return df, self._grad(f, f, vecs, df, False, flags, kind="strip_sym")
+
     # -- the family's pieces used by ObjectiveTiles._grad --
 
     @staticmethod
     def _sub_vecs(vecs, flags, ms: int, ns: int):
         """The backward's vectors for a (ms, ns) corner of the problem (config timing)."""
         scale, lse, g, off = vecs
-        keep = ms if flags["LSE_ON_A"] else ns
+        keep = ms if flags["LSE_ON_A"] else ns  # SYM: rows and columns index them, ms = ns
         return scale, lse[:keep], g[:keep], off[:keep] if flags["HAS_OFF"] else off
 
-    def _strips(self, a, b, vecs, out, accumulate, rows, cfg, flags) -> Tensor:
-        scale, lse, g, off = vecs
-        k, n = a.shape[1], b.shape[0]
-        pos = flags["HAS_POS"]
-        d_vec = self._alloc(min(rows, a.shape[0]), device=a.device, dtype=torch.float32) if pos else scale
-        consts = dict(LSE_ON_A=flags["LSE_ON_A"], HAS_OFF=flags["HAS_OFF"], HAS_POS=pos)
+    def _strip_rows(self, a: Tensor, b: Tensor) -> int:
+        """CLIP's rule (``clip.launch.strip_rows``): with the positives folded into P there is
+        no fp32 (R, c) temporary, and the scratch takes its room (64 MB + 768 B x n)."""
+        rows = launch.strip_rows(b.shape[0], a.element_size(), k=a.shape[1], temp=not self.fold)
+        return max(rows, launch.STRIP_MIN_ROWS)
 
-        def fill(r0: int, r: int, scratch: Tensor) -> Tensor:
-            grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
-            part = torch.empty(grid, device=a.device, dtype=torch.float32)
-            _masked_strip_kernel[(grid,)](
-                a, b, scale, lse, g, off, scratch, part, d_vec, r, r0, n, k, a.stride(0), b.stride(0),
-                scratch.stride(0), flags["diag"], flags["half"], GROUP=cfg.GROUP, **consts, **self._meta(cfg, a))
-            return part.sum()
+    _strip_candidates = staticmethod(strip_candidates)
+
+    def _strips(self, a, b, vecs, out, accumulate, rows, cfg, flags) -> Tensor:
+        """out (+)= P @ b strip by strip; returns ds. One buffer of ds partials for all strips,
+        summed once at the end (zeros: a short last strip leaves some slots unwritten)."""
+        m, n = a.shape[0], b.shape[0]
+        pos, fixup = flags["HAS_POS"], flags["HAS_POS"] and not self.fold
+        rows = max(1, min(rows, m))
+        d_vec = self._alloc(rows, device=a.device, dtype=torch.float32) if fixup else vecs[0]
+        per = cdiv(rows, cfg.BM) * cdiv(n, cfg.BN)
+        ds_all = torch.zeros(cdiv(m, rows) * per, device=a.device, dtype=torch.float32)
+        use_tma = cfg.tma and _tma_ok(a, b)  # else (fp32, or a row not 16-byte aligned) pointer loads
+        consts = dict(LSE_ON_A=flags["LSE_ON_A"], SYM=flags.get("SYM", False), HAS_OFF=flags["HAS_OFF"],
+                      HAS_POS=pos, FOLD=self.fold)
+
+        def fill(r0: int, r: int, scratch: Tensor) -> None:
+            self._fill((a, b, *vecs, scratch, ds_all[r0 // rows * per:], d_vec), r, r0, cfg, flags, consts,
+                       use_tma)
 
         def positives(r0: int, r: int, prod: Tensor) -> None:  # + s dX_i,pos(i) b_pos(i), fp32
             idx = (torch.arange(r0, r0 + r, device=a.device) + flags["half"]) % (2 * flags["half"])
             prod.addcmul_(d_vec[:r, None], b[idx])
 
-        return strip_backward(a, b, out, rows, accumulate, fill, self._alloc, positives if pos else None)
+        strip_backward(a, b, out, rows, accumulate, fill, self._alloc, positives if fixup else None)
+        return ds_all.sum()
+
+    def _fill(self, args: tuple, r: int, r0: int, cfg: StripConfig, flags: dict, consts: dict, use_tma: bool):
+        """One strip's P (and ds partials, dv) through the TMA or the pointer kernel;
+        args = (a, b, scale, lse, g, off, scratch, ds_part, dv)."""
+        a, b, scratch = args[0], args[1], args[6]
+        m, n, k = a.shape[0], b.shape[0], a.shape[1]
+        tiles = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
+        strides = (a.stride(0), b.stride(0), scratch.stride(0), flags["diag"], flags["half"])
+        meta = self._meta(cfg, a)
+        if use_tma:
+            _set_allocator(a.device)
+            progs = min(tiles, (sm_count(a.device) if a.is_cuda else 3) * cfg.per_sm)  # 3: test the striding
+            meta.pop("EVEN_K")
+            _masked_strip_tma_kernel[(progs,)](*args, r, r0, m, n, k, *strides, GROUP=cfg.GROUP, NUM_PROGS=progs,
+                                               WS=cfg.ws, **consts, **meta)
+            return
+        _masked_strip_kernel[(tiles,)](*args, r, r0, n, k, *strides, GROUP=cfg.GROUP, **consts, **meta)
 
     def _fused(self, a, b, vecs, out, accumulate, cfg, flags) -> Tensor:
         scale, lse, g, off = vecs

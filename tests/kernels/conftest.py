@@ -22,3 +22,4 @@ def small_strips(monkeypatch):
     monkeypatch.setattr(launch, "STRIP_BUDGET_BYTES", 4 * 64 * 16)
     monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
     monkeypatch.setattr(launch, "STRIP_MIN_ROWS", 16)
+    monkeypatch.setattr(launch, "STRIP_TEMP_BYTES", 0)  # the folded positives' scratch takes its room

@@ -80,3 +80,122 @@ def test_nt_xent_loss_triton_equals_torch_tiles_fp32_and_bf16():
             out[impl] = (loss.detach(), *torch.autograd.grad(loss, (x, t)))
         for x, w in zip(out["triton"], out["torch"]):
             assert rel(x, w.double().cpu()) < tol, dtype
+
+
+# -- strip path: symmetric own-block backward, persistent TMA kernel, fallback --------------
+
+def own_block(rows: int, c: int, s: float, dtype, seed: int = 8):
+    """(f, offsets, row_lse, g) of an own block with positives i <-> i + rows/2: the LSEs in
+    float64 (relative to s * offsets, positives' dot products = the offsets), rounded to fp32."""
+    from infclip.loss.nt_xent import TorchMaskedLSEOps
+
+    f = feats(rows, c, seed, dtype)
+    f64 = f.double().cpu()
+    off = (f64 * f64.roll(rows // 2, 0)).sum(-1)
+    lse = TorchMaskedLSEOps().forward(f64, f64, torch.tensor(s, dtype=torch.float64), True, offsets=off)
+    g = torch.rand(rows, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) / rows
+    return f, off.float().to(DEV), lse, g
+
+
+def own_reference(f, off, lse, g, s: float):
+    """float64 (da + db, ds) of ``backward(f, f, ..., mask_diag=True)`` (PyTorch tiles)."""
+    from infclip.loss.nt_xent import TorchMaskedLSEOps
+
+    f64 = f.double().cpu()
+    da, db, ds = TorchMaskedLSEOps().backward(f64, f64, torch.tensor(s, dtype=torch.float64), lse, g, True,
+                                              offsets=off.double().cpu())
+    return da + db, ds
+
+
+def strip_ops(monkeypatch, cfg, **kw) -> TritonMaskedLSEOps:
+    """Strip-path ops with one config forced, 24-row strips (ragged last strip), poisoned buffers."""
+    from infclip.kernels.clip import launch
+    from infclip.kernels.nt_xent import ops as ops_mod
+
+    monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 24)
+    monkeypatch.setattr(launch, "STRIP_MIN_ROWS", 16)
+    monkeypatch.setattr(launch, "_TUNED", {})
+    monkeypatch.setattr(ops_mod.TritonMaskedLSEOps, "_strip_candidates", staticmethod(lambda k, esize: [cfg]))
+    return TritonMaskedLSEOps(strips="always", poison=True, **kw)
+
+
+@pytest.mark.parametrize("positives", ["fold", "fixup"])
+@pytest.mark.parametrize("dtype,c", [(torch.float32, 40), (torch.bfloat16, 200), (torch.bfloat16, 40)])
+def test_backward_own_matches_float64(monkeypatch, dtype, c, positives):
+    """One symmetric pass s (dX + dX^T) f (b = 74 rows: not a multiple of the tile) equals
+    da + db of the two-direction backward and the float64 truth; fp32 inputs take the pointer
+    kernel, bf16 the TMA kernel (both with the positives folded or fixed up in fp32)."""
+    from infclip.kernels.clip.launch import StripConfig
+
+    s = 10.0
+    f, off, lse, g = own_block(74, c, s, dtype)
+    ops = strip_ops(monkeypatch, StripConfig(16, 16, 16, 2, 1, 1, tma=True), strip_positives=positives)
+    sc = torch.tensor(s, device=DEV)
+    df, ds = ops.backward_own(f, sc, lse.float().to(DEV), g.float().to(DEV), offsets=off, out_dtype=torch.float32)
+    da, db, ds2 = ops.backward(f, f, sc, lse.float().to(DEV), g.float().to(DEV), True, offsets=off)
+    want, want_ds = own_reference(f, off, lse, g, s)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert torch.isfinite(df).all()
+    assert rel(df, want) < tol and rel(ds, want_ds) < 1e-5
+    assert rel(da + db, want) < tol and rel(ds2, want_ds) < 1e-5
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_strip_tma_kernel_matches_pointer_kernel(monkeypatch, sym):
+    """The persistent TMA strip kernel (3 programs striding over the tiles off CUDA; ragged
+    24-row strips; b = 74, c = 40) gives the pointer kernel's gradients and d scale, bf16,
+    both directions and the symmetric pass, positives folded."""
+    from infclip.kernels.clip.launch import StripConfig
+
+    s = 10.0
+    f, off, lse, g = own_block(74, 40, s, torch.bfloat16)
+    sc, lse, g = torch.tensor(s, device=DEV), lse.float().to(DEV), g.float().to(DEV)
+    out = []
+    for tma in (False, True):
+        ops = strip_ops(monkeypatch, StripConfig(16, 16, 16, 2, 1, 1, tma=tma))
+        if sym:
+            out.append(ops.backward_own(f, sc, lse, g, offsets=off, out_dtype=torch.bfloat16))
+        else:
+            out.append(ops.backward(f, f, sc, lse, g, True, offsets=off))
+    for x, y in zip(*out):
+        assert torch.isfinite(y.float()).all()
+        torch.testing.assert_close(y.float(), x.float(), rtol=1e-5, atol=1e-6)
+    want, _ = own_reference(f, off, lse.double().cpu(), g.double().cpu(), s)
+    got = out[1][0] if sym else out[1][0] + out[1][1]
+    assert rel(got, want) < 2**-7
+
+
+def test_unaligned_rows_fall_back_to_pointer_loads(monkeypatch):
+    """bf16 rows of 36 features (72 bytes, not 16-byte aligned) cannot be TMA operands: the
+    TMA config runs the pointer kernel (the TMA kernel is never launched), same gradients."""
+    from infclip.kernels.clip.launch import StripConfig
+    from infclip.kernels.nt_xent import ops as ops_mod
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("TMA kernel launched on unaligned rows")
+
+    monkeypatch.setattr(ops_mod, "_masked_strip_tma_kernel", Refuse())
+    s = 10.0
+    f, off, lse, g = own_block(50, 36, s, torch.bfloat16)
+    ops = strip_ops(monkeypatch, StripConfig(16, 16, 16, 2, 1, 1, tma=True))
+    df, ds = ops.backward_own(f, torch.tensor(s, device=DEV), lse.float().to(DEV), g.float().to(DEV), offsets=off)
+    want, want_ds = own_reference(f, off, lse, g, s)
+    assert rel(df, want) < 2**-7 and rel(ds, want_ds) < 1e-5
+
+
+def test_nt_xent_loss_own_pass_equals_torch_tiles_bf16():
+    """The loss through ``backward_own`` (strip path forced: the symmetric TMA kernel under
+    the interpreter) against the PyTorch tiles, bf16, with a temperature gradient."""
+    from infclip.loss.nt_xent import TorchMaskedLSEOps, _NTXentRows
+
+    f = feats(46, 40, 5, torch.bfloat16)
+    out = []
+    for ops in (TorchMaskedLSEOps(), TritonMaskedLSEOps(strips="always", poison=True)):
+        x = f.clone().requires_grad_()
+        t = torch.tensor(0.1, device=DEV, requires_grad=True)
+        loss = _NTXentRows.apply(x, 1 / t, ops, None).mean()
+        out.append((loss.detach(), *torch.autograd.grad(loss, (x, t))))
+    assert out[1][1].dtype == torch.bfloat16
+    for x, w in zip(out[1], out[0]):
+        assert rel(x, w.double().cpu()) < 2**-7

@@ -30,8 +30,8 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("compiled")]
-    assert len(lines) == 6 + 3, proc.stdout
-    lines = lines[:6]  # SigLIP / NT-Xent (the CLIP kernels come last)
+    assert len(lines) == 6 + 2 + 3, proc.stdout
+    lines = lines[:8]  # SigLIP / NT-Xent (the CLIP kernels come last)
     assert all("0 bytes spill stores" in line for line in lines), "register spills:\n" + "\n".join(lines)
 
 
@@ -103,8 +103,26 @@ def _main() -> None:
         pos = {"HAS_OFF": True, "HAS_POS": True} if flag == "LSE_ON_A" else {}  # NT-Xent's positives
         _compile(fwd_k, dtype, {**tile(fwd), **pos}, fwd)
         _compile(grad_k, dtype, {**tile(bwd), "DC": bwd.DC, "ACCUM": True, "COMPUTE_DS": True, flag: False, **pos}, bwd)
-        _compile(strip_k, dtype, {**tile(strip), "GROUP": strip.GROUP, flag: True, **pos}, strip)
+        fixup = {"SYM": False, "FOLD": False} if pos else {}  # NT-Xent's two-direction strips, fp32 fixup
+        _compile(strip_k, dtype, {**tile(strip), "GROUP": strip.GROUP, flag: True, **pos, **fixup}, strip)
+    _compile_nt_xent_own()
     _compile_clip()
+
+
+def _compile_nt_xent_own() -> None:
+    """NT-Xent's one-process backward in bf16 (the training path): the symmetric strip pass,
+    persistent TMA kernel (the first candidate) and pointer kernel (the second), positives
+    folded. (The two-direction TMA variant spills: the tuner times it against the pointer
+    kernel; it serves only the ring's remote blocks.)"""
+    from infclip.kernels.nt_xent.kernels import _masked_strip_kernel, _masked_strip_tma_kernel
+    from infclip.kernels.nt_xent.ops import strip_candidates
+
+    tma, ptr = strip_candidates(K, 2)[:2]
+    flags = dict(DOT_F32=False, PREC="tf32", LSE_ON_A=True, SYM=True, HAS_OFF=True, HAS_POS=True, FOLD=True)
+    _compile(_masked_strip_tma_kernel, "bf16", dict(BM=tma.BM, BN=tma.BN, BK=tma.BK, GROUP=tma.GROUP,
+                                                    NUM_PROGS=132 * tma.per_sm, WS=tma.ws, **flags), tma)
+    _compile(_masked_strip_kernel, "bf16", dict(BM=ptr.BM, BN=ptr.BN, BK=ptr.BK, GROUP=ptr.GROUP,
+                                                EVEN_K=K % ptr.BK == 0, **flags), ptr)
 
 
 if __name__ == "__main__":

@@ -208,6 +208,40 @@ def test_graphed_loss_memory_within_the_rule(c):
 
 
 @needs_cuda
+@pytest.mark.parametrize("c", [512, 1024])
+def test_graph_memory_pool_within_the_rule(c):
+    """What a captured problem keeps (its private pool: static gradients, scratch, partial
+    buffers, vectors; freed blocks of a graph's pool count as reserved, not allocated) is at
+    most the rule's 1 KB x b + 64 MB. (Measured as reserved memory once the capture stream's
+    one-per-process cuBLAS workspace exists and the ordinary cache is emptied.)"""
+    b = 8192
+    ops = TritonTileOps()
+    warm = _inputs(1024, 64, torch.bfloat16, 0)  # a first capture: the side stream's cuBLAS workspace
+    for _ in range(2):
+        ops.fused_loss(*warm[:2], warm[2].exp()).backward()
+    img, txt, log_s = _inputs(b, c, torch.bfloat16, 0)
+    ops.fused_loss(img, txt, log_s.exp()).backward()  # eager: compiles and tunes for this shape
+    graphs.release()
+    img.grad = txt.grad = log_s.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    for _ in range(3):  # eager, capture + replay, replay
+        img.grad = txt.grad = log_s.grad = None
+        loss = ops.fused_loss(img, txt, log_s.exp())
+        loss.backward()
+    assert _replayed(loss)
+    img.grad = txt.grad = log_s.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    kept = torch.cuda.memory_reserved() - base
+    assert 0 < kept <= RULE(b), (kept / 2**20, RULE(b) / 2**20)
+    graphs.release()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= base  # released with the graphs
+
+
+@needs_cuda
 def test_tma_strip_kernel_runs_from_any_thread():
     """triton's allocator (the TMA kernel's descriptors need it) lives in a per-thread context
     variable: autograd runs backward in its own thread, graph capture in the caller's."""

@@ -179,6 +179,15 @@ def test_leaf_gradients_are_not_aliased_and_large_batches_not_graphed():
     assert not graphs.eligible(ops, big, big)
 
 
+def _warm_capture_stream(ops):
+    """One capture on a small problem: the capture stream's cuBLAS workspace (allocated once
+    per process, as autograd's backward thread allocates its own) exists before a measurement."""
+    warm = _inputs(1024, 64, torch.bfloat16, 0)
+    for _ in range(2):
+        ops.fused_loss(warm[0], warm[1], warm[2].exp()).backward()
+    graphs.release()
+
+
 @needs_cuda
 @pytest.mark.parametrize("c", [512, 1024])
 def test_graphed_loss_memory_within_the_rule(c):
@@ -186,8 +195,9 @@ def test_graphed_loss_memory_within_the_rule(c):
     feature gradients (.grad) + 1 KB x b + 64 MB."""
     graphs.release()
     b = 8192
-    img, txt, log_s = _inputs(b, c, torch.bfloat16, 0)
     ops = TritonTileOps()
+    _warm_capture_stream(ops)
+    img, txt, log_s = _inputs(b, c, torch.bfloat16, 0)
     ops.fused_loss(img, txt, log_s.exp()).backward()  # compiles / tunes outside the measurement
     img.grad = txt.grad = log_s.grad = None
     graphs.release()
@@ -216,9 +226,7 @@ def test_graph_memory_pool_within_the_rule(c):
     one-per-process cuBLAS workspace exists and the ordinary cache is emptied.)"""
     b = 8192
     ops = TritonTileOps()
-    warm = _inputs(1024, 64, torch.bfloat16, 0)  # a first capture: the side stream's cuBLAS workspace
-    for _ in range(2):
-        ops.fused_loss(*warm[:2], warm[2].exp()).backward()
+    _warm_capture_stream(ops)
     img, txt, log_s = _inputs(b, c, torch.bfloat16, 0)
     ops.fused_loss(img, txt, log_s.exp()).backward()  # eager: compiles and tunes for this shape
     graphs.release()
@@ -231,6 +239,7 @@ def test_graph_memory_pool_within_the_rule(c):
         loss = ops.fused_loss(img, txt, log_s.exp())
         loss.backward()
     assert _replayed(loss)
+    del loss  # (its autograd graph references the captured problem)
     img.grad = txt.grad = log_s.grad = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -44,9 +44,11 @@ def paragraph(err: BaseException) -> str:
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     from infclip.train.loop import train
+    from infclip.train.signals import exit_zero_on_stop
 
     try:
         train(cfg, overrides=list(HydraConfig.get().overrides.task))
+        exit_zero_on_stop()  # finished and saved: a late stop signal is not a failure
     except user_errors() as err:
         if os.environ.get("INFCLIP_DEBUG") or os.environ.get("HYDRA_FULL_ERROR"):
             raise

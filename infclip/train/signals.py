@@ -4,7 +4,11 @@ limit) end training after the current step, with a checkpoint and exit status 0.
 The handler only records the signal (``state.signal_received``); the loop acts on it after
 the step, once every rank agreed (``_agree_on_stop`` in ``infclip.train.loop``). The handlers
 stay installed until training (final checkpoint and final eval included) has returned, so a
-signal landing in the final save or eval never kills the process half way.
+signal landing in the final save or eval never kills the process half way. Once training has
+returned, ``train.py`` makes a stop signal end the process with status 0
+(``exit_zero_on_stop``): everything is saved, and a scheduler must not count the finished run
+as failed (nor requeue it) because its stop signal came in the process's last moments. (Only
+the interpreter's own finalization, after it resets its signal handlers, is left uncovered.)
 """
 
 from __future__ import annotations
@@ -42,3 +46,14 @@ def signals_handled(state: Any) -> Iterator[None]:
         yield
     finally:
         restore_signal_handlers(previous)
+
+
+def exit_zero_on_stop() -> None:
+    """From now on SIGTERM / SIGUSR1 end the process with status 0 (``SystemExit(0)``): for
+    the time after a run finished, when nothing is left to save."""
+
+    def handler(signum, frame):
+        raise SystemExit(0)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)

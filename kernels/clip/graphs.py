@@ -28,16 +28,19 @@ Memory, within the loss's rule (the two feature gradients + 1 KB x b + 64 MB): w
 features the ``.grad`` copies are the two feature gradients; the static gradient buffers,
 the strip scratch, the partial LSE buffers and the O(b) vectors share the 1 KB x b + 64 MB
 (``strip_budget``: the scratch shrinks to what is left; no graphs where fewer than
-``launch.STRIP_MIN_ROWS`` rows would remain). A captured problem keeps that memory while it
-is cached: at most ``CACHE_SIZE`` problems, least recently used dropped first; ``release()``
-drops them all. ``INFCLIP_CUDA_GRAPHS=0`` or ``TritonTileOps(cuda_graphs="never")`` turns
-graphs off.
+``launch.STRIP_MIN_ROWS`` rows would remain). One captured problem is kept at a time and an
+eager call drops it first, so no eager call runs beside a resident pool (except a backward
+whose gradients were still held, above); ``release()`` drops it. A capture that fails (e.g.
+under another capture) leaves that problem eager, with one warning. Not under
+``torch.inference_mode()`` (its tensors could not be refilled later). ``INFCLIP_CUDA_GRAPHS=0``
+or ``TritonTileOps(cuda_graphs="never")`` turns graphs off.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -48,16 +51,23 @@ from . import launch
 from .function import loss_backward, loss_forward
 
 MAX_ROWS = 16384  # graphs only where the host is slower than the GPU (b <= 16k, H200)
-# Partial LSE buffers (<= 4.6 MB at 16k with 256-row tiles), O(b) vectors, and the caching
-# allocator's rounding of the pool's blocks (2 MB granules: a 72 MB budget came to 74 MB reserved).
-RESERVE_BYTES = 12 << 20
+MIN_FWD_ROWS = 64  # the smallest forward tile height (``launch.fwd_candidates``): the largest partials
+ROUNDING_BYTES = 4 << 20  # the caching allocator's 2 MB granules over the pools' blocks
 RULE_FIXED_BYTES = 64 << 20  # the rule's fixed 64 MB
 RULE_BYTES_PER_ROW = 1024  # the rule's 1 KB x b
-CACHE_SIZE = 2  # captured problems kept (each holds its static buffers and scratch)
+CACHE_SIZE = 1  # captured problems kept: one pool within the rule at a time
 
 _CACHE: OrderedDict = OrderedDict()
 _LAST: list = [None]  # the key of the last call not replayed (captured when seen twice in a row)
+_FAILED: set = set()  # keys whose capture raised: always eager
 _STREAMS: dict = {}  # device -> the side stream of every warm-up and capture (one cuBLAS workspace)
+
+
+def reserve_bytes(b: int) -> int:
+    """The forward pool (partial LSE buffers of the tallest-partials tile, capped as
+    ``launch.PART_BUDGET_BYTES``; the row partials; O(b) vectors) plus allocator rounding."""
+    col_part = min(launch.PART_BUDGET_BYTES, -(-b // MIN_FWD_ROWS) * b * 4)
+    return col_part + 16 * b * 4 + 64 * b + ROUNDING_BYTES
 
 
 def strip_budget(b: int, c: int, esize: int, strips: bool, temp: bool = False) -> int | None:
@@ -65,7 +75,7 @@ def strip_budget(b: int, c: int, esize: int, strips: bool, temp: bool = False) -
     1 KB x b + 64 MB, or None when graphs would not fit (``strips``: the backward takes the
     strip path and needs ``launch.STRIP_MIN_ROWS`` rows; otherwise no scratch is used;
     ``temp``: the positives' fixup also takes its fp32 temporary, ``launch.STRIP_TEMP_BYTES``)."""
-    room = RULE_BYTES_PER_ROW * b + RULE_FIXED_BYTES - 2 * b * c * esize - RESERVE_BYTES
+    room = RULE_BYTES_PER_ROW * b + RULE_FIXED_BYTES - 2 * b * c * esize - reserve_bytes(b)
     room -= launch.STRIP_TEMP_BYTES if strips and temp else 0
     need = launch.STRIP_MIN_ROWS * b * esize if strips else 0
     default = launch.STRIP_BUDGET_BYTES + launch.STRIP_BYTES_PER_COLUMN * b + (0 if temp else launch.STRIP_TEMP_BYTES)
@@ -81,6 +91,8 @@ def eligible(ops, img: Tensor, txt: Tensor) -> bool:
         return False
     if ops.poison or ops.threshold is not None or img.shape[0] > MAX_ROWS or torch.cuda.is_current_stream_capturing():
         return False
+    if torch.is_inference_mode_enabled() or txt.device != img.device:  # (inference tensors can't be refilled)
+        return False
     return _budget(ops, img) is not None
 
 
@@ -91,8 +103,10 @@ def _budget(ops, img: Tensor) -> int | None:
 
 
 def release() -> None:
-    """Drop every captured problem (their static buffers and graph memory)."""
+    """Drop every captured problem (their static buffers and graph memory, once no pending
+    backward references them) and forget failed and recent keys."""
     _CACHE.clear()
+    _FAILED.clear()
     _LAST[0] = None
 
 
@@ -109,14 +123,32 @@ def graphed_loss(ops, img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
     key = _key(ops, img, txt)
     graphs = _CACHE.pop(key, None)
     if graphs is None:
-        if _LAST[0] != key:  # first call at these addresses: eager (the buffers may move)
+        if _LAST[0] != key or key in _FAILED:  # first call at these addresses: eager (buffers may move)
             _LAST[0] = key
+            _CACHE.clear()  # an eager call never runs beside a resident pool (the memory rule)
             return TritonCLIPLoss.apply(img, txt, scale, ops)
-        while len(_CACHE) >= CACHE_SIZE:
-            _CACHE.popitem(last=False)
-        graphs = LossGraphs(ops, img, txt, scale)
+        _CACHE.clear()
+        graphs = _capture(ops, img, txt, scale, key)
+        if graphs is None:
+            return TritonCLIPLoss.apply(img, txt, scale, ops)
     _CACHE[key] = graphs
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
     return GraphedCLIPLoss.apply(img, txt, scale, graphs)
+
+
+def _capture(ops, img: Tensor, txt: Tensor, scale: Tensor, key: tuple):
+    """``LossGraphs`` of this problem, or None (the key then stays eager) if the capture
+    raised: the caller's stream is restored and the reason is warned once."""
+    stream = torch.cuda.current_stream(img.device)
+    try:
+        return LossGraphs(ops, img, txt, scale)
+    except Exception as err:  # noqa: BLE001 -- any capture failure: run eagerly, never retry the key
+        torch.cuda.set_stream(stream)
+        _FAILED.add(key)
+        warnings.warn(f"CUDA graph capture of the CLIP loss failed ({type(err).__name__}: {err}); "
+                      "this problem runs eagerly", RuntimeWarning, stacklevel=3)
+        return None
 
 
 class _Call:
@@ -139,9 +171,12 @@ class LossGraphs:
     def __init__(self, ops, img: Tensor, txt: Tensor, scale: Tensor):
         from .ops import TritonTileOps
 
+        budget = _budget(ops, img)
+        budget = budget if ops.strip_budget is None else min(budget, ops.strip_budget)
         self.ops = TritonTileOps(ops.fp32_precision, strips=ops.strips, strip_positives="fold" if ops.fold else "fixup",
-                                 strip_budget=_budget(ops, img), cuda_graphs="never")
+                                 strip_budget=budget, cuda_graphs="never")
         self.current = lambda: None  # weakref to the _Call whose state the buffers hold
+        self.counts = {"forward": 0, "backward": 0, "eager_backward": 0, "restored": 0}  # (tests)
         with torch.cuda.device(img.device):
             self.scale = scale.detach().float().reshape(()).clone()
             self.g = torch.ones((), device=img.device)
@@ -152,20 +187,25 @@ class LossGraphs:
 
     def _capture(self, img: Tensor, txt: Tensor) -> None:
         """Warm up eagerly on a side stream (compiles and tunes every kernel the capture will
-        launch), then capture forward and backward into one memory pool."""
-        side = _STREAMS.setdefault(img.device, torch.cuda.Stream(img.device))
+        launch), then capture forward and backward, each into a memory pool of its own."""
+        if img.device not in _STREAMS:
+            _STREAMS[img.device] = torch.cuda.Stream(img.device)
+        side = _STREAMS[img.device]
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad(), torch.autocast("cuda", enabled=False):
             self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
             self._backward(img, txt, self.g)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        pool = torch.cuda.graph_pool_handle()
+        # Two pools: the forward's temporaries, freed at the end of its capture, must not be
+        # where the backward puts the gradients it returns (a forward replay would write into a
+        # gradient the caller still holds). Thread-local capture: the step pipeline's threads
+        # keep making CUDA calls meanwhile.
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.autocast("cuda", enabled=False):
-            with torch.cuda.graph(self.fwd, pool=pool, stream=side):
+            with torch.cuda.graph(self.fwd, stream=side, capture_error_mode="thread_local"):
                 self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
-            with torch.cuda.graph(self.bwd, pool=pool, stream=side):
+            with torch.cuda.graph(self.bwd, stream=side, capture_error_mode="thread_local"):
                 self.dimg, self.dtxt, self.ds = self._backward(img, txt, self.g)
         self.outputs = (self.dimg, self.dtxt, self.ds)
         self.owned = self._counts()  # references held here alone
@@ -176,6 +216,7 @@ class LossGraphs:
         self._stash_holder()
         self.scale.copy_(scale.detach().reshape(()))
         self.fwd.replay()
+        self.counts["forward"] += 1
         call = _Call()
         self.current = weakref.ref(call)
         return call
@@ -203,11 +244,14 @@ class LossGraphs:
                 for dst, src in zip((self.row, self.col, self.pos), call.stash):
                     dst.copy_(src)
             self.current = weakref.ref(call)
+            self.counts["restored"] += 1
         call.done = True
         if self._counts() != self.owned:  # a returned gradient is still held: do not overwrite it
+            self.counts["eager_backward"] += 1
             return self._backward(img, txt, g.detach().float().reshape(()))
         self.g.copy_(g.detach().reshape(()))
         self.bwd.replay()
+        self.counts["backward"] += 1
         return self.dimg, self.dtxt, self.ds
 
 

@@ -23,17 +23,17 @@ def test_strip_budget_keeps_static_inputs_within_the_rule(b, c, esize):
     for strips in (True, False):
         budget = graphs.strip_budget(b, c, esize, strips)
         if budget is None:
-            assert 2 * b * c * esize + graphs.RESERVE_BYTES + (launch.STRIP_MIN_ROWS * b * esize if strips else 0) \
+            assert 2 * b * c * esize + graphs.reserve_bytes(b) + (launch.STRIP_MIN_ROWS * b * esize if strips else 0) \
                 > RULE(b)
             continue
-        assert 2 * b * c * esize + budget + graphs.RESERVE_BYTES <= RULE(b)
+        assert 2 * b * c * esize + budget + graphs.reserve_bytes(b) <= RULE(b)
         if strips:
             assert launch.strip_rows(b, esize, budget=budget, k=c, temp=False) >= min(b, launch.STRIP_MIN_ROWS)
 
 
 def test_strip_budget_where_graphs_fit():
     assert graphs.strip_budget(8192, 1024, 2, True) is not None  # 32 MB of static inputs
-    assert graphs.strip_budget(16384, 768, 2, True) is not None
+    assert graphs.strip_budget(16384, 512, 2, True) is not None
     assert graphs.strip_budget(16384, 1024, 2, True) is None  # 64 MB of inputs leave < 384 rows
     fixup = graphs.strip_budget(8192, 512, 2, True, temp=True)
     assert fixup == graphs.strip_budget(8192, 512, 2, True) - launch.STRIP_TEMP_BYTES
@@ -110,11 +110,11 @@ def test_graphed_loss_matches_eager_for_new_values(b, c, dtype):
 def test_moving_buffers_run_eagerly():
     graphs.release()
     ops = TritonTileOps()
+    alive = []  # every pair kept alive: each call at new addresses
     for seed in range(3):
         img, txt, log_s = _inputs(256, 64, torch.bfloat16, seed)
-        keep = (img, txt)  # all alive: every call at new addresses
+        alive.append((img, txt))
         assert not _replayed(ops.fused_loss(img, txt, log_s.exp()))
-    assert keep
 
 
 @needs_cuda
@@ -131,21 +131,28 @@ def test_interleaved_forwards_and_retained_graph():
         log_s.add_(0.5)  # the second forward: another scale, same features
     loss2 = ops.fused_loss(img, txt, log_s.exp())
     assert _replayed(loss1) and _replayed(loss2)
+    counts = loss1.grad_fn.graphs.counts
     want1 = _eager(ops, img, txt, log_s - 0.5)
     want2 = _eager(ops, img, txt, log_s)
-    g1 = torch.autograd.grad(loss1, (img, txt, s1), retain_graph=True)  # restores the first call's state
-    g2 = torch.autograd.grad(loss2, (img, txt))
-    _check((loss1.detach(), *g1[:2]), want1[:3])
+    g1 = [g.clone() for g in torch.autograd.grad(loss1, (img, txt), retain_graph=True)]  # restores call 1
+    assert counts == {"forward": 2, "backward": 1, "eager_backward": 0, "restored": 1}
+    g2 = [g.clone() for g in torch.autograd.grad(loss2, (img, txt))]  # restores call 2 from its stash
+    assert counts == {"forward": 2, "backward": 2, "eager_backward": 0, "restored": 2}
+    _check((loss1.detach(), *g1), want1[:3])
     _check((loss2.detach(), *g2), want2[:3])
-    g1_again = torch.autograd.grad(loss1, (img, txt))  # a finished call again (recomputes its forward)
+    g1_again = torch.autograd.grad(loss1, (img, txt))  # a finished call again: its stash, replayed
+    assert counts == {"forward": 2, "backward": 3, "eager_backward": 0, "restored": 3}
     _check(g1_again, want1[1:3])
 
 
 @needs_cuda
-def test_returned_gradients_still_held_are_not_overwritten():
+@pytest.mark.parametrize("b,c", [(640, 128), (8192, 512)])
+def test_returned_gradients_still_held_are_not_overwritten(b, c):
+    """Neither a backward replay nor a forward replay writes into a gradient still held (at
+    8192 x 512 a shared pool put the gradients where the forward's partial LSEs had been)."""
     graphs.release()
     ops = TritonTileOps()
-    bufs = _inputs(640, 128, torch.bfloat16, 0)
+    bufs = _inputs(b, c, torch.bfloat16, 0)
     kept = []  # (the gradient a hook kept, its value when the hook saw it)
     for step in range(4):
         _refill(bufs, step)
@@ -154,6 +161,8 @@ def test_returned_gradients_still_held_are_not_overwritten():
         feats.register_hook(lambda g: kept.append((g, g.clone())))
         loss = ops.fused_loss(feats, txt, log_s.exp())
         assert _replayed(loss) == (step > 0)
+        with torch.no_grad():  # forward replays while the gradients are held
+            ops.fused_loss(feats, txt, log_s.exp())
         loss.backward()
         torch.testing.assert_close(kept[-1][0].float(), _eager(ops, img, txt, log_s)[1].float(), rtol=1e-5,
                                    atol=1e-6)
@@ -246,6 +255,45 @@ def test_graph_memory_pool_within_the_rule(c):
     graphs.release()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() <= base  # released with the graphs
+
+
+@needs_cuda
+def test_failed_capture_runs_eagerly_once_warned(monkeypatch):
+    graphs.release()
+    ops = TritonTileOps()
+    img, txt, log_s = _inputs(512, 64, torch.bfloat16, 0)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(graphs, "LossGraphs", broken)
+    stream = torch.cuda.current_stream()
+    with pytest.warns(RuntimeWarning, match="capture refused"):
+        for _ in range(2):
+            loss = ops.fused_loss(img, txt, log_s.exp())
+    assert not _replayed(loss) and torch.cuda.current_stream() == stream
+    img.grad = txt.grad = log_s.grad = None
+    loss.backward()
+    _check((loss.detach(), img.grad, txt.grad, log_s.grad), _eager(ops, img, txt, log_s))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: the key is not retried
+        assert not _replayed(ops.fused_loss(img, txt, log_s.exp()))
+
+
+@needs_cuda
+def test_not_graphed_under_inference_mode():
+    graphs.release()
+    ops = TritonTileOps()
+    img, txt, log_s = _inputs(512, 64, torch.bfloat16, 0)
+    with torch.inference_mode():
+        for _ in range(2):
+            ops.fused_loss(img, txt, log_s.exp())
+    assert not graphs._CACHE
+    for _ in range(2):
+        loss = ops.fused_loss(img, txt, log_s.exp())
+    assert _replayed(loss)
 
 
 @needs_cuda

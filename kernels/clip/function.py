@@ -51,13 +51,15 @@ def loss_forward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor):
 
 
 def loss_backward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, row: Tensor, col: Tensor,
-                  pos: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(dimg, dtxt in the input dtype, dscale fp32 0-d) of ``loss_forward`` for upstream g (0-d)."""
+                  pos: Tensor, g: Tensor, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dimg, dtxt in the input dtype, dscale fp32 0-d) of ``loss_forward`` for upstream g (0-d);
+    ``out``: (dimg, dtxt) buffers to write them into (else fresh tensors)."""
     b = img.shape[0]
     g_lse = (0.5 / b * g.float()).expand(b).contiguous()
     g_diag = 2 * g_lse  # exactly g_row + g_col: dX_ii = g (p_ii - 1) + g (p'_ii - 1)
-    return ops.backward(img, txt, scale, row, col, g_lse, g_lse, out_dtype=img.dtype, g_diag=g_diag,
-                        offsets=(pos, pos))
+    dimg, dtxt = out if out is not None else (None, None)
+    return ops.backward(img, txt, scale, row, col, g_lse, g_lse, dimg, dtxt, out_dtype=img.dtype, g_diag=g_diag,
+                        offsets=(pos, pos), overwrite=out is not None)
 
 
 class TritonCLIPLoss(torch.autograd.Function):

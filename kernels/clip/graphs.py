@@ -182,12 +182,12 @@ class LossGraphs:
             self.g = torch.ones((), device=img.device)
             self._capture(img.detach(), txt.detach())  # (no reference kept: the key holds addresses)
 
-    def _backward(self, img: Tensor, txt: Tensor, g: Tensor):
-        return loss_backward(self.ops, img, txt, self.scale, self.row, self.col, self.pos, g)
+    def _backward(self, img: Tensor, txt: Tensor, g: Tensor, out: tuple | None = None):
+        return loss_backward(self.ops, img, txt, self.scale, self.row, self.col, self.pos, g, out)
 
     def _capture(self, img: Tensor, txt: Tensor) -> None:
         """Warm up eagerly on a side stream (compiles and tunes every kernel the capture will
-        launch), then capture forward and backward, each into a memory pool of its own."""
+        launch), then capture forward and backward into one memory pool."""
         if img.device not in _STREAMS:
             _STREAMS[img.device] = torch.cuda.Stream(img.device)
         side = _STREAMS[img.device]
@@ -197,16 +197,19 @@ class LossGraphs:
             self._backward(img, txt, self.g)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        # Two pools: the forward's temporaries, freed at the end of its capture, must not be
-        # where the backward puts the gradients it returns (a forward replay would write into a
-        # gradient the caller still holds). Thread-local capture: the step pipeline's threads
-        # keep making CUDA calls meanwhile.
+        # The gradients the backward returns live outside the graphs' pool (allocated here, before
+        # the captures): a forward replay writes its temporaries into the pool, and must never
+        # write where a gradient the caller still holds lives. Thread-local capture: the step
+        # pipeline's threads keep making CUDA calls meanwhile.
+        self.dimg = torch.empty(img.shape, device=img.device, dtype=img.dtype)
+        self.dtxt = torch.empty(txt.shape, device=txt.device, dtype=txt.dtype)
+        pool = torch.cuda.graph_pool_handle()
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.autocast("cuda", enabled=False):
-            with torch.cuda.graph(self.fwd, stream=side, capture_error_mode="thread_local"):
+            with torch.cuda.graph(self.fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
                 self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
-            with torch.cuda.graph(self.bwd, stream=side, capture_error_mode="thread_local"):
-                self.dimg, self.dtxt, self.ds = self._backward(img, txt, self.g)
+            with torch.cuda.graph(self.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+                _, _, self.ds = self._backward(img, txt, self.g, (self.dimg, self.dtxt))
         self.outputs = (self.dimg, self.dtxt, self.ds)
         self.owned = self._counts()  # references held here alone
 

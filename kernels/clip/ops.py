@@ -108,18 +108,21 @@ class TritonTileOps:
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
                  g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,
                  dtxt: Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                 g_diag: Tensor | None = None, offsets=None) -> tuple[Tensor, Tensor, Tensor]:
+                 g_diag: Tensor | None = None, offsets=None, overwrite: bool = False
+                 ) -> tuple[Tensor, Tensor, Tensor]:
         """(dimg, dtxt, dscale); fresh outputs are ``out_dtype`` (fp32 by the protocol).
 
         offsets: row_lse / col_lse are relative to s * offsets (as ``forward``). g_diag (m,)
         (square block pair, offsets = the positives' dot products): the gradient of
-        -sum_i g_diag_i x_ii, folded into dX_ii in fp32 before any rounding (ds too)."""
+        -sum_i g_diag_i x_ii, folded into dX_ii in fp32 before any rounding (ds too).
+        overwrite: the given dimg / dtxt are written, not accumulated into (as fresh outputs
+        of their dtype: the CUDA graphs' static gradients, allocated outside their pool)."""
         img, txt, scale = _prep(img, txt, scale)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
         vecs = [v.float().contiguous() for v in (row_lse, col_lse, g_row, g_col)]
         row_lse, col_lse, g_row, g_col = vecs
         prec = self._prec(img)
-        acc_i, acc_t = dimg is not None, dtxt is not None
+        acc_i, acc_t = dimg is not None and not overwrite, dtxt is not None and not overwrite
         dimg = self._out(dimg, img, out_dtype)
         dtxt = self._out(dtxt, txt, out_dtype)
         if g_diag is not None:

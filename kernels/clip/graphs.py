@@ -52,7 +52,9 @@ from .function import loss_backward, loss_forward
 
 MAX_ROWS = 16384  # graphs only where the host is slower than the GPU (b <= 16k, H200)
 MIN_FWD_ROWS = 64  # the smallest forward tile height (``launch.fwd_candidates``): the largest partials
-ROUNDING_BYTES = 4 << 20  # the caching allocator's 2 MB granules over the pools' blocks
+# The caching allocator's granules: blocks of 1-10 MB (the partial LSEs) take a 20 MB segment,
+# smaller ones 2 MB segments (measured: a 72 MB budget came to 90 MB reserved without this).
+ALLOCATOR_SLACK_BYTES = 28 << 20
 RULE_FIXED_BYTES = 64 << 20  # the rule's fixed 64 MB
 RULE_BYTES_PER_ROW = 1024  # the rule's 1 KB x b
 CACHE_SIZE = 1  # captured problems kept: one pool within the rule at a time
@@ -64,10 +66,11 @@ _STREAMS: dict = {}  # device -> the side stream of every warm-up and capture (o
 
 
 def reserve_bytes(b: int) -> int:
-    """The forward pool (partial LSE buffers of the tallest-partials tile, capped as
-    ``launch.PART_BUDGET_BYTES``; the row partials; O(b) vectors) plus allocator rounding."""
+    """The forward's temporaries in the pool (partial LSE buffers of the tallest-partials tile,
+    capped as ``launch.PART_BUDGET_BYTES``; the row partials; O(b) vectors) plus the
+    allocator's segment granules."""
     col_part = min(launch.PART_BUDGET_BYTES, -(-b // MIN_FWD_ROWS) * b * 4)
-    return col_part + 16 * b * 4 + 64 * b + ROUNDING_BYTES
+    return col_part + 16 * b * 4 + 64 * b + ALLOCATOR_SLACK_BYTES
 
 
 def strip_budget(b: int, c: int, esize: int, strips: bool, temp: bool = False) -> int | None:
@@ -201,15 +204,15 @@ class LossGraphs:
         # the captures): a forward replay writes its temporaries into the pool, and must never
         # write where a gradient the caller still holds lives. Thread-local capture: the step
         # pipeline's threads keep making CUDA calls meanwhile.
-        self.dimg = torch.empty(img.shape, device=img.device, dtype=img.dtype)
-        self.dtxt = torch.empty(txt.shape, device=txt.device, dtype=txt.dtype)
+        # (one allocation for both: a 1-10 MB block each would take a 20 MB segment)
+        self.dimg, self.dtxt = torch.empty((2, *img.shape), device=img.device, dtype=img.dtype).unbind(0)
         pool = torch.cuda.graph_pool_handle()
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.autocast("cuda", enabled=False):
             with torch.cuda.graph(self.fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
                 self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
             with torch.cuda.graph(self.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
-                _, _, self.ds = self._backward(img, txt, self.g, (self.dimg, self.dtxt))
+                self.ds = self._backward(img, txt, self.g, (self.dimg, self.dtxt))[2]
         self.outputs = (self.dimg, self.dtxt, self.ds)
         self.owned = self._counts()  # references held here alone
 
@@ -249,7 +252,8 @@ class LossGraphs:
             self.current = weakref.ref(call)
             self.counts["restored"] += 1
         call.done = True
-        if self._counts() != self.owned:  # a returned gradient is still held: do not overwrite it
+        if any(now > then for refs, owned in zip(self._counts(), self.owned) for now, then in zip(refs, owned)):
+            # a returned gradient is still held (more references than at capture): keep it
             self.counts["eager_backward"] += 1
             return self._backward(img, txt, g.detach().float().reshape(()))
         self.g.copy_(g.detach().reshape(()))

@@ -52,9 +52,7 @@ from .function import loss_backward, loss_forward
 
 MAX_ROWS = 16384  # graphs only where the host is slower than the GPU (b <= 16k, H200)
 MIN_FWD_ROWS = 64  # the smallest forward tile height (``launch.fwd_candidates``): the largest partials
-# The caching allocator's granules: blocks of 1-10 MB (the partial LSEs) take a 20 MB segment,
-# smaller ones 2 MB segments (measured: a 72 MB budget came to 90 MB reserved without this).
-ALLOCATOR_SLACK_BYTES = 28 << 20
+ALLOCATOR_SLACK_BYTES = 7 << 20  # the pool's 2 MB granules (measured: 72 MB budget -> 74 MB reserved at 4 MB)
 RULE_FIXED_BYTES = 64 << 20  # the rule's fixed 64 MB
 RULE_BYTES_PER_ROW = 1024  # the rule's 1 KB x b
 CACHE_SIZE = 1  # captured problems kept: one pool within the rule at a time
@@ -200,16 +198,16 @@ class LossGraphs:
             self._backward(img, txt, self.g)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        # The gradients the backward returns live outside the graphs' pool (allocated here, before
-        # the captures): a forward replay writes its temporaries into the pool, and must never
-        # write where a gradient the caller still holds lives. Thread-local capture: the step
-        # pipeline's threads keep making CUDA calls meanwhile.
-        # (one allocation for both: a 1-10 MB block each would take a 20 MB segment)
-        self.dimg, self.dtxt = torch.empty((2, *img.shape), device=img.device, dtype=img.dtype).unbind(0)
+        # The gradients the backward returns are allocated first thing in the forward's capture
+        # and stay alive: the forward's temporaries, freed at the end of its capture, can never be
+        # where they live (a forward replay must not write into a gradient the caller still
+        # holds). Thread-local capture: the step pipeline's threads keep making CUDA calls.
         pool = torch.cuda.graph_pool_handle()
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.autocast("cuda", enabled=False):
             with torch.cuda.graph(self.fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+                self.dimg = torch.empty(img.shape, device=img.device, dtype=img.dtype)
+                self.dtxt = torch.empty(txt.shape, device=txt.device, dtype=txt.dtype)
                 self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
             with torch.cuda.graph(self.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
                 self.ds = self._backward(img, txt, self.g, (self.dimg, self.dtxt))[2]

@@ -33,8 +33,8 @@ def test_strip_budget_keeps_static_inputs_within_the_rule(b, c, esize):
 
 def test_strip_budget_where_graphs_fit():
     assert graphs.strip_budget(8192, 1024, 2, True) is not None  # 32 MB of static gradients
-    assert graphs.strip_budget(8192, 512, 2, True) is not None
-    assert graphs.strip_budget(16384, 512, 2, True) is None  # 32 MB of gradients + slack leave < 384 rows
+    assert graphs.strip_budget(16384, 512, 2, True) is not None
+    assert graphs.strip_budget(16384, 1024, 2, True) is None  # 64 MB of gradients leave < 384 rows
     fixup = graphs.strip_budget(8192, 512, 2, True, temp=True)
     assert fixup == graphs.strip_budget(8192, 512, 2, True) - launch.STRIP_TEMP_BYTES
 

@@ -44,10 +44,13 @@ def lse_pair_triton(img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps 
 
 def loss_forward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor):
     """(loss 0-d fp32, row (b,), col (b,), pos (b,)) of the symmetric CLIP loss: row / col the
-    two directions' LSEs relative to the positives' logits s * pos, pos = <img_i, txt_i> fp32."""
-    pos = row_dot(img, txt)
-    row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True)
-    return 0.5 * (row.mean() + col.mean()), row, col, pos
+    two directions' LSEs relative to the positives' logits s * pos, pos = <img_i, txt_i> fp32.
+    Autocast is off inside (the positives' product stays fp32-accumulated in the inputs' dtype,
+    as in the CUDA graphs, which are captured with autocast off)."""
+    with torch.autocast(img.device.type, enabled=False):
+        pos = row_dot(img, txt)
+        row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True)
+        return 0.5 * (row.mean() + col.mean()), row, col, pos
 
 
 def loss_backward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, row: Tensor, col: Tensor,

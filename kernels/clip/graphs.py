@@ -16,11 +16,15 @@ calls run eagerly (``TritonCLIPLoss``), as do problems that do not fit (``eligib
 
 Static buffers:
 - the scale (0-d, copied in every call: the caller's ``logit_scale.exp()`` is a new tensor);
-- the feature gradients are written into static buffers and *returned* (no copy): autograd
-  copies them before storing them as a leaf's ``.grad`` (they are referenced here, so
-  ``AccumulateGrad`` cannot take them), and a non-leaf's gradient is consumed by the next
-  node of the same backward. If a returned gradient is still referenced when the next
-  backward runs (a hook kept it), that backward runs eagerly instead of overwriting it.
+- the feature gradients are written into static buffers and *returned* (no copy). Autograd
+  usually copies them into a leaf's ``.grad`` (they are referenced here) and a non-leaf's
+  gradient is consumed by the next node of the same backward; but a leaf reached through a
+  view (or with a post-accumulate hook) may store one as its ``.grad`` itself, and a hook or
+  ``torch.autograd.grad`` may keep one. So if a returned gradient is still referenced when the
+  next backward comes (more Python, TensorImpl or storage references than at capture), that
+  backward runs eagerly instead of overwriting it. The static gradients are allocated first in
+  the forward's capture and never freed, so no forward temporary, and no forward replay, is
+  ever where they live.
 - the LSEs and positives of the last forward: a second forward before the first one's
   backward stashes them (O(b)) with the first call; its backward copies them back.
 

@@ -99,10 +99,11 @@ class LaunchTimer:
 
 def graphed_fn(img, txt, log_s):
     """The Triton loss captured as CUDA graphs (forward and backward) by
-    ``torch.cuda.make_graphed_callables``: what a step costs with no host work at all."""
+    ``torch.cuda.make_graphed_callables`` around the eager kernels: the bound that
+    ``infclip.kernels.clip.graphs`` (used by the plain ``triton`` impl since) was built to reach."""
     from infclip.kernels.clip import TritonTileOps
 
-    ops = TritonTileOps()
+    ops = TritonTileOps(cuda_graphs="never")
     graphed = torch.cuda.make_graphed_callables(lambda i, t, s: ops.fused_loss(i, t, s),
                                                 (img, txt, log_s.exp().detach().requires_grad_()))
     return lambda i, t, s: graphed(i, t, s)

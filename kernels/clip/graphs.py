@@ -36,8 +36,10 @@ the strip scratch, the partial LSE buffers and the O(b) vectors share the 1 KB x
 eager call drops it first, so no eager call runs beside a resident pool (except a backward
 whose gradients were still held, above); ``release()`` drops it. A capture that fails (e.g.
 under another capture) leaves that problem eager, with one warning. Not under
-``torch.inference_mode()`` (its tensors could not be refilled later). ``INFCLIP_CUDA_GRAPHS=0``
-or ``TritonTileOps(cuda_graphs="never")`` turns graphs off.
+``torch.inference_mode()`` (its tensors could not be refilled later). The cache and the static
+buffers serve one thread at a time (the trainer calls the loss from its main thread); code that
+calls the loss from several threads at once should pass ``cuda_graphs="never"``.
+``INFCLIP_CUDA_GRAPHS=0`` or ``TritonTileOps(cuda_graphs="never")`` turns graphs off.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@
 there are few row blocks (small b) the columns are split over extra programs so the GPU
 fills (partials are merged on the host: O(splits * m) fp32).
 
+``tma_ok`` / ``tma_programs``: the persistent TMA strip kernels' launch conditions and grid
+(triton's allocator set for this thread and device).
+
 ``strip_backward``: out = (s dX) @ B computed strip by strip. A kernel family's ``fill``
 writes P = s * dX for R rows into a scratch of the input dtype (bounded: ``rows`` * n
 elements) and returns that strip's partial scalars (ds, ...); cuBLAS then forms
@@ -14,9 +17,11 @@ can use GEMM-sized tiles and the update runs at cuBLAS speed.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable
 
 import torch
+import triton
 from torch import Tensor
 
 
@@ -28,6 +33,35 @@ def cdiv(x: int, y: int) -> int:
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached: the loss is host-bound at small b)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tma_ok(*ts: Tensor) -> bool:
+    """TMA descriptors need 16-bit rows of unit last stride, 16-byte aligned base and rows."""
+    return all(t.element_size() == 2 and t.stride(-1) == 1 and (t.stride(0) * 2) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in ts)
+
+
+_ALLOCATOR_SET = threading.local()  # .device: the device this thread's triton allocator was set for
+
+
+def _set_allocator(device: torch.device) -> None:
+    """Device-side tensor descriptors need a global scratch from triton's allocator (set once
+    per device and thread, not per launch: triton keeps the allocator in a context variable,
+    which each thread starts without -- autograd runs backward in its own thread, CUDA-graph
+    capture in the caller's)."""
+    if getattr(_ALLOCATOR_SET, "device", None) == device:
+        return
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
+    _ALLOCATOR_SET.device = device
+
+
+def tma_programs(device: torch.device, tiles: int, per_sm: int) -> int:
+    """Programs of a persistent TMA kernel over ``tiles`` tiles (``per_sm`` per SM; 3 SMs off
+    CUDA, so the interpreter tests the striding), with triton's allocator set for its
+    descriptors."""
+    _set_allocator(device)
+    sms = sm_count(device) if device.type == "cuda" else 3
+    return min(tiles, sms * per_sm)
 
 
 def target_programs(device: torch.device) -> int:

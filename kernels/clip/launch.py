@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from dataclasses import dataclass
 
 import torch
-import triton
 from torch import Tensor
 
-from ..launching import cdiv, column_splits, sm_count, strip_backward
+from ..launching import cdiv, column_splits, strip_backward, tma_ok, tma_programs
 from .kernels import _dx_strip_kernel, _dx_strip_tma_kernel, _grad_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
@@ -212,7 +210,7 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
 
     if cfg.tma and a.element_size() != 2:
         raise ValueError("the TMA strip kernel needs 16-bit inputs (bf16/fp16)")
-    use_tma = cfg.tma and _tma_ok(a, b)  # else (a row not 16-byte aligned) the same tiles by pointers
+    use_tma = cfg.tma and tma_ok(a, b)  # else (a row not 16-byte aligned) the same tiles by pointers
 
     def fill(r0: int, r: int, scratch: Tensor) -> None:
         grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
@@ -235,33 +233,11 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
     return ds_all.sum()
 
 
-def _tma_ok(*ts: Tensor) -> bool:
-    """TMA descriptors need 16-bit rows of unit last stride, 16-byte aligned base and rows."""
-    return all(t.element_size() == 2 and t.stride(-1) == 1 and (t.stride(0) * 2) % 16 == 0
-               and t.data_ptr() % 16 == 0 for t in ts)
-
-
-_ALLOCATOR_SET = threading.local()  # .device: the device this thread's triton allocator was set for
-
-
-def _set_allocator(device: torch.device) -> None:
-    """Device-side tensor descriptors need a global scratch from triton's allocator (set once
-    per device and thread, not per launch: triton keeps the allocator in a context variable,
-    which each thread starts without -- autograd runs backward in its own thread, CUDA-graph
-    capture in the caller's)."""
-    if getattr(_ALLOCATOR_SET, "device", None) == device:
-        return
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device=device, dtype=torch.int8))
-    _ALLOCATOR_SET.device = device
-
-
 def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec, fold,
               flags, tiles):
-    """One strip through the persistent TMA kernel (``_tma_ok(a, b)`` checked by the caller);
+    """One strip through the persistent TMA kernel (``tma_ok(a, b)`` checked by the caller);
     its programs' ds partials into ds_part."""
-    _set_allocator(a.device)
-    sms = sm_count(a.device) if a.is_cuda else 3
-    progs = min(tiles, sms * cfg.per_sm)  # (3 off CUDA: the interpreter tests the striding)
+    progs = tma_programs(a.device, tiles, cfg.per_sm)
     _dx_strip_tma_kernel[(progs,)](
         a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, a.shape[0],
         b.shape[0], a.shape[1], a.stride(0), b.stride(0), scratch.stride(0),

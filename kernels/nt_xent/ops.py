@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from ..clip import launch
-from ..clip.launch import StripConfig, _set_allocator, _tma_ok
-from ..launching import cdiv, sm_count, strip_backward
+from ..clip.launch import StripConfig
+from ..launching import cdiv, strip_backward, tma_ok, tma_programs
 from ..objective import ObjectiveTiles
 from ..objective import strip_candidates as objective_strip_candidates
 from .kernels import _masked_grad_kernel, _masked_lse_fwd_kernel, _masked_strip_kernel, _masked_strip_tma_kernel
@@ -132,7 +132,7 @@ class TritonMaskedLSEOps(ObjectiveTiles):
         d_vec = self._alloc(rows, device=a.device, dtype=torch.float32) if fixup else vecs[0]
         per = cdiv(rows, cfg.BM) * cdiv(n, cfg.BN)
         ds_all = torch.zeros(cdiv(m, rows) * per, device=a.device, dtype=torch.float32)
-        use_tma = cfg.tma and _tma_ok(a, b)  # else (fp32, or a row not 16-byte aligned) pointer loads
+        use_tma = cfg.tma and tma_ok(a, b)  # else (fp32, or a row not 16-byte aligned) pointer loads
         consts = dict(LSE_ON_A=flags["LSE_ON_A"], SYM=flags.get("SYM", False), HAS_OFF=flags["HAS_OFF"],
                       HAS_POS=pos, FOLD=self.fold)
 
@@ -156,8 +156,7 @@ class TritonMaskedLSEOps(ObjectiveTiles):
         strides = (a.stride(0), b.stride(0), scratch.stride(0), flags["diag"], flags["half"])
         meta = self._meta(cfg, a)
         if use_tma:
-            _set_allocator(a.device)
-            progs = min(tiles, (sm_count(a.device) if a.is_cuda else 3) * cfg.per_sm)  # 3: test the striding
+            progs = tma_programs(a.device, tiles, cfg.per_sm)
             meta.pop("EVEN_K")
             _masked_strip_tma_kernel[(progs,)](*args, r, r0, m, n, k, *strides, GROUP=cfg.GROUP, NUM_PROGS=progs,
                                                WS=cfg.ws, **consts, **meta)

@@ -48,7 +48,6 @@ import os
 import sys
 import warnings
 import weakref
-from collections import OrderedDict
 
 import torch
 from torch import Tensor
@@ -61,9 +60,7 @@ MIN_FWD_ROWS = 64  # the smallest forward tile height (``launch.fwd_candidates``
 ALLOCATOR_SLACK_BYTES = 7 << 20  # the pool's 2 MB granules (measured: 72 MB budget -> 74 MB reserved at 4 MB)
 RULE_FIXED_BYTES = 64 << 20  # the rule's fixed 64 MB
 RULE_BYTES_PER_ROW = 1024  # the rule's 1 KB x b
-CACHE_SIZE = 1  # captured problems kept: one pool within the rule at a time
-
-_CACHE: OrderedDict = OrderedDict()
+_CACHE: dict = {}  # key -> LossGraphs: at most one problem (one pool within the rule at a time)
 _LAST: list = [None]  # the key of the last call not replayed (captured when seen twice in a row)
 _FAILED: set = set()  # keys whose capture raised: always eager
 _STREAMS: dict = {}  # device -> the side stream of every warm-up and capture (one cuBLAS workspace)
@@ -128,19 +125,16 @@ def graphed_loss(ops, img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
     from .function import TritonCLIPLoss
 
     key = _key(ops, img, txt)
-    graphs = _CACHE.pop(key, None)
+    graphs = _CACHE.get(key)
     if graphs is None:
+        _CACHE.clear()  # an eager call or a capture never runs beside a resident pool (the memory rule)
         if _LAST[0] != key or key in _FAILED:  # first call at these addresses: eager (buffers may move)
             _LAST[0] = key
-            _CACHE.clear()  # an eager call never runs beside a resident pool (the memory rule)
             return TritonCLIPLoss.apply(img, txt, scale, ops)
-        _CACHE.clear()
         graphs = _capture(ops, img, txt, scale, key)
         if graphs is None:
             return TritonCLIPLoss.apply(img, txt, scale, ops)
-    _CACHE[key] = graphs
-    while len(_CACHE) > CACHE_SIZE:
-        _CACHE.popitem(last=False)
+        _CACHE[key] = graphs
     return GraphedCLIPLoss.apply(img, txt, scale, graphs)
 
 
@@ -202,8 +196,7 @@ class LossGraphs:
         with torch.cuda.stream(side), torch.no_grad(), torch.autocast("cuda", enabled=False):
             self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
             self._backward(img, txt, self.g)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().wait_stream(side)  # (torch.cuda.graph syncs the device on entry)
         # The gradients the backward returns are allocated first thing in the forward's capture
         # and stay alive: the forward's temporaries, freed at the end of its capture, can never be
         # where they live (a forward replay must not write into a gradient the caller still
@@ -235,6 +228,10 @@ class LossGraphs:
         """``_references`` of the static outputs (one code path for capture and check)."""
         return [_references(t) for t in self.outputs]
 
+    def _held(self) -> bool:
+        """Whether a returned gradient is still held: more references than at capture."""
+        return any(now > then for refs, owned in zip(self._counts(), self.owned) for now, then in zip(refs, owned))
+
     def _stash_holder(self) -> None:
         """Before the buffers are overwritten: stash the state of the call they hold if that
         call's backward is still to come."""
@@ -256,8 +253,7 @@ class LossGraphs:
             self.current = weakref.ref(call)
             self.counts["restored"] += 1
         call.done = True
-        if any(now > then for refs, owned in zip(self._counts(), self.owned) for now, then in zip(refs, owned)):
-            # a returned gradient is still held (more references than at capture): keep it
+        if self._held():  # do not overwrite it: this backward runs eagerly
             self.counts["eager_backward"] += 1
             return self._backward(img, txt, g.detach().float().reshape(()))
         self.g.copy_(g.detach().reshape(()))

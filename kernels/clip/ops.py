@@ -50,8 +50,9 @@ class TritonTileOps:
             6.97, c = 512, b = 64k: 63.0 vs 62.7).
         strip_budget: bytes of the strip scratch (default: ``launch.strip_rows``' 64 MB +
             768 B x b); the CUDA-graph path passes what its static buffers leave of the rule.
-        cuda_graphs: "auto" (default) runs ``fused_loss`` of small CUDA problems (b <= 16k, where
-            the host, not the GPU, bounds the step) through captured CUDA graphs (``graphs``);
+        cuda_graphs: "auto" (default) runs ``fused_loss`` of small CUDA problems (b <= 16k where
+            the memory rule leaves room: there the host, not the GPU, bounds the step) through
+            captured CUDA graphs (``graphs``);
             "never" launches every kernel from Python.
     """
 
@@ -71,6 +72,9 @@ class TritonTileOps:
             raise ValueError(f"strips must be 'auto', 'always' or 'never', got {strips!r}")
         if strip_positives not in ("fixup", "fold"):
             raise ValueError(f"strip_positives must be 'fixup' or 'fold', got {strip_positives!r}")
+        if strip_budget is not None and strip_budget <= 0:
+            raise ValueError(f"strip_budget must be a positive number of bytes (or None: the default), "
+                             f"got {strip_budget}")
         if cuda_graphs not in ("auto", "never"):
             raise ValueError(f"cuda_graphs must be 'auto' or 'never', got {cuda_graphs!r}")
         self.fold = strip_positives == "fold"
@@ -116,7 +120,7 @@ class TritonTileOps:
         (square block pair, offsets = the positives' dot products): the gradient of
         -sum_i g_diag_i x_ii, folded into dX_ii in fp32 before any rounding (ds too).
         overwrite: the given dimg / dtxt are written, not accumulated into (as fresh outputs
-        of their dtype: the CUDA graphs' static gradients, allocated outside their pool)."""
+        of their dtype: the CUDA graphs' static gradients)."""
         img, txt, scale = _prep(img, txt, scale)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
         vecs = [v.float().contiguous() for v in (row_lse, col_lse, g_row, g_col)]

@@ -44,6 +44,8 @@ def test_not_graphed_off_cuda_or_when_turned_off(monkeypatch):
     assert not graphs.eligible(TritonTileOps(), x, x)
     with pytest.raises(ValueError, match="cuda_graphs"):
         TritonTileOps(cuda_graphs="always")
+    with pytest.raises(ValueError, match="strip_budget must be a positive"):
+        TritonTileOps(strip_budget=0)
     if CUDA:
         y = x.cuda().bfloat16()
         assert graphs.eligible(TritonTileOps(), y, y)

@@ -62,18 +62,24 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in records(run_dir) if "loss" in r]
 
 
-def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 240) -> int:
-    """Polls metrics.jsonl until ``step`` is logged; returns the newest logged step."""
+def wait_for(proc: subprocess.Popen, log: Path, ready, what: str, timeout: float = 240) -> None:
+    """Polls ``ready()`` until it is true; fails if the process exits or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        logged = [r["step"] for r in step_records(run_dir)]
-        if logged and max(logged) >= step:
-            return max(logged)
+        if ready():
+            return
         if proc.poll() is not None:
-            raise AssertionError(f"training exited ({proc.returncode}) before step {step}:\n{log.read_text()[-4000:]}")
-        time.sleep(0.02)
+            raise AssertionError(f"training exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.01)
     proc.kill()
-    raise AssertionError(f"step {step} not reached in {timeout} s:\n{log.read_text()[-4000:]}")
+    raise AssertionError(f"{what} not reached in {timeout} s:\n{log.read_text()[-4000:]}")
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 240) -> int:
+    """Polls metrics.jsonl until ``step`` is logged; returns the newest logged step."""
+    logged = lambda: [r["step"] for r in step_records(run_dir)]  # noqa: E731
+    wait_for(proc, log, lambda: max(logged(), default=-1) >= step, f"step {step}", timeout)
+    return max(logged())
 
 
 def start_and_kill(cmd: list[str], run_dir: Path, step: int, cwd: Path, log: Path) -> None:

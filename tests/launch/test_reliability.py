@@ -11,13 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from launch_testutils import (
     MICRO, ROOT, child_env, losses_by_step, records, reference_run, run, start, step_records, train_cmd,
+    wait_for,
     wait_for_step,
 )
 
@@ -159,10 +159,8 @@ def test_sigterm_during_the_final_eval_keeps_every_step(tmp_path, data_root):
     cmd = [sys.executable, str(ROOT / "train.py"), f"data.synthetic_root={data_root}", f"run_dir={run_dir}",
            *micro, "steps=4", "checkpoint.every_n_steps=3", "eval.workers=0", "eval.batch_size=1"]
     proc = start(cmd, cwd=tmp_path, log=log)
-    deadline = time.time() + 300
-    while "checkpoints/step_00000004" not in log.read_text():  # printed once the save is complete
-        assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-        time.sleep(0.01)
+    # the checkpoint's line is printed once the save is complete; the final eval starts then
+    wait_for(proc, log, lambda: "checkpoints/step_00000004" in log.read_text(), "the final checkpoint")
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     assert ckpt.list_checkpoints(run_dir)[-1].name == "step_00000004"

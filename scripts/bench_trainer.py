@@ -4,10 +4,12 @@ eager and ``--torchcompile``) and ours (train.py, from shards decoded by the rea
     python scripts/bench_trainer.py --out $OUT \\
         --runs openclip:32768,openclip_compile:32768,ours:32768,ours_compile:32768,lit:65536
 
-A run is ``kind:global_batch[:steps]``. Kinds:
+A run is ``kind:global_batch[:steps[:override;override...]]`` (overrides of ours, e.g.
+``ours_compile:32768:4:data.decode=cpu``). Kinds:
 
 * ``openclip`` / ``openclip_compile``: ``python -m open_clip_train.main --dataset-type
-  synthetic --model ViT-B-32 --precision amp_bf16 --batch-size MICRO --accum-freq G/MICRO``
+  webdataset --dataset-resampled --train-data SHARDS`` (the same shards as ours; or
+  ``--openclip-data synthetic``: its synthetic data, no JPEG decoded) ``--model ViT-B-32 --precision amp_bf16 --batch-size MICRO --accum-freq G/MICRO``
   (its feature cache + re-forward; all inputs on the GPU), ``--torchcompile`` for the second;
 * ``ours`` / ``ours_compile``: ``train.py experiment=vit_b32_laion`` on ``--shards`` (JPEG
   shards written by ``scripts/bench_data.py``'s writer if absent), gradient cache with
@@ -56,10 +58,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT", ".bench"), help="trainer.json / trainer.md")
     p.add_argument("--logs", default="/tmp/bench_trainer_logs", help="one log per run")
     p.add_argument("--extra", default="", help="extra overrides for our runs (space-separated)")
+    p.add_argument("--openclip-data", default="wds", choices=("wds", "synthetic"),
+                   help="open_clip reads the same shards through its webdataset loader, or its synthetic data")
     return p.parse_args(argv)
 
 
 def ensure_shards(a: argparse.Namespace) -> str:
+    """Brace spec of the benchmark shards: ``--shards`` itself when it is one (e.g. the
+    real-photo shards of data/write_photo_shards.py), else a folder written if empty."""
+    if "{" in a.shards:
+        return a.shards
     from bench_data import write_bench_shards
 
     root = Path(a.shards)
@@ -83,12 +91,16 @@ def _peak(out: str, key: str) -> float:
     return float(found[-1]) if found else float("nan")
 
 
-def run_openclip(a, global_batch: int, steps: int, compile_: bool) -> dict:
+def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str) -> dict:
     accum = global_batch // a.micro
     logs = Path(a.logs) / f"openclip_logs_{global_batch}_{int(compile_)}"
     subprocess.run(["rm", "-rf", str(logs)])
     wrapper = (_PEAKS + "from open_clip_train.main import main; main(sys.argv[1:])")
-    cmd = [sys.executable, "-c", wrapper, "--dataset-type", "synthetic", "--model", "ViT-B-32",
+    # On our shards through its own webdataset loader (resampled: any shard count works),
+    # or its synthetic dataset (no JPEG decoded at all) when --openclip-data synthetic.
+    data = (["--dataset-type", "synthetic"] if a.openclip_data == "synthetic" else
+            ["--dataset-type", "webdataset", "--dataset-resampled", "--train-data", spec])
+    cmd = [sys.executable, "-c", wrapper, *data, "--model", "ViT-B-32",
            "--precision", "amp_bf16", "--batch-size", str(a.micro), "--accum-freq", str(accum),
            "--workers", str(a.workers), "--train-num-samples", str(global_batch * steps), "--epochs", "1",
            "--log-every-n-steps", "1", "--save-frequency", "0", "--lr", "1e-3",
@@ -103,7 +115,7 @@ def run_openclip(a, global_batch: int, steps: int, compile_: bool) -> dict:
             "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(rows)}
 
 
-def run_ours(a, kind: str, global_batch: int, steps: int, spec: str) -> dict:
+def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: list[str]) -> dict:
     lit = kind.startswith("lit")
     run_dir = Path("/tmp") / f"bench_{kind}_{global_batch}"
     subprocess.run(["rm", "-rf", str(run_dir)])
@@ -113,8 +125,8 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str) -> dict:
            f"batch.global_size={global_batch}", f"batch.micro_size={a.micro}", "memory.offload=true",
            f"steps={steps}", "schedule.warmup_fraction=0", "logging.every_n_steps=1", "logging.progress=false",
            "logging.wandb_mode=disabled", "checkpoint.every_n_steps=0", "eval.tasks=[]", f"run_dir={run_dir}",
-           f"model.compile={str(kind.endswith('compile')).lower()}", *a.extra.split()]
-    out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{global_batch}.log")
+           f"model.compile={str(kind.endswith('compile')).lower()}", *a.extra.split(), *overrides]
+    out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{global_batch}{'_'.join([''] + overrides)[:80]}.log")
     mfile = run_dir / "metrics.jsonl"
     recs = [json.loads(x) for x in mfile.read_text().splitlines()] if mfile.exists() else []
     steps_ = [r for r in recs if "samples_per_s" in r]
@@ -123,11 +135,18 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str) -> dict:
     res = {"samples_per_s": pick("samples_per_s"), "step_s": pick("step_time"),
            "data_wait_s": pick("time_data_wait"), "cache_s": pick("time_cache_pass"), "loss_s": pick("time_loss"),
            "replay_s": pick("time_replay"), "optim_s": pick("time_optim"),
-           "loader_sps": pick("loader_samples_per_s"), "gpu_gb": _peak(out, "PEAK_GPU_GB"),
+           "loader_sps": pick("loader_samples_per_s"), "decode_ips": pick("decode_imgs_per_s"),
+           "decoder": _decoder_line(out), "gpu_gb": _peak(out, "PEAK_GPU_GB"),
            "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(steps_)} if steps_ else {
                "samples_per_s": float("nan"), "steps_seen": 0}
     subprocess.run(["rm", "-rf", str(run_dir / "checkpoints")])
     return res
+
+
+def _decoder_line(out: str) -> str:
+    """The startup line's decode choice, e.g. 'device (auto: ...; decoder hardware (...))'."""
+    found = re.findall(r"^data: decode=(.*)$", out, re.M)
+    return found[-1][:160] if found else "?"
 
 
 def fwd_gflops(model_name: str) -> tuple[float, float]:
@@ -173,23 +192,24 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.logs).mkdir(parents=True, exist_ok=True)
-    spec = ensure_shards(a) if any(not r.startswith("openclip") for r in a.runs.split(",")) else ""
+    spec = ensure_shards(a)
     flops = {}
     results = []
     for run in a.runs.split(","):
         kind, g, *rest = run.split(":")
-        g, steps = int(g), int(rest[0]) if rest else a.steps
+        g, steps = int(g), int(rest[0]) if rest and rest[0] else a.steps
+        overrides = rest[1].split(";") if len(rest) > 1 else []
         if kind.startswith("openclip"):
-            res = run_openclip(a, g, steps, kind.endswith("compile"))
+            res = run_openclip(a, g, steps, kind.endswith("compile"), spec)
         else:
-            res = run_ours(a, kind, g, steps, spec)
+            res = run_ours(a, kind, g, steps, spec, overrides)
         model = "ViT-B-16" if kind.startswith("lit") else "ViT-B-32"
         if model not in flops:
             flops[model] = fwd_gflops(model)
         gi, gt = flops[model]
         per_sample = (gi * (1 if kind.startswith("lit") else 4) + gt * 4) * 1e9
         res["mfu_pct"] = 100 * res["samples_per_s"] * per_sample / (a.peak_tflops * 1e12)
-        res.update(kind=kind, global_batch=g, steps=steps)
+        res.update(kind=kind + "".join(f" {o}" for o in overrides), global_batch=g, steps=steps)
         results.append(res)
         print(json.dumps(res), flush=True)
         (Path(a.out) / "trainer.json").write_text(json.dumps({"flops_gflop": flops, "runs": results}, indent=1))
@@ -202,6 +222,7 @@ def _table(results: list[dict]) -> str:
     keys = [("samples_per_s", "samples/s", "{:,.0f}"), ("mfu_pct", "MFU %", "{:.1f}"), ("step_s", "step s", "{:.2f}"),
             ("data_wait_s", "data wait s", "{:.2f}"), ("cache_s", "cache s", "{:.2f}"), ("loss_s", "loss s", "{:.3f}"),
             ("replay_s", "replay s", "{:.2f}"), ("optim_s", "optim s", "{:.3f}"), ("loader_sps", "loader samples/s", "{:,.0f}"),
+            ("decode_ips", "GPU decode images/s", "{:,.0f}"),
             ("gpu_gb", "peak GPU GB", "{:.1f}"), ("host_rss_gb", "peak host RSS GB", "{:.1f}")]
     lines = ["| run | global batch | " + " | ".join(k[1] for k in keys) + " |",
              "|---|---|" + "---|" * len(keys)]

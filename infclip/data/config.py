@@ -32,12 +32,22 @@ class DataConfig:
     json_caption_key: Optional[str] = None  # pick the caption from this key of {key}.json instead
     aug_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop scale (the paper's)
     aug_ratio: tuple[float, float] = (0.75, 1.3333333)  # RandomResizedCrop ratio (the paper's)
-    # Where training images are decoded (infclip/data/jpeg.py): "cpu" (loader workers decode,
-    # crop, resize; 3*S*S bytes per sample in host memory) or "device" (workers parse only the
-    # JPEG header and draw the crop; the trainer decodes with nvJPEG on the GPU and resizes
-    # there, in both gradient-cache passes). "device" takes jpeg_max_bytes + 32 bytes per
-    # sample of host memory; larger files are downscaled by the worker until they fit.
-    decode: str = "cpu"
+    # Where training images are decoded (infclip/data/jpeg.py):
+    #   "auto" (default): "device" when the GPU has hardware JPEG engines that nvImageCodec can
+    #       drive (pip install 'infclip[hwdecode]'), else "cpu"; the startup line says which.
+    #   "cpu": loader workers decode, crop, resize; 3*S*S bytes per sample in host memory.
+    #   "device": workers parse only the JPEG header and draw the crop; the trainer decodes on
+    #       the GPU (data.device_decoder) and resizes there. jpeg_max_bytes + 32 bytes per
+    #       sample of host memory; larger files are downscaled by the worker until they fit.
+    decode: str = "auto"
+    # The GPU decoder of decode=device: "auto" (fastest that works: hardware, cuda, nvjpeg),
+    # "hardware" (NVJPG engines via nvImageCodec: no SM time), "cuda" (nvImageCodec on the SMs),
+    # "nvjpeg" (torchvision's nvJPEG on the SMs).
+    device_decoder: str = "auto"
+    # GB of device memory for decoded uint8 pixels kept from the gradient cache's first pass
+    # for its replay (each kept sample is decoded once per step instead of twice; 3*S*S bytes
+    # each). None: 40 % of the device memory free once the model is built. 0: decode twice.
+    decoded_keep_gb: Optional[float] = None
     jpeg_max_bytes: int = 65536
     # Synthetic captioned-shapes dataset (kind=synthetic): generated deterministically into
     # `synthetic_root` (default: ~/.cache/infclip/synthetic-<params>) on first use.
@@ -54,8 +64,13 @@ def check_data_config(cfg: DataConfig) -> None:
     (Structured configs built by Hydra never run ``__post_init__``, so the trainer's
     ``validate`` calls this.)
     """
-    if cfg.decode not in ("cpu", "device"):
-        raise ValueError(f"data.decode must be 'cpu' or 'device', got {cfg.decode!r}")
+    if cfg.decode not in ("auto", "cpu", "device"):
+        raise ValueError(f"data.decode must be 'auto', 'cpu' or 'device', got {cfg.decode!r}")
+    if cfg.device_decoder not in ("auto", "hardware", "cuda", "nvjpeg"):
+        raise ValueError(f"data.device_decoder must be auto, hardware, cuda or nvjpeg, got {cfg.device_decoder!r}")
+    if cfg.decoded_keep_gb is not None and cfg.decoded_keep_gb < 0:
+        raise ValueError(f"data.decoded_keep_gb must be >= 0 (0: decode in both passes) or null (auto), "
+                         f"got {cfg.decoded_keep_gb}")
     if cfg.jpeg_max_bytes < 1024:
         raise ValueError(f"data.jpeg_max_bytes must be >= 1024 (bytes per packed JPEG), got {cfg.jpeg_max_bytes}")
     if cfg.loader_batch <= 0:

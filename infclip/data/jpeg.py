@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import io
 import sys
+import threading
+import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -145,73 +147,149 @@ def bicubic_weights(start: Tensor, length: Tensor, out: int, size: int) -> Tenso
 class JpegDecoder(nn.Module):
     """Device side: packed rows (host, uint8 (B, HEADER + max_bytes)) -> normalized float
     images (B, 3, S, S) on ``device``, equal to the CPU path's ``Normalizer(train_transform(img))``
-    up to JPEG decoder rounding (nvJPEG vs libjpeg-turbo IDCT) and +-1 level of resampling.
+    up to JPEG decoder rounding (NVJPG / nvJPEG vs libjpeg-turbo IDCT) and +-1 level of resampling.
 
+    ``backend``: ``data.device_decoder`` (auto: the GPU's JPEG engines, else nvImageCodec's
+    CUDA decoder, else torchvision's nvJPEG; see :mod:`infclip.data.jpeg_backends`).
+    ``keep_bytes``: device memory for decoded uint8 pixels kept between the two passes of the
+    gradient cache (rows the stager marks with :meth:`mark_reread`): a kept micro-batch is
+    decoded once per step, the rest again in the replay. Invariant: a row's pixels are the
+    same whichever pass decodes them (deterministic decode and resize, autocast off).
     ``chunk``: images resized together (bounds the padded canvas: chunk x 3 x H x W).
+
+    A sample no decoder can read (the device backend, then PIL on the host) is *dropped*:
+    its slot holds zeros, :attr:`last_dropped` marks it for the engine (which leaves it out of
+    the loss), and :attr:`drops` counts it by reason.
     """
 
-    reads_host: ClassVar[bool] = True  # the input stager passes host rows (decode_jpeg reads CPU bytes)
+    reads_host: ClassVar[bool] = True  # the input stager passes host rows (decoders read CPU bytes)
 
     def __init__(self, image_size: int, mean: Optional[Sequence[float]] = None,
-                 std: Optional[Sequence[float]] = None, device: torch.device | str = "cpu", chunk: int = 256):
+                 std: Optional[Sequence[float]] = None, device: torch.device | str = "cpu", chunk: int = 256,
+                 backend: str = "auto", keep_bytes: int = 0):
         super().__init__()
+        from infclip.data.jpeg_backends import select_backend
         from infclip.data.transforms import Normalizer
 
         self.size, self.chunk, self.device = image_size, chunk, torch.device(device)
         self.normalizer = Normalizer(mean, std).to(self.device)
-        self.failures = 0  # images that failed to decode (black instead)
-        # nvJPEG writes its outputs on a stream of torchvision's own, into tensors allocated
-        # on the *current* stream, without waiting for that stream. Decoding on a stream of
-        # ours that we synchronize first guarantees that memory is no longer read or written
-        # by earlier work (on the compute stream, in-flight kernels of freed activations).
+        self.selection = select_backend(self.device, backend)
+        self.backend = self.selection.backend
+        self.failures = 0  # images the device backend failed on (re-decoded by PIL or dropped)
+        self.drops: dict[str, int] = {}  # dropped samples by reason
+        self.last_dropped: Optional[Tensor] = None  # bool (B,) of the last forward, None if none
+        self.decoded = 0  # images decoded (both passes)
+        self.decode_s = 0.0  # seconds the decode thread spent decoding (its rate's denominator)
+        # The decoders write on a stream of ours that we synchronize first: memory they get
+        # from the caching allocator is then no longer read or written by earlier work.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pending: list[Future] = []
+        self._lock = threading.Lock()
+        self.keep_bytes = keep_bytes
+        self._reread: set = set()  # keys of rows that will be read again this step
+        self._kept: dict = {}  # key -> (uint8 images, dropped mask, event)
+        self._kept_bytes = 0
+
+    def describe(self) -> str:
+        """The startup line's decoder part."""
+        keep = f", decoded pixels kept between passes up to {self.keep_bytes / 2**30:.1f} GB"
+        return self.selection.describe() + (keep if self.keep_bytes else "")
+
+    def stats(self) -> dict[str, float]:
+        """Decoder counters for the progress line: images/s of decode work, fallbacks, drops."""
+        rate = self.decoded / self.decode_s if self.decode_s > 0 else 0.0
+        return {"decode_imgs_per_s": rate, "decode_failures": self.failures,
+                **{f"decode_dropped/{k}": v for k, v in self.drops.items()}}
+
+    # -- decode once per step ---------------------------------------------------------
+    @staticmethod
+    def _key(rows: Tensor) -> tuple:
+        return (rows.data_ptr(), tuple(rows.shape))
+
+    def mark_reread(self, rows: Tensor) -> None:
+        """The stager's hint: ``rows`` will be read again this step (the replay), so their
+        decoded pixels are worth keeping on the device (within ``keep_bytes``)."""
+        if self.keep_bytes:
+            with self._lock:
+                self._reread.add(self._key(rows))
+
+    def end_step(self) -> None:
+        """Forget kept pixels and hints (the host rows may be refilled after this)."""
+        with self._lock:
+            self._reread.clear()
+            self._kept.clear()
+            self._kept_bytes = 0
+
+    def _take_kept(self, rows: Tensor):
+        with self._lock:
+            got = self._kept.pop(self._key(rows), None)
+            if got is not None:
+                self._kept_bytes -= got[0].numel()
+            return got
+
+    def _maybe_keep(self, rows: Tensor, out: Tensor, dropped, done) -> None:
+        key = self._key(rows)
+        with self._lock:
+            if key in self._reread and self._kept_bytes + out.numel() <= self.keep_bytes:
+                self._reread.discard(key)
+                self._kept[key] = (out, dropped, done)
+                self._kept_bytes += out.numel()
 
     # -- prefetch: the next micro-batch decodes in a thread while this one computes -------
     def prefetch(self, fetch_rows: Callable[[], Tensor]) -> None:
         """Start decoding the rows ``fetch_rows()`` returns (called in the decode thread: it
-        may wait for the loader) on the GPU; a later ``forward`` on the same rows picks the
-        result up. Decoding 1,024 images takes ~40-60 ms of CPU and GPU time (H200); ahead
-        of time it overlaps the encoders instead of stalling their kernel queue."""
+        may wait for the loader); a later ``forward`` on the same rows picks the result up.
+        Ahead of time the decode overlaps the encoders instead of stalling their queue."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="jpeg-decode")
         self._pending.append(self._pool.submit(self._decode_on_stream, fetch_rows))
 
     def cancel_prefetch(self) -> None:
-        """Drop prefetched results (the step ended or failed); waits for running decodes, so
-        no thread reads host rows after the caller releases them."""
+        """Drop prefetched results and kept pixels (the step ended or failed); waits for
+        running decodes, so no thread reads host rows after the caller releases them."""
         pending, self._pending = self._pending, []
         for fut in pending:
             fut.exception()  # wait; an error of a dropped prefetch is not the caller's
+        self.end_step()
 
     def _decode_on_stream(self, fetch_rows: Callable[[], Tensor]):
-        """(rows, uint8 images, event after them on the decode stream or None on the CPU)."""
+        """(rows, uint8 images, dropped mask or None, event after them or None on the CPU)."""
         rows = fetch_rows()
+        kept = self._take_kept(rows)
+        if kept is not None:
+            return (rows, *kept)
+        t0 = time.perf_counter()
         if self._stream is None:
             with torch.autocast("cpu", enabled=False):
-                return rows, self._decode_resize(rows), None
-        with torch.cuda.stream(self._stream), torch.autocast("cuda", enabled=False):
-            self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
-            out = self._decode_resize(rows)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        return rows, out, done
+                out, dropped = self._decode_resize(rows)
+            done = None
+        else:
+            with torch.cuda.stream(self._stream), torch.autocast("cuda", enabled=False):
+                self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
+                out, dropped = self._decode_resize(rows)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+        self.decode_s += time.perf_counter() - t0
+        self.decoded += rows.shape[0]
+        self._maybe_keep(rows, out, dropped, done)
+        return rows, out, dropped, done
 
     def _prefetched(self, rows: Tensor):
         while self._pending:
-            got, out, done = self._pending.pop(0).result()
+            got, out, dropped, done = self._pending.pop(0).result()
             if got.data_ptr() == rows.data_ptr() and got.shape == rows.shape:
-                return out, done
+                return out, dropped, done
         return None
 
     def forward(self, rows: Tensor) -> Tensor:
         """Normalized float32 images; autocast is off inside, so every pass decodes identically."""
         hit = self._prefetched(rows)
         if hit is None:
-            _, out, done = self._decode_on_stream(lambda: rows)
+            _, out, dropped, done = self._decode_on_stream(lambda: rows)
         else:
-            out, done = hit
+            out, dropped, done = hit
+        self.last_dropped = dropped
         if done is None:
             return self.normalizer(out)
         compute = torch.cuda.current_stream(self.device)
@@ -219,11 +297,12 @@ class JpegDecoder(nn.Module):
         out.record_stream(compute)
         return self.normalizer(out)  # the CPU path's own uint8 -> float step
 
-    def _decode_resize(self, rows: Tensor) -> Tensor:
-        """uint8 (B, 3, S, S) on the device, in the current stream."""
+    def _decode_resize(self, rows: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """uint8 (B, 3, S, S) on the device, in the current stream, and the dropped mask."""
         header = unpack_header(rows).tolist()
-        datas = [rows[k, HEADER:HEADER + h[0]] for k, h in enumerate(header)]
-        images = self._decode(datas, header)
+        host = rows.numpy()
+        datas = [host[k, HEADER:HEADER + h[0]] for k, h in enumerate(header)]
+        images, dropped = self._decode(datas, header)
         # Compute in float32 on the CPU, fp16 on the GPU (exact for 0..255; ~1e-3 relative
         # weights, fp32 accumulation): the result is rounded to 8-bit levels anyway.
         dtype = torch.float16 if self.device.type == "cuda" else torch.float32
@@ -232,28 +311,33 @@ class JpegDecoder(nn.Module):
         for a in range(0, len(datas), self.chunk):
             b = min(a + self.chunk, len(datas))
             out[a:b] = self._resized_crop(images[a:b], boxes[a:b], dtype)
-        return out
+        if dropped is not None:
+            out[dropped.to(self.device)] = 0
+        return out, dropped
 
-    def _decode(self, datas: list[Tensor], header: list[list[int]]) -> list[Tensor]:
-        """(3, H, W) uint8 per image on the device; a failing image becomes black (counted)."""
-        from torchvision.io import ImageReadMode, decode_jpeg
+    def _decode(self, datas: list, header: list[list[int]]) -> tuple[list[Tensor], Optional[Tensor]]:
+        """(3, H, W) uint8 per image on the device. An image the backend fails on is decoded
+        by PIL on the host (counted in ``failures``); one PIL cannot read either is dropped."""
+        from infclip.data.jpeg_backends import pil_decode
 
-        try:
-            return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=self.device))
-        except RuntimeError:
-            pass
-        images, failed = [], 0
-        for data, h in zip(datas, header):  # find the bad ones one by one
-            try:
-                images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
-            except RuntimeError:
-                images.append(torch.zeros((3, h[5], h[6]), dtype=torch.uint8, device=self.device))
-                failed += 1
-        self.failures += failed
-        warnings.warn(f"data.decode=device: {failed} JPEG(s) of a micro-batch failed to decode and "
-                      f"were replaced by black images ({self.failures} so far); their files are damaged "
-                      "beyond what the loader's header check finds", stacklevel=2)
-        return images
+        images = self.backend.decode(datas, self._stream)
+        bad = [k for k, im in enumerate(images) if im is None or tuple(im.shape[1:]) != (header[k][5], header[k][6])]
+        if not bad:
+            return images, None
+        dropped = torch.zeros(len(datas), dtype=torch.bool)
+        for k in bad:
+            self.failures += 1
+            im = pil_decode(datas[k])
+            if im is None or tuple(im.shape[1:]) != (header[k][5], header[k][6]):
+                dropped[k] = True
+                reason = "undecodable" if im is None else "size_mismatch"
+                self.drops[reason] = self.drops.get(reason, 0) + 1
+                im = torch.zeros((3, header[k][5], header[k][6]), dtype=torch.uint8)
+            images[k] = im.to(self.device, non_blocking=False)
+        if dropped.any():
+            warnings.warn(f"data.decode=device: {int(dropped.sum())} sample(s) of a micro-batch could not be "
+                          f"decoded and are left out of the loss ({sum(self.drops.values())} so far)", stacklevel=2)
+        return images, (dropped if dropped.any() else None)
 
     def _resized_crop(self, images: list[Tensor], boxes: Tensor, dtype: torch.dtype) -> Tensor:
         """Crop box (top, left, h, w) of each image resized to S x S: (n, 3, S, S) uint8,

@@ -105,14 +105,19 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
     from infclip.data.transforms import Normalizer, train_transform
 
     size = cfg.data.image_size or built.image_size
-    if cfg.data.decode == "device":  # workers pack JPEG bytes + crop; the trainer decodes (data/jpeg.py)
+    decode, why = resolve_decode(cfg, info.device)
+    if decode == "device":  # workers pack JPEG bytes + crop; the trainer decodes (data/jpeg.py)
         from infclip.data.jpeg import JpegDecoder, JpegPacker
 
         transform = JpegPacker(size, cfg.data.jpeg_max_bytes, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
-        normalizer = JpegDecoder(size, built.mean, built.std, device=info.device)
+        normalizer = JpegDecoder(size, built.mean, built.std, device=info.device, backend=cfg.data.device_decoder,
+                                 keep_bytes=_keep_bytes(cfg, info.device))
+        why = f"{why}; decoder {normalizer.describe()}"
     else:
         transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
         normalizer = Normalizer(built.mean, built.std).to(info.device)
+    if info.is_main:
+        print(f"data: decode={decode} ({why})", flush=True)
     shards, num_samples, eval_cfg = None, None, _eval_config(cfg)
     if cfg.data.kind == "synthetic":
         shards, num_samples, eval_cfg = _synthetic(cfg, info)
@@ -123,6 +128,37 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
         world_size=info.world_size, seed=cfg.seed, shards=shards, num_samples=num_samples,
     )
     return data, eval_cfg, normalizer
+
+
+def resolve_decode(cfg: Any, device: torch.device) -> tuple[str, str]:
+    """("cpu" | "device", why) for data.decode; "auto" takes the GPU's JPEG engines when they
+    work (the loader then parses headers only), else the loader workers' CPU decode."""
+    want = cfg.data.decode
+    if want != "auto":
+        return want, f"data.decode={want}"
+    if cfg.task == "simclr":
+        return "cpu", "auto: task=simclr augments decoded images on the host"
+    if device.type != "cuda":
+        return "cpu", "auto: CPU training device"
+    if cfg.data.device_decoder not in ("auto", "hardware"):
+        return "device", f"auto: data.device_decoder={cfg.data.device_decoder}"
+    from infclip.data.jpeg_backends import hardware_available
+
+    missing = hardware_available(device)
+    if missing is None:
+        return "device", "auto: the GPU's hardware JPEG engines work"
+    return "cpu", f"auto: no hardware JPEG decoder ({missing})"
+
+
+def _keep_bytes(cfg: Any, device: torch.device) -> int:
+    """Device bytes for decoded pixels kept between the gradient cache's passes."""
+    gb = cfg.data.decoded_keep_gb
+    if gb is not None:
+        return int(gb * 2**30)
+    if device.type != "cuda":
+        return 256 * 2**20  # CPU runs: enough for the tests' steps, bounded
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(0.4 * free)
 
 
 def _synthetic(cfg: Any, info: DistInfo):

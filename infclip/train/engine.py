@@ -165,6 +165,9 @@ class StepEngine:
         img, txt, extras = self._encode(self.model, m)
         clock.lap("cache_pass")
         img, txt = _same_dtype(img, txt)
+        keep = self._kept_rows([self._dropped()], img.shape[0])
+        if keep is not None:
+            img, txt = img[keep], txt[keep]
         loss = self.loss_fn(img, txt, *extras)
         clock.lap("loss")
         self._scaled(loss).backward()
@@ -176,10 +179,11 @@ class StepEngine:
         clock = self._clock()
         k_n = self.s.num_micro
         batches = self.stager.stream(inputs, self.s.micro, self._schedule())
-        micros, rngs, img_c, txt_c = [], [], [], []
+        micros, rngs, img_c, txt_c, dropped = [], [], [], [], []
         for _ in range(k_n):  # pass 1: cache embeddings + RNG states, no graph
             with torch.no_grad():
                 m = self._prepare(next(batches))
+                dropped.append(self._dropped())
                 rngs.append(_rng_state(self.device))
                 with _running_stats_kept(self._norms):  # the replay updates them, once
                     img, txt, _ = self._encode(self.core, m)
@@ -187,7 +191,8 @@ class StepEngine:
             img_c.append(_cache(img, m.img_emb, self.s.cache_dtype))
             txt_c.append(_cache(txt, m.txt_emb, self.s.cache_dtype))
         clock.lap("cache_pass")
-        loss, g_img, g_txt, g_extras = self._loss_grads(torch.cat(img_c), torch.cat(txt_c))
+        keep = self._kept_rows(dropped, self.s.local)
+        loss, g_img, g_txt, g_extras = self._loss_grads(torch.cat(img_c), torch.cat(txt_c), keep)
         del img_c, txt_c
         clock.lap("loss")
         for k in range(k_n):  # pass 2: replay with grad, back-propagate the cached gradients
@@ -240,8 +245,41 @@ class StepEngine:
             img, txt, extras = out[0], out[1], list(out[2:])
         return (m.img_emb if img is None else img), (m.txt_emb if txt is None else txt), extras
 
-    def _loss_grads(self, img: Tensor, txt: Tensor):
-        """One loss call on all local embeddings -> (loss, d img, d txt, [d extras]), scaled."""
+    def _dropped(self) -> Optional[Tensor]:
+        """bool (micro,) of the samples the normalizer could not decode (device JPEG decode), or None."""
+        return getattr(self.normalizer, "last_dropped", None)
+
+    def _kept_rows(self, dropped: list, rows: int) -> Optional[Tensor]:
+        """Indices of the local rows the loss sees, or None for all of them.
+
+        Samples the device decoder dropped are left out (their embeddings get zero gradient).
+        With several ranks the loss needs equal local sizes, so every rank leaves out as many
+        rows as the rank that dropped most (its last kept ones): one all-reduce of a scalar per
+        step, made only when the normalizer can drop at all (then on every rank, every step).
+        """
+        if not getattr(self.normalizer, "reads_host", False):
+            return None
+        mask = torch.zeros(rows, dtype=torch.bool)
+        micro = rows // max(len(dropped), 1)
+        for k, d in enumerate(dropped):
+            if d is not None:
+                mask[k * micro:k * micro + d.numel()] |= d.cpu()
+        n_drop = int(mask.sum())
+        if self.group is not None and self.world_size > 1:
+            import torch.distributed as dist
+
+            most = torch.tensor([n_drop], dtype=torch.int64, device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+            extra = int(most.item()) - n_drop
+            if extra:
+                mask[(~mask).nonzero().flatten()[-extra:]] = True
+        if not mask.any():
+            return None
+        return (~mask).nonzero().flatten().to(self.device)
+
+    def _loss_grads(self, img: Tensor, txt: Tensor, keep: Optional[Tensor] = None):
+        """One loss call on all local embeddings -> (loss, d img, d txt, [d extras]), scaled.
+        ``keep``: indices of the rows the loss sees (the others get zero gradients)."""
         img.requires_grad_(self.plan.image.mode != "frozen")
         txt.requires_grad_(self.plan.text.mode != "frozen")
         # The loss sees s = exp(logit_scale) (and the bias) as leaves; their gradients are
@@ -251,7 +289,8 @@ class StepEngine:
             extras.append(self.core.logit_bias.detach().reshape(()))
         for leaf, param in zip(extras, (self.core.logit_scale, getattr(self.core, "logit_bias", None))):
             leaf.requires_grad_(param.requires_grad)
-        loss = self.loss_fn(img, txt, *extras)
+        seen = (img, txt) if keep is None else (img[keep], txt[keep])
+        loss = self.loss_fn(*seen, *extras)
         wrt = [t for t in (img, txt, *extras) if t.requires_grad]
         grads = iter(torch.autograd.grad(self._scaled(loss), wrt) if wrt else ())
         g_img, g_txt, *g_extras = (next(grads) if t.requires_grad else None for t in (img, txt, *extras))

@@ -121,8 +121,15 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
         "loader_samples_per_s": pipeline.loader_rate() * info.world_size, "time_optim": t_opt,
         **{f"time_{k}": v for k, v in out.timings.items()},
         "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
-        "amp_overflow": int(overflow),
+        "amp_overflow": int(overflow), **_decoder_stats(parts),
     }
+
+
+def _decoder_stats(parts: Any) -> dict:
+    """The device JPEG decoder's counters (data.decode=device): its images/s of decode work
+    beside the loader's rate, fallbacks and dropped samples."""
+    stats = getattr(parts.engine.normalizer, "stats", None)
+    return stats() if stats is not None else {}
 
 
 def _simclr_views(cfg: Any, info: DistInfo, state: State, feed: Any) -> Any:

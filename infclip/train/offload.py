@@ -92,10 +92,19 @@ class InputStager:
             if n in self.host_fields:
                 # read ahead while the GPU computes: a wait here is not the GPU waiting for data
                 self.host_reader.prefetch(
-                    lambda n=n, k=k: inputs.rows(n, k * micro, (k + 1) * micro, count_wait=False))
+                    lambda n=n, k=k: self._marked(inputs.rows(n, k * micro, (k + 1) * micro, count_wait=False),
+                                                  n, k, i))
 
-    def _host_rows(self, inputs, micro: int, k: int, names) -> dict[str, Tensor]:
-        return {n: inputs.rows(n, k * micro, (k + 1) * micro) for n in names if n in self.host_fields}
+    def _marked(self, rows: Tensor, name: str, k: int, i: int) -> Tensor:
+        """``rows`` after telling the host reader whether read ``i`` is not their last this step
+        (then it may keep what it made of them for the later read: decoded pixels)."""
+        if self._last_use[(k, name)] != i and hasattr(self.host_reader, "mark_reread"):
+            self.host_reader.mark_reread(rows)
+        return rows
+
+    def _host_rows(self, inputs, micro: int, i: int, k: int, names) -> dict[str, Tensor]:
+        return {n: self._marked(inputs.rows(n, k * micro, (k + 1) * micro), n, k, i)
+                for n in names if n in self.host_fields}
 
     def _release_host(self, inputs, micro: int, i: int, k: int, names) -> None:
         """After the consumer's read ``i`` of micro-batch ``k``: free host fields read for the last time."""
@@ -117,7 +126,7 @@ class InputStager:
         self._prefetch_host(inputs, micro, schedule, 0)
         for i, (k, names) in enumerate(schedule):
             batch = {n: staged[n][k * micro:(k + 1) * micro] for n in names if n in staged}
-            host = self._host_rows(inputs, micro, k, names)
+            host = self._host_rows(inputs, micro, i, k, names)
             self._prefetch_host(inputs, micro, schedule, i + 1)
             yield {**batch, **host}
             self._release_host(inputs, micro, i, k, names)
@@ -147,7 +156,7 @@ class InputStager:
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
             copied = [n for n in names if n not in self.host_fields]
-            host = self._host_rows(inputs, micro, k, names)
+            host = self._host_rows(inputs, micro, i, k, names)
             self._prefetch_host(inputs, micro, schedule, i + 1)
             yield {**{n: self.buffers[n][i % 2] for n in copied}, **host}
             if self._cuda:  # the compute stream has now enqueued every use of slot i % 2

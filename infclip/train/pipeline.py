@@ -234,6 +234,7 @@ class StepPipeline:
         self._stop = threading.Event()
         self._next_step = 0
         self._loader_rows, self._loader_s = 0, 0.0  # for the loader's own delivery rate
+        self._last_rate, self._first_batch = math.nan, True
         self._thread: Optional[threading.Thread] = None
         if settings.threaded:
             self._thread = threading.Thread(target=self._fill_forever, name="infclip-step-pipeline", daemon=True)
@@ -272,8 +273,15 @@ class StepPipeline:
 
     def loader_rate(self) -> float:
         """Samples per second the loader delivered while the filler was pulling (not waiting
-        for free host memory): the loader's own speed, whatever the GPU does."""
-        return self._loader_rows / self._loader_s if self._loader_s > 0 else math.nan
+        for free host memory): the loader's own speed, whatever the GPU does. Over the window
+        since the previous call, without the run's first loader batch (whose wait is the
+        workers' start-up: counted in, it made the rate under-read for many steps)."""
+        with self._cond:
+            rows, secs = self._loader_rows, self._loader_s
+            self._loader_rows, self._loader_s = 0, 0.0
+        if secs > 0:
+            self._last_rate = rows / secs
+        return self._last_rate
 
     def host_bytes(self) -> int:
         return sum(p.buf.numel() * p.buf.element_size() for p in self.pools.values() if p.buf is not None)
@@ -370,8 +378,12 @@ class StepPipeline:
                 t1 = time.perf_counter()
                 _check_batch(images, tokens, feed.filled, self.s)
                 feed.put(images, tokens, self.data_state)
-                self._loader_s += t1 - t0
-                self._loader_rows += images.shape[0]
+                if self._first_batch:  # the workers' start-up, not their rate
+                    self._first_batch = False
+                else:
+                    with self._cond:
+                        self._loader_s += t1 - t0
+                        self._loader_rows += images.shape[0]
         except BaseException as e:
             feed.fail(e)
             raise

@@ -122,18 +122,31 @@ def test_unparseable_or_truncated_files_are_skipped_like_on_the_cpu_path():
         assert info.value.reason == "corrupt_image"
 
 
-def test_an_image_failing_on_the_device_turns_black_and_is_counted():
+def test_an_image_no_decoder_can_read_is_dropped_and_counted():
     good = JpegPacker(S)(photo(64, 64, seed=5))
     bad = good.clone()
     junk = torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     bad[HEADER:HEADER + 500] = junk  # the header check passed in the worker; the bytes rotted after
     bad[:4] = torch.tensor([500], dtype=torch.int32).view(torch.uint8)
     decoder = JpegDecoder(S)
-    with pytest.warns(UserWarning, match="failed to decode"):
+    with pytest.warns(UserWarning, match="left out of the loss"):
         out = decoder(torch.stack([good, bad]))
-    assert decoder.failures == 1
-    assert torch.equal(levels(decoder, out[1:]), torch.zeros(1, 3, S, S))
+    assert decoder.failures == 1 and decoder.drops == {"undecodable": 1}
+    assert decoder.last_dropped.tolist() == [False, True]
+    assert decoder.stats()["decode_dropped/undecodable"] == 1
     assert torch.equal(out[0], decoder(good[None])[0])  # its neighbour is untouched
+    assert decoder.last_dropped is None  # a clean micro-batch reports no drops
+
+
+def test_an_image_the_device_backend_fails_on_is_decoded_by_pil_not_dropped(monkeypatch):
+    rows = torch.stack([JpegPacker(S)(photo(64, 64, seed=s)) for s in range(3)])
+    decoder = JpegDecoder(S)
+    want = decoder(rows)
+    real = decoder.backend.decode_fn
+    monkeypatch.setattr(decoder.backend, "decode_fn", lambda datas, stream: [None, *real(datas, stream)[1:]])
+    got = decoder(rows)
+    assert decoder.failures == 1 and decoder.drops == {} and decoder.last_dropped is None
+    assert (levels(decoder, got) - levels(decoder, want)).abs().max() <= 1
 
 
 def test_rows_that_are_not_packed_jpegs_are_refused_with_the_fix():

@@ -1,0 +1,214 @@
+"""JPEG decoders for the trainer-side decode (``data.decode=device``), and how one is chosen.
+
+Each backend turns a list of JPEG byte strings (host memory) into ``(3, H, W)`` uint8 images
+on the training device, ``None`` where an image could not be decoded. The trainer never
+writes a decoder: these wrap maintained libraries.
+
+* ``hardware``: NVIDIA nvImageCodec on the GPU's JPEG engines (NVJPG: A100, A30, H100, H200,
+  ...). Decoding costs the SMs nothing, so it overlaps the towers fully. Images the engines
+  do not take (rare chroma layouts) go to nvImageCodec's CUDA decoder in the same call.
+* ``cuda``: nvImageCodec's CUDA decoder (Huffman on the CPU, IDCT on the SMs).
+* ``nvjpeg``: ``torchvision.io.decode_jpeg(device="cuda")`` (nvJPEG on the SMs), the path
+  before nvImageCodec; needs nothing beyond torchvision.
+* ``cpu``: on a CPU training device, nvImageCodec's libjpeg-turbo backend or PIL.
+
+:func:`select_backend` tries them in that order (or only the one asked for), each on a probe
+image that it must decode to within 2 levels of PIL's pixels, and says which runs and why
+the faster ones did not.
+
+nvImageCodec is asked for libjpeg-turbo's conventions (fancy chroma upsampling, no EXIF
+rotation), so the GPU pixels match the CPU path's PIL decode as closely as the IDCTs allow.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+ORDER = ("hardware", "cuda", "nvjpeg", "cpu")  # fastest first (data.device_decoder=auto)
+Bytes = np.ndarray  # uint8 (n,) view of one JPEG in host memory
+
+
+@dataclass
+class Backend:
+    """A decoder: ``decode(datas, stream) -> [(3,H,W) uint8 on device | None]``."""
+
+    name: str
+    on_sms: bool  # decoding occupies the GPU's SMs (competes with the towers)
+    decode_fn: Callable[[Sequence[Bytes], Optional[torch.cuda.Stream]], list]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def decode(self, datas: Sequence[Bytes], stream=None) -> list[Optional[Tensor]]:
+        with self.lock:  # one decode at a time per decoder object (library state is per instance)
+            return self.decode_fn(datas, stream)
+
+
+def _nvimgcodec():
+    """The nvImageCodec module, or None when the wheel (``pip install infclip[hwdecode]``) is absent."""
+    try:
+        os.environ.setdefault("NVIMGCODEC_LOG_LEVEL", "1")  # its C side otherwise logs per bad image
+        from nvidia import nvimgcodec
+    except Exception:  # ImportError, or a broken CUDA runtime underneath
+        return None
+    return nvimgcodec
+
+
+def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True) -> Backend:
+    """nvImageCodec decoder restricted to ``kind``: hardware (+ CUDA for what NVJPG refuses,
+    when ``fallback``), cuda, or cpu (libjpeg-turbo)."""
+    nv = _nvimgcodec()
+    if nv is None:
+        raise RuntimeError("nvImageCodec is not installed (pip install 'infclip[hwdecode]', "
+                           "i.e. nvidia-nvimgcodec-cu13 and nvidia-nvjpeg)")
+    kinds = {"hardware": [nv.BackendKind.HW_GPU_ONLY] + ([nv.BackendKind.GPU_ONLY] if fallback else []),
+             "cuda": [nv.BackendKind.GPU_ONLY], "cpu": [nv.BackendKind.CPU_ONLY]}[kind]
+    dev_id = nv.NVIMGCODEC_DEVICE_CPU_ONLY if kind == "cpu" else (device.index or 0)
+    dec = nv.Decoder(device_id=dev_id, backends=[nv.Backend(k) for k in kinds],
+                     options=":fancy_upsampling=1")
+    params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB,
+                             allow_any_depth=False, sample_format=nv.SampleFormat.I_RGB)
+
+    def decode(datas: Sequence[Bytes], stream) -> list:
+        streams = [nv.CodeStream(d) for d in datas]
+        handle = 0 if stream is None else stream.cuda_stream
+        outs = dec.decode(streams, params=params, cuda_stream=handle)
+        return [None if o is None else _hwc_to_chw(o, device) for o in outs]
+
+    return Backend(kind if kind != "cpu" else "cpu-nvimgcodec", on_sms=kind == "cuda", decode_fn=decode)
+
+
+def _hwc_to_chw(img, device: torch.device) -> Tensor:
+    """An nvImageCodec image (interleaved RGB) as a (3, H, W) uint8 tensor view on ``device``."""
+    if device.type == "cuda":
+        t = torch.as_tensor(img, device=device)  # __cuda_array_interface__: no copy
+    else:
+        t = torch.from_numpy(np.asarray(img.cpu()))
+    return t.permute(2, 0, 1)
+
+
+def _torchvision_backend(device: torch.device) -> Backend:
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    def one(d: Bytes) -> Optional[Tensor]:
+        try:
+            return decode_jpeg(torch.from_numpy(d), mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:
+            return None
+
+    def decode(datas: Sequence[Bytes], stream) -> list:
+        try:  # one batched call; a single bad image fails all of it, then one by one
+            return list(decode_jpeg([torch.from_numpy(d) for d in datas], mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:
+            return [one(d) for d in datas]
+
+    return Backend("nvjpeg", on_sms=True, decode_fn=decode)
+
+
+def pil_decode(data: Bytes) -> Optional[Tensor]:
+    """(3, H, W) uint8 on the CPU from PIL (the CPU path's decoder), None if it fails."""
+    try:
+        with Image.open(io.BytesIO(data.tobytes())) as im:
+            arr = np.asarray(im.convert("RGB"))
+    except Exception:
+        return None
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+
+
+def _pil_backend(device: torch.device) -> Backend:
+    return Backend("cpu-pil", on_sms=False, decode_fn=lambda datas, stream: [pil_decode(d) for d in datas])
+
+
+def _build(name: str, device: torch.device) -> Backend:
+    if name in ("hardware", "cuda"):
+        if device.type != "cuda":
+            raise RuntimeError("needs a CUDA training device")
+        if name == "hardware":  # the engines alone must decode the probe (else CUDA would, silently)
+            _probe(_nvimgcodec_backend(name, device, fallback=False), device)
+        return _nvimgcodec_backend(name, device)
+    if name == "nvjpeg":
+        if device.type != "cuda":
+            raise RuntimeError("needs a CUDA training device")
+        return _torchvision_backend(device)
+    if device.type == "cuda":
+        raise RuntimeError("the CPU decoder is for CPU training devices")
+    try:
+        return _nvimgcodec_backend("cpu", device)
+    except Exception:
+        return _pil_backend(device)
+
+
+def probe_jpeg() -> tuple[bytes, np.ndarray]:
+    """A 4:2:0 baseline JPEG of a smooth 96x80 gradient and PIL's decode of it."""
+    y, x = np.mgrid[0:80, 0:96]
+    rgb = np.stack([x * 2.5, y * 3.0, (x + y) * 1.4], -1).clip(0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="JPEG", quality=90, subsampling=2)
+    data = buf.getvalue()
+    return data, np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def _probe(backend: Backend, device: torch.device) -> None:
+    """Decode the probe image; raise unless it matches PIL within 2 levels on average."""
+    data, ref = probe_jpeg()
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    out = backend.decode([np.frombuffer(data, np.uint8)], stream)
+    if stream is not None:
+        stream.synchronize()
+    if not out or out[0] is None:
+        raise RuntimeError("could not decode a baseline 4:2:0 JPEG")
+    got = out[0].permute(1, 2, 0).cpu().numpy().astype(np.int16)
+    err = np.abs(got - ref).mean() if got.shape == ref.shape else np.inf
+    if not err <= 2.0:
+        raise RuntimeError(f"decoded the probe JPEG {err:.2f} levels away from PIL on average")
+
+
+@dataclass
+class Selection:
+    backend: Backend
+    skipped: list[tuple[str, str]]  # (faster backend, why it was not taken)
+
+    def describe(self) -> str:
+        why = "; ".join(f"{n}: {r}" for n, r in self.skipped)
+        where = "GPU JPEG engines" if self.backend.name == "hardware" else (
+            "GPU SMs" if self.backend.on_sms else "CPU")
+        return f"{self.backend.name} ({where})" + (f" [not taken: {why}]" if why else "")
+
+
+def select_backend(device: torch.device | str, preference: str = "auto") -> Selection:
+    """The fastest working backend for ``device`` (``preference`` "auto"), or exactly the one
+    named. Raises RuntimeError naming every failure when none works."""
+    device = torch.device(device)
+    names = ORDER if preference == "auto" else (preference,)
+    if preference not in ("auto", *ORDER):
+        raise ValueError(f"data.device_decoder must be auto or one of {ORDER}, got {preference!r}")
+    skipped = []
+    for name in names:
+        if device.type != "cuda" and name != "cpu" and preference == "auto":
+            continue  # not applicable on a CPU device: not worth a line
+        try:
+            backend = _build(name, device)
+            _probe(backend, device)
+            return Selection(backend, skipped)
+        except Exception as e:  # a missing library, no engine on this GPU, a bad driver ...
+            skipped.append((name, str(e).splitlines()[0][:160] if str(e) else type(e).__name__))
+    raise RuntimeError("no JPEG decoder works on " + str(device) + ": "
+                       + "; ".join(f"{n}: {r}" for n, r in skipped))
+
+
+def hardware_available(device: torch.device | str) -> Optional[str]:
+    """None when the GPU's JPEG engines decode the probe image, else the reason they do not."""
+    try:
+        dev = torch.device(device)
+        backend = _build("hardware", dev)
+        _probe(backend, dev)
+        return None
+    except Exception as e:
+        return str(e).splitlines()[0][:160] if str(e) else type(e).__name__

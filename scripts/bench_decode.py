@@ -1,0 +1,141 @@
+"""Device JPEG decoders side by side: throughput, cost to the SMs, and pixel parity.
+
+    python scripts/bench_decode.py --shards '/data/photos256/{00000..00031}.tar' \
+        [--backends hardware,cuda,nvjpeg] [--micro 1024] [--image-size 224]
+
+For each backend of ``data.device_decoder`` (infclip/data/jpeg_backends.py) it times
+``JpegDecoder`` (decode + bicubic resized crop) on one micro-batch of packed rows from the
+shards, as the trainer calls it, then again while a bf16 matmul loop (a stand-in for the
+towers) runs on the compute stream; the matmul loop's slowdown is what decoding costs the
+SMs. Pixel parity: levels of the decoder's output against the CPU training transform on the
+same crop boxes (max, mean, share of values more than one level off). Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import threading
+import time
+
+import torch
+from PIL import Image
+
+from infclip.data.config import DataConfig
+from infclip.data.jpeg import HEADER, JpegDecoder, JpegPacker, unpack_header
+from infclip.data.pipeline import build_train_data
+from infclip.data.transforms import train_transform
+
+
+def packed_rows(spec: str, size: int, micro: int) -> torch.Tensor:
+    """One loader batch of packed rows (pinned), as data.decode=device workers ship them."""
+    import open_clip
+
+    cfg = DataConfig(kind="wds", workers=4, loader_batch=micro, shuffle_buffer=0, resampled=True)
+    data = build_train_data(cfg, transform=JpegPacker(size), tokenizer=open_clip.get_tokenizer("ViT-B-32"),
+                            rank=0, world_size=1, seed=0, shards=spec, num_samples=10**9)
+    it = data.batches()
+    rows = next(it)[0]
+    it.close()
+    return rows.pin_memory()
+
+
+def cpu_reference(rows: torch.Tensor, size: int, n: int) -> torch.Tensor:
+    """The CPU path's uint8 pixels of the first ``n`` rows under the packed crop boxes."""
+    from torchvision.transforms.functional import InterpolationMode, resized_crop
+
+    head = unpack_header(rows).tolist()
+    refs = []
+    for k in range(n):
+        data = rows[k, HEADER:HEADER + head[k][0]].numpy().tobytes()
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+        top, left, h, w = head[k][1:5]
+        refs.append(torch.from_numpy(__import__("numpy").asarray(
+            resized_crop(img, top, left, h, w, [size, size], InterpolationMode.BICUBIC))).permute(2, 0, 1))
+    return torch.stack(refs).float()
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` (synchronized)."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_load(seconds: float) -> float:
+    """TFLOP/s of back-to-back 8192^3 bf16 matmuls for ``seconds``."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(4):
+            a @ a
+        torch.cuda.synchronize()
+        n += 4
+    return 2 * 8192**3 * n / (time.perf_counter() - t0) / 1e12
+
+
+def overlap(dec: JpegDecoder, rows: torch.Tensor, seconds: float) -> tuple[float, float]:
+    """(matmul TFLOP/s while the decoder runs in a thread, decoder images/s meanwhile)."""
+    stop, count = threading.Event(), [0, 0.0]
+
+    def loop():
+        t0 = time.perf_counter()
+        while not stop.is_set():
+            dec._decode_on_stream(lambda: rows)
+            count[0] += rows.shape[0]
+        torch.cuda.synchronize()
+        count[1] = time.perf_counter() - t0
+
+    th = threading.Thread(target=loop)
+    th.start()
+    tflops = matmul_load(seconds)
+    stop.set()
+    th.join()
+    return tflops, count[0] / count[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shards", required=True, help="brace spec of JPEG shards (img2dataset layout)")
+    p.add_argument("--backends", default="hardware,cuda,nvjpeg")
+    p.add_argument("--micro", type=int, default=1024)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--overlap-s", type=float, default=4.0)
+    p.add_argument("--parity-n", type=int, default=128)
+    a = p.parse_args()
+    rows = packed_rows(a.shards, a.image_size, a.micro)
+    head = unpack_header(rows)
+    kib = head[:, 0].float().mean().item() / 1024
+    print(f"{a.micro} rows, mean JPEG {kib:.1f} KiB, mean stored size "
+          f"{head[:, 6].float().mean():.0f}x{head[:, 5].float().mean():.0f}", flush=True)
+    ref = cpu_reference(rows, a.image_size, a.parity_n)
+    alone = matmul_load(a.overlap_s)
+    print(f"matmul alone: {alone:.0f} TFLOP/s", flush=True)
+    table = ["| decoder | images/s alone | images/s beside matmuls | matmul TFLOP/s beside (alone) "
+             "| parity vs CPU: max / mean levels, > 1 level |", "|---|---|---|---|---|"]
+    for name in a.backends.split(","):
+        try:
+            dec = JpegDecoder(a.image_size, device="cuda", backend=name)
+        except RuntimeError as e:
+            table.append(f"| {name} | unavailable: {e} | | | |")
+            print(table[-1], flush=True)
+            continue
+        out = dec(rows)  # warm-up (handles, cuBLAS)
+        levels = ((out[:a.parity_n] - dec.normalizer.shift) / dec.normalizer.scale).round().cpu()
+        d = (levels - ref).abs()
+        rate = a.micro / timed(lambda: dec(rows), a.repeats)
+        tflops, beside = overlap(dec, rows, a.overlap_s)
+        table.append(f"| {dec.backend.name} | {rate:,.0f} | {beside:,.0f} | {tflops:.0f} ({alone:.0f}) | "
+                     f"{d.max():.0f} / {d.mean():.3f}, {100 * (d > 1).float().mean():.2f} % |")
+        print(table[-1], flush=True)
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

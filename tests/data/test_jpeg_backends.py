@@ -1,0 +1,98 @@
+"""The device decode path's decoder choice (fallback order, the startup line) and its
+decode-once-per-step cache, on the CPU (nvImageCodec's libjpeg-turbo backend or PIL)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from infclip.data import jpeg_backends
+from infclip.data.jpeg import JpegDecoder, JpegPacker
+from infclip.data.jpeg_backends import pil_decode, probe_jpeg, select_backend
+
+S = 32
+
+
+def packed(n: int, seed: int = 0) -> torch.Tensor:
+    rows = []
+    for k in range(n):
+        rng = np.random.default_rng(seed + k)
+        img = Image.fromarray(rng.integers(0, 256, (40 + 4 * k, 56, 3), dtype=np.uint8))
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=90)
+        torch.manual_seed(seed + k)
+        rows.append(JpegPacker(S)(buf.getvalue()))
+    return torch.stack(rows)
+
+
+def test_a_cpu_device_gets_a_cpu_decoder_and_the_gpu_ones_are_refused_with_the_reason():
+    sel = select_backend("cpu")
+    assert sel.backend.name in ("cpu-nvimgcodec", "cpu-pil") and not sel.backend.on_sms
+    for name in ("hardware", "cuda", "nvjpeg"):
+        with pytest.raises(RuntimeError, match=f"{name}: needs a CUDA training device"):
+            select_backend("cpu", name)
+
+
+def test_without_nvimgcodec_the_fallback_is_pil_and_the_output_is_the_same(monkeypatch):
+    rows = packed(3)
+    first = JpegDecoder(S)(rows)
+    monkeypatch.setattr(jpeg_backends, "_nvimgcodec", lambda: None)
+    dec = JpegDecoder(S)
+    assert dec.backend.name == "cpu-pil"
+    assert (dec(rows) - first).abs().max() <= 1.01 * dec.normalizer.scale.max()  # within a level
+
+
+def test_a_backend_that_decodes_wrongly_is_skipped_and_named(monkeypatch):
+    """The probe image must decode to PIL's pixels: a broken decoder is not taken."""
+    broken = jpeg_backends.Backend("cpu-nvimgcodec", False, lambda datas, stream: [
+        torch.zeros(3, 80, 96, dtype=torch.uint8) for _ in datas])
+    monkeypatch.setattr(jpeg_backends, "_nvimgcodec_backend", lambda *a, **k: broken)
+    with pytest.raises(RuntimeError, match="levels away from PIL"):
+        select_backend("cpu", "cpu")  # the cpu choice tries nvImageCodec first: broken here, then PIL
+    # auto on a CPU device goes on to PIL, as the cpu choice's own fallback
+    monkeypatch.setattr(jpeg_backends, "_build", lambda name, device: broken if name != "cpu"
+                        else jpeg_backends._pil_backend(device))
+    assert select_backend("cpu").backend.name == "cpu-pil"
+
+
+def test_probe_and_pil_agree():
+    data, ref = probe_jpeg()
+    got = pil_decode(np.frombuffer(data, np.uint8)).permute(1, 2, 0).numpy()
+    assert np.array_equal(got, ref)
+    assert pil_decode(np.frombuffer(b"\xff\xd8junk\xff\xd9", np.uint8)) is None
+
+
+def test_marked_rows_are_decoded_once_per_step_and_pixels_are_identical():
+    rows = packed(4)
+    dec = JpegDecoder(S, keep_bytes=10 * 3 * S * S)
+    dec.mark_reread(rows)  # the stager: the replay will read these rows again
+    first = dec(rows)
+    assert dec.decoded == 4
+    second = dec(rows)  # the replay: the kept pixels, no decode
+    assert dec.decoded == 4 and torch.equal(first, second)
+    third = dec(rows)  # not kept twice: a third read decodes again, to the same pixels
+    assert dec.decoded == 8 and torch.equal(first, third)
+
+
+def test_beyond_the_budget_rows_are_decoded_again_and_a_step_end_forgets_kept_pixels():
+    a, b = packed(4, seed=0), packed(4, seed=10)
+    dec = JpegDecoder(S, keep_bytes=4 * 3 * S * S)  # room for one micro-batch
+    for r in (a, b):
+        dec.mark_reread(r)
+    ya, yb = dec(a), dec(b)
+    assert dec._kept_bytes == 4 * 3 * S * S  # a kept, b not (over the budget)
+    assert torch.equal(dec(b), yb) and dec.decoded == 12  # b decoded again
+    dec.cancel_prefetch()  # the stager's end of step
+    assert dec._kept == {} and dec._kept_bytes == 0
+    assert torch.equal(dec(a), ya) and dec.decoded == 16
+
+
+def test_unmarked_rows_are_not_kept():
+    rows = packed(2)
+    dec = JpegDecoder(S, keep_bytes=1 << 20)
+    dec(rows)
+    assert dec._kept == {}

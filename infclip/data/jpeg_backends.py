@@ -22,8 +22,11 @@ rotation), so the GPU pixels match the CPU path's PIL decode as closely as the I
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -51,6 +54,33 @@ class Backend:
             return self.decode_fn(datas, stream)
 
 
+_NOISE = ("nvjpeg2k", "nvJPEG2000", "nvtiff", "nvTIFF")  # codecs we never use: their absence is no news
+
+
+@contextlib.contextmanager
+def _quiet_optional_codecs():
+    """nvImageCodec prints (C-level, to fd 2) one paragraph per optional codec library it
+    cannot load (JPEG 2000, TIFF) whenever a decoder is made. Hide those lines, pass the rest."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 (embedded interpreters): leave it alone
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode(errors="replace").splitlines()
+    kept = [ln for ln in lines if ln.strip() and not any(n in ln for n in _NOISE)]
+    if kept:
+        print("\n".join(kept), file=sys.stderr, flush=True)
+
+
 def _nvimgcodec():
     """The nvImageCodec module, or None when the wheel (``pip install infclip[hwdecode]``) is absent."""
     try:
@@ -71,8 +101,9 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True) 
     kinds = {"hardware": [nv.BackendKind.HW_GPU_ONLY] + ([nv.BackendKind.GPU_ONLY] if fallback else []),
              "cuda": [nv.BackendKind.GPU_ONLY], "cpu": [nv.BackendKind.CPU_ONLY]}[kind]
     dev_id = nv.NVIMGCODEC_DEVICE_CPU_ONLY if kind == "cpu" else (device.index or 0)
-    dec = nv.Decoder(device_id=dev_id, backends=[nv.Backend(k) for k in kinds],
-                     options=":fancy_upsampling=1")
+    with _quiet_optional_codecs():
+        dec = nv.Decoder(device_id=dev_id, backends=[nv.Backend(k) for k in kinds],
+                         options=":fancy_upsampling=1")
     params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB,
                              allow_any_depth=False, sample_format=nv.SampleFormat.I_RGB)
 
@@ -194,8 +225,9 @@ def select_backend(device: torch.device | str, preference: str = "auto") -> Sele
         if device.type != "cuda" and name != "cpu" and preference == "auto":
             continue  # not applicable on a CPU device: not worth a line
         try:
-            backend = _build(name, device)
-            _probe(backend, device)
+            with _quiet_optional_codecs():  # nvImageCodec loads its codec libraries lazily
+                backend = _build(name, device)
+                _probe(backend, device)
             return Selection(backend, skipped)
         except Exception as e:  # a missing library, no engine on this GPU, a bad driver ...
             skipped.append((name, str(e).splitlines()[0][:160] if str(e) else type(e).__name__))
@@ -207,8 +239,9 @@ def hardware_available(device: torch.device | str) -> Optional[str]:
     """None when the GPU's JPEG engines decode the probe image, else the reason they do not."""
     try:
         dev = torch.device(device)
-        backend = _build("hardware", dev)
-        _probe(backend, dev)
+        with _quiet_optional_codecs():
+            backend = _build("hardware", dev)
+            _probe(backend, dev)
         return None
     except Exception as e:
         return str(e).splitlines()[0][:160] if str(e) else type(e).__name__

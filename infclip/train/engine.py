@@ -125,6 +125,7 @@ class StepEngine:
         host = ("images",) if getattr(normalizer, "reads_host", False) else ()
         self.stager = InputStager(self.device, settings.offload, host_fields=host, host_reader=normalizer)
         self.measure_timings = True  # synchronize CUDA at phase boundaries to time them
+        self.next_feed: Optional[Callable[[], Any]] = None  # the pipeline's next feed (decode ahead)
         self.measure_memory = False  # CUDA: peak bytes per phase into last_phase_peaks (resets peak stats)
         self.last_phase_peaks: dict[str, int] = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
@@ -195,6 +196,7 @@ class StepEngine:
         loss, g_img, g_txt, g_extras = self._loss_grads(torch.cat(img_c), torch.cat(txt_c), keep)
         del img_c, txt_c
         clock.lap("loss")
+        self._decode_next_step_ahead()
         for k in range(k_n):  # pass 2: replay with grad, back-propagate the cached gradients
             self._replay(k, next(batches), micros[k], rngs[k], g_img, g_txt, g_extras)
             micros[k] = None  # release cached trunk features as we go
@@ -244,6 +246,17 @@ class StepEngine:
         else:
             img, txt, extras = out[0], out[1], list(out[2:])
         return (m.img_emb if img is None else img), (m.txt_emb if txt is None else txt), extras
+
+    def _decode_next_step_ahead(self) -> None:
+        """Before the replay: let a decoding normalizer start on the next step's images
+        (``next_feed``, set by the loop, returns the feed the pipeline fills next, or None)."""
+        ahead = getattr(self.normalizer, "decode_ahead", None)
+        nxt = self.next_feed() if (ahead is not None and self.next_feed is not None) else None
+        if nxt is None or "images" not in self.stager.host_fields:
+            return
+        micro = self.s.micro
+        ahead([lambda k=k: nxt.rows("images", k * micro, (k + 1) * micro, count_wait=False)
+               for k in range(self.s.num_micro)])
 
     def _dropped(self) -> Optional[Tensor]:
         """bool (micro,) of the samples the normalizer could not decode (device JPEG decode), or None."""

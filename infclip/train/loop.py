@@ -80,6 +80,7 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
     state.data_state = parts.data.state_dict()  # the position before any step of this process
     _warn_duplicates(cfg, info, parts)
     pipeline = build_step_pipeline(cfg, parts.data, parts.engine, info.device, info.world_size)
+    parts.engine.next_feed = pipeline.peek  # a decoding normalizer starts on the next step during the replay
     parts.logger.set_start(state.step)
     t_run = time.perf_counter()
     try:

@@ -261,6 +261,13 @@ class StepPipeline:
         feed.wait_s += time.perf_counter() - t0
         return feed
 
+    def peek(self) -> Optional[StepFeed]:
+        """The feed the filler is filling for the next step (rows may still be arriving), or
+        None when there is none yet (or no filler thread). Nothing is consumed."""
+        with self._ready.mutex:
+            nxt = self._ready.queue[0] if self._ready.queue else None
+        return nxt if isinstance(nxt, StepFeed) else None
+
     def release(self, feed: StepFeed, device: Optional[torch.device] = None) -> None:
         """The step is done with ``feed``: chunks the engine did not release yet are freed
         once the device has read them (an event on the current stream, which waited for

@@ -96,3 +96,29 @@ def test_unmarked_rows_are_not_kept():
     dec = JpegDecoder(S, keep_bytes=1 << 20)
     dec(rows)
     assert dec._kept == {}
+
+
+def test_the_next_steps_rows_decoded_ahead_are_used_by_its_first_pass_and_kept_for_its_replay():
+    now, nxt = packed(4, seed=0), packed(4, seed=20)
+    dec = JpegDecoder(S, keep_bytes=1 << 20)
+    want = JpegDecoder(S)(nxt)
+    dec(now)
+    dec.decode_ahead([lambda: nxt])  # during this step's replay
+    dec._ahead_pool.shutdown(wait=True)
+    assert dec.ahead_decoded == 1 and dec.decoded == 8
+    dec.cancel_prefetch()  # this step ends: the next step's pixels stay
+    dec.mark_reread(nxt)  # the next step's first pass, of rows its replay reads again
+    assert torch.equal(dec(nxt), want) and dec.decoded == 8  # no second decode
+    assert torch.equal(dec(nxt), want) and dec.decoded == 8  # its replay: still kept
+    dec.cancel_prefetch()
+    assert dec._kept == {} and dec._kept_bytes == 0
+
+
+def test_decode_ahead_respects_the_budget_and_a_finished_step():
+    a, b = packed(4, seed=0), packed(4, seed=30)
+    dec = JpegDecoder(S, keep_bytes=4 * 3 * S * S)  # one micro-batch
+    dec.mark_reread(a)
+    dec(a)  # kept for this step's replay: the budget is full
+    dec.decode_ahead([lambda: b])
+    dec._ahead_pool.shutdown(wait=True)
+    assert dec.ahead_decoded == 0 and dec._kept_bytes == 4 * 3 * S * S

@@ -377,23 +377,23 @@ class JpegDecoder(nn.Module):
         return out, dropped
 
     def _decode(self, datas: list, header: list[list[int]]) -> tuple[list[Tensor], Optional[Tensor]]:
-        """(3, H, W) uint8 per image on the device. An image the backend fails on is decoded
+        """(H, W, 3) uint8 per image on the device. An image the backend fails on is decoded
         by PIL on the host (counted in ``failures``); one PIL cannot read either is dropped."""
         from infclip.data.jpeg_backends import pil_decode
 
         images = self.backend.decode(datas, self._stream)
-        bad = [k for k, im in enumerate(images) if im is None or tuple(im.shape[1:]) != (header[k][5], header[k][6])]
+        bad = [k for k, im in enumerate(images) if im is None or tuple(im.shape[:2]) != (header[k][5], header[k][6])]
         if not bad:
             return images, None
         dropped = torch.zeros(len(datas), dtype=torch.bool)
         for k in bad:
             self.failures += 1
             im = pil_decode(datas[k])
-            if im is None or tuple(im.shape[1:]) != (header[k][5], header[k][6]):
+            if im is None or tuple(im.shape[:2]) != (header[k][5], header[k][6]):
                 dropped[k] = True
                 reason = "undecodable" if im is None else "size_mismatch"
                 self.drops[reason] = self.drops.get(reason, 0) + 1
-                im = torch.zeros((3, header[k][5], header[k][6]), dtype=torch.uint8)
+                im = torch.zeros((header[k][5], header[k][6], 3), dtype=torch.uint8)
             images[k] = im.to(self.device, non_blocking=False)
         if dropped.any():
             warnings.warn(f"data.decode=device: {int(dropped.sum())} sample(s) of a micro-batch could not be "
@@ -401,23 +401,26 @@ class JpegDecoder(nn.Module):
         return images, (dropped if dropped.any() else None)
 
     def _resized_crop(self, images: list[Tensor], boxes: Tensor, dtype: torch.dtype) -> Tensor:
-        """Crop box (top, left, h, w) of each image resized to S x S: (n, 3, S, S) uint8,
-        rounded and clamped like PIL's uint8 output."""
+        """Crop box (top, left, h, w) of each (H, W, 3) image resized to S x S: (n, 3, S, S)
+        uint8, rounded and clamped like PIL's uint8 output. Works in the decoders' interleaved
+        layout: the canvas copies are then contiguous rows, the two passes plain batched matmuls."""
         shapes = {tuple(im.shape) for im in images}
         if len(shapes) == 1:
             canvas = torch.stack(images).to(dtype)
         else:  # pad to the largest image of the chunk; zero columns get zero weight
-            hmax = max(s[1] for s in shapes)
-            wmax = max(s[2] for s in shapes)
-            canvas = torch.zeros((len(images), 3, hmax, wmax), dtype=torch.uint8, device=self.device)
+            hmax = max(s[0] for s in shapes)
+            wmax = max(s[1] for s in shapes)
+            canvas = torch.zeros((len(images), hmax, wmax, 3), dtype=torch.uint8, device=self.device)
             # one multi-tensor copy (the per-image loop in C++): a Python loop of 1,024 copies
             # held the GIL for ~20 ms per micro-batch, which the training thread waited on
-            torch._foreach_copy_([c[:, :im.shape[1], :im.shape[2]] for c, im in zip(canvas.unbind(0), images)],
+            torch._foreach_copy_([c[:im.shape[0], :im.shape[1]] for c, im in zip(canvas.unbind(0), images)],
                                  images)
             canvas = canvas.to(dtype)
+        n, h_in, _, _ = canvas.shape
         top, left, h, w = boxes.to(self.device).unbind(1)
-        ry = bicubic_weights(top, h, self.size, canvas.shape[2]).to(dtype)
-        rx = bicubic_weights(left, w, self.size, canvas.shape[3]).to(dtype)
-        tmp = torch.matmul(canvas, rx.transpose(1, 2)[:, None])  # horizontal pass: (n, 3, H, S)
-        out = torch.matmul(ry[:, None], tmp)  # vertical pass: (n, 3, S, S)
+        ry = bicubic_weights(top, h, self.size, canvas.shape[1]).to(dtype)  # (n, S, H)
+        rx = bicubic_weights(left, w, self.size, canvas.shape[2]).to(dtype)  # (n, S, W)
+        tmp = torch.matmul(rx[:, None], canvas)  # horizontal pass: (n, H, S, 3)
+        out = torch.matmul(ry, tmp.reshape(n, h_in, self.size * 3))  # vertical pass: (n, S, S*3)
+        out = out.reshape(n, self.size, self.size, 3).permute(0, 3, 1, 2)
         return out.float().round_().clamp_(0, 255).to(torch.uint8)

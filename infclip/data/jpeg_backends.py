@@ -1,7 +1,8 @@
 """JPEG decoders for the trainer-side decode (``data.decode=device``), and how one is chosen.
 
-Each backend turns a list of JPEG byte strings (host memory) into ``(3, H, W)`` uint8 images
-on the training device, ``None`` where an image could not be decoded. The trainer never
+Each backend turns a list of JPEG byte strings (host memory) into ``(H, W, 3)`` uint8 images
+(interleaved RGB, nvImageCodec's own layout) on the training device, ``None`` where an image
+could not be decoded. The trainer never
 writes a decoder: these wrap maintained libraries.
 
 * ``hardware``: NVIDIA nvImageCodec on the GPU's JPEG engines (NVJPG: A100, A30, H100, H200,
@@ -42,7 +43,7 @@ Bytes = np.ndarray  # uint8 (n,) view of one JPEG in host memory
 
 @dataclass
 class Backend:
-    """A decoder: ``decode(datas, stream) -> [(3,H,W) uint8 on device | None]``."""
+    """A decoder: ``decode(datas, stream) -> [(H,W,3) uint8 on device | None]``."""
 
     name: str
     on_sms: bool  # decoding occupies the GPU's SMs (competes with the towers)
@@ -111,18 +112,16 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True) 
         streams = [nv.CodeStream(d) for d in datas]
         handle = 0 if stream is None else stream.cuda_stream
         outs = dec.decode(streams, params=params, cuda_stream=handle)
-        return [None if o is None else _hwc_to_chw(o, device) for o in outs]
+        return [None if o is None else _as_tensor(o, device) for o in outs]
 
     return Backend(kind if kind != "cpu" else "cpu-nvimgcodec", on_sms=kind == "cuda", decode_fn=decode)
 
 
-def _hwc_to_chw(img, device: torch.device) -> Tensor:
-    """An nvImageCodec image (interleaved RGB) as a (3, H, W) uint8 tensor view on ``device``."""
+def _as_tensor(img, device: torch.device) -> Tensor:
+    """An nvImageCodec image (interleaved RGB) as an (H, W, 3) uint8 tensor on ``device``."""
     if device.type == "cuda":
-        t = torch.as_tensor(img, device=device)  # __cuda_array_interface__: no copy
-    else:
-        t = torch.from_numpy(np.asarray(img.cpu()))
-    return t.permute(2, 0, 1)
+        return torch.as_tensor(img, device=device)  # __cuda_array_interface__: no copy
+    return torch.from_numpy(np.asarray(img.cpu()))
 
 
 def _torchvision_backend(device: torch.device) -> Backend:
@@ -130,13 +129,14 @@ def _torchvision_backend(device: torch.device) -> Backend:
 
     def one(d: Bytes) -> Optional[Tensor]:
         try:
-            return decode_jpeg(torch.from_numpy(d), mode=ImageReadMode.RGB, device=device)
+            return decode_jpeg(torch.from_numpy(np.array(d)), mode=ImageReadMode.RGB, device=device).permute(1, 2, 0)
         except RuntimeError:
             return None
 
     def decode(datas: Sequence[Bytes], stream) -> list:
         try:  # one batched call; a single bad image fails all of it, then one by one
-            return list(decode_jpeg([torch.from_numpy(d) for d in datas], mode=ImageReadMode.RGB, device=device))
+            out = decode_jpeg([torch.from_numpy(np.array(d)) for d in datas], mode=ImageReadMode.RGB, device=device)
+            return [im.permute(1, 2, 0) for im in out]
         except RuntimeError:
             return [one(d) for d in datas]
 
@@ -144,13 +144,13 @@ def _torchvision_backend(device: torch.device) -> Backend:
 
 
 def pil_decode(data: Bytes) -> Optional[Tensor]:
-    """(3, H, W) uint8 on the CPU from PIL (the CPU path's decoder), None if it fails."""
+    """(H, W, 3) uint8 on the CPU from PIL (the CPU path's decoder), None if it fails."""
     try:
         with Image.open(io.BytesIO(data.tobytes())) as im:
             arr = np.asarray(im.convert("RGB"))
     except Exception:
         return None
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1)
+    return torch.from_numpy(arr.copy())
 
 
 def _pil_backend(device: torch.device) -> Backend:
@@ -195,7 +195,7 @@ def _probe(backend: Backend, device: torch.device) -> None:
         stream.synchronize()
     if not out or out[0] is None:
         raise RuntimeError("could not decode a baseline 4:2:0 JPEG")
-    got = out[0].permute(1, 2, 0).cpu().numpy().astype(np.int16)
+    got = out[0].cpu().numpy().astype(np.int16)
     err = np.abs(got - ref).mean() if got.shape == ref.shape else np.inf
     if not err <= 2.0:
         raise RuntimeError(f"decoded the probe JPEG {err:.2f} levels away from PIL on average")

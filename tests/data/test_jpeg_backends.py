@@ -49,7 +49,7 @@ def test_without_nvimgcodec_the_fallback_is_pil_and_the_output_is_the_same(monke
 def test_a_backend_that_decodes_wrongly_is_skipped_and_named(monkeypatch):
     """The probe image must decode to PIL's pixels: a broken decoder is not taken."""
     broken = jpeg_backends.Backend("cpu-nvimgcodec", False, lambda datas, stream: [
-        torch.zeros(3, 80, 96, dtype=torch.uint8) for _ in datas])
+        torch.zeros(80, 96, 3, dtype=torch.uint8) for _ in datas])
     monkeypatch.setattr(jpeg_backends, "_nvimgcodec_backend", lambda *a, **k: broken)
     with pytest.raises(RuntimeError, match="levels away from PIL"):
         select_backend("cpu", "cpu")  # the cpu choice tries nvImageCodec first: broken here, then PIL
@@ -61,7 +61,7 @@ def test_a_backend_that_decodes_wrongly_is_skipped_and_named(monkeypatch):
 
 def test_probe_and_pil_agree():
     data, ref = probe_jpeg()
-    got = pil_decode(np.frombuffer(data, np.uint8)).permute(1, 2, 0).numpy()
+    got = pil_decode(np.frombuffer(data, np.uint8)).numpy()
     assert np.array_equal(got, ref)
     assert pil_decode(np.frombuffer(b"\xff\xd8junk\xff\xd9", np.uint8)) is None
 

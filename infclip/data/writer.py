@@ -49,6 +49,12 @@ class ShardStats:
         return os.path.join(out_dir, f"{{{first:0{SHARD_DIGITS}d}..{last:0{SHARD_DIGITS}d}}}.tar")
 
 
+def write_sizes(out_dir: str, sizes: dict[str, int]) -> None:
+    """Write ``sizes.json`` (``{"00000.tar": n, ...}``), the file sample counting reads first."""
+    with open(os.path.join(out_dir, "sizes.json"), "w") as f:
+        json.dump(sizes, f, indent=1, sort_keys=True)
+
+
 def tar_writer(path: str) -> wds.TarWriter:
     """A ``webdataset.TarWriter`` of raw bytes with a fixed mtime, owner and mode, so a tar's
     bytes depend only on the samples written."""
@@ -58,15 +64,18 @@ def tar_writer(path: str) -> wds.TarWriter:
 class ShardWriter:
     """Write samples into numbered tar shards with a per-shard sample and byte limit.
 
-    Use as a context manager; ``close()`` finishes the last shard and writes ``sizes.json``.
+    Use as a context manager; ``close()`` finishes the last shard and writes ``sizes.json``
+    (unless ``write_sizes=False``: writers in parallel processes, each owning some shards of
+    one folder, leave it to their parent, which merges their ``stats.sizes``).
     """
 
     def __init__(self, out_dir: str, max_samples: int = 10_000, max_bytes: Optional[int] = None,
-                 start_shard: int = 0):
+                 start_shard: int = 0, write_sizes: bool = True):
         if max_samples <= 0:
             raise ValueError(f"max_samples must be > 0, got {max_samples}")
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir, self.max_samples, self.max_bytes = out_dir, max_samples, max_bytes
+        self.write_sizes = write_sizes
         self.stats = ShardStats()
         self._index = start_shard
         self._tar: Optional[wds.TarWriter] = None
@@ -112,8 +121,8 @@ class ShardWriter:
     def close(self) -> ShardStats:
         if self._tar is not None:
             self._finish_shard()
-        with open(os.path.join(self.out_dir, "sizes.json"), "w") as f:
-            json.dump(self.stats.sizes, f, indent=1, sort_keys=True)
+        if self.write_sizes:
+            write_sizes(self.out_dir, self.stats.sizes)
         return self.stats
 
     def __enter__(self) -> "ShardWriter":

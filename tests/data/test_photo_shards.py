@@ -136,3 +136,39 @@ def test_plain_folder_captions_from_file_names(tmp_path, photos):
     assert [(p.name, p.description, p.image.size) for p in got] == [("red_barn", "red barn", (200, 150))]
     with pytest.raises(FileNotFoundError):
         folder_photos(str(tmp_path))  # no photos directly in it
+
+
+def test_tar_writer_bytes_equal_webdataset(tmp_path):
+    import webdataset as wds
+
+    from infclip.data.writer import tar_writer
+
+    samples = [{"__key__": f"k{i}", "jpg": bytes([i]) * (100 + i), "txt": b"a cat", "json": b"{}"}
+               for i in range(3)]
+    ours = tar_writer(str(tmp_path / "ours.tar"))
+    theirs = wds.TarWriter(str(tmp_path / "wds.tar"), user="infclip", group="infclip", mode=0o644,
+                           encoder=False, mtime=0)
+    for s in samples:
+        ours.write(s)
+        theirs.write(s)
+    ours.close()
+    theirs.close()
+    assert (tmp_path / "ours.tar").read_bytes() == (tmp_path / "wds.tar").read_bytes()
+
+
+def test_writer_runs_with_numpy_and_pil_only(photos, tmp_path):
+    """The CLI with --photos imports no webdataset/open_clip/torchvision/torch/sklearn/skimage
+    (the GPU hosts lack them)."""
+    import subprocess
+
+    export_photos(photos, str(tmp_path / "src"))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    argv = ["w", "--photos", str(tmp_path / "src"), "--out", str(tmp_path / "out"), "--num-samples", "8",
+            "--side", "32"]
+    heavy = ("webdataset", "open_clip", "torchvision", "torch", "sklearn", "skimage")
+    code = (f"import sys, runpy; sys.argv = {argv!r}; runpy.run_path('data/write_photo_shards.py', "
+            f"run_name='__main__'); print('HEAVY', [m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    assert "HEAVY []" in out.stdout and "samples written : 8" in out.stdout

@@ -32,6 +32,7 @@ from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
 from infclip.data.shards import IMAGE_EXTS, DataError, RawSample, iter_samples
+from infclip.data.transforms import ImageDecodeError
 
 MAX_EMPTY_DRAWS = 100  # resampled mode: consecutive shards with no sample before giving up
 
@@ -202,6 +203,25 @@ def _image_bytes(sample: RawSample) -> bytes:
     return sample[ext]
 
 
+def _transformed(sample: RawSample, transform: Callable) -> torch.Tensor:
+    """The transform's output. One with ``decodes_bytes`` (e.g. ``DraftRandomResizedCrop``)
+    gets the raw file and decodes it itself (so it can decode less than the full image): its
+    ImageDecodeError counts as ``corrupt_image``. Any other gets the fully decoded RGB image."""
+    if getattr(transform, "decodes_bytes", False):
+        data = _image_bytes(sample)
+        try:
+            return transform(data)
+        except ImageDecodeError:
+            raise Skip("corrupt_image") from None
+        except Exception:
+            raise Skip("transform_error") from None
+    image = _image(sample)
+    try:
+        return transform(image)
+    except Exception:
+        raise Skip("transform_error") from None
+
+
 def decode(sample: RawSample, spec: StreamSpec, transform: Callable, rng: random.Random
            ) -> tuple[torch.Tensor, str]:
     """(uint8 image (3,H,W), caption) or raise :class:`Skip`. A transform with
@@ -210,11 +230,7 @@ def decode(sample: RawSample, spec: StreamSpec, transform: Callable, rng: random
     text = _caption(sample, spec, rng)
     if getattr(transform, "takes_bytes", False):
         return transform(_image_bytes(sample)), text
-    image = _image(sample)
-    try:
-        out = transform(image)
-    except Exception:
-        raise Skip("transform_error") from None
+    out = _transformed(sample, transform)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 3:
         raise Skip("transform_error")
     return out, text

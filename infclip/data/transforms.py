@@ -10,11 +10,14 @@ difference between ~150 KB and ~600 KB of host memory per 224-px sample.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import io
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from open_clip.transform import AugmentationCfg, image_transform
-from torchvision.transforms import Compose, Normalize, PILToTensor, RandomResizedCrop, ToTensor
+from PIL import Image
+from torchvision.transforms import Compose, InterpolationMode, Normalize, PILToTensor, RandomResizedCrop, ToTensor
+from torchvision.transforms import functional as F
 
 from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
@@ -30,18 +33,121 @@ def _to_uint8(compose: Compose) -> Compose:
 def train_transform(image_size: int, mean: Optional[Sequence[float]] = None,
                     std: Optional[Sequence[float]] = None,
                     aug_scale: Sequence[float] = (0.08, 1.0),
-                    aug_ratio: Sequence[float] = (0.75, 1.3333333)) -> Transform:
+                    aug_ratio: Sequence[float] = (0.75, 1.3333333), draft: bool = True) -> Transform:
     """open_clip's train transform (RandomResizedCrop with the paper's scale/ratio, RGB) -> uint8.
 
     ``mean``/``std`` are accepted for symmetry with open_clip but only used by :class:`Normalizer`.
-    Returns a callable PIL.Image -> uint8 tensor (3, image_size, image_size).
+    ``draft=True``: a :class:`DraftRandomResizedCrop` (same crops, same RNG use; decodes JPEGs at
+    1/2, 1/4 or 1/8 scale when the crop allows it; takes the encoded bytes). ``draft=False``:
+    open_clip's Compose, a callable PIL.Image -> uint8 tensor (3, image_size, image_size).
     """
+    if draft:
+        return DraftRandomResizedCrop(image_size, aug_scale, aug_ratio)
     aug = AugmentationCfg(scale=tuple(aug_scale))
     compose = image_transform(image_size, is_train=True, mean=mean, std=std, aug_cfg=aug)
     for t in compose.transforms:
         if isinstance(t, RandomResizedCrop):
             t.ratio = tuple(aug_ratio)  # open_clip's non-timm path leaves torchvision's default
     return _to_uint8(compose)
+
+
+class ImageDecodeError(Exception):
+    """The encoded image could not be decoded (corrupt, truncated, unknown format)."""
+
+
+def draft_factor(crop_w: float, crop_h: float, size: int) -> int:
+    """The largest JPEG DCT reduction r in {8, 4, 2, 1} with crop_w / r >= size and
+    crop_h / r >= size: the reduced decode still has at least ``size`` pixels across the crop
+    in both directions, so the resize that follows only shrinks (never enlarges)."""
+    for r in (8, 4, 2):
+        if crop_w / r >= size and crop_h / r >= size:
+            return r
+    return 1
+
+
+def draft_open(img: Image.Image, crop_w: float, crop_h: float, size: int) -> int:
+    """Configure an unloaded JPEG (RGB/YCbCr or L) to decode at 1/r scale, r = draft_factor;
+    returns the reduction PIL applied (1: none; other formats and modes, e.g. PNG, CMYK, and
+    loaded images decode in full). The image's size becomes ceil(W / r) x ceil(H / r)."""
+    r = draft_factor(crop_w, crop_h, size)
+    if r == 1 or img.format not in ("JPEG", "MPO") or img.mode not in ("RGB", "L"):
+        return 1  # a loaded JPEG ignores draft() (its size stays: r = 1 below)
+    (w, h) = img.size
+    img.draft(img.mode, (w // r, h // r))  # PIL picks the largest s in {8,4,2,1} <= min(w//(w//r), ..)
+    for s in (1, 2, 4, 8):
+        if img.size == (-(-w // s), -(-h // s)):
+            return s
+    raise AssertionError(f"unexpected draft size {img.size} for {(w, h)}")
+
+
+def crop_resize(rgb: Image.Image, r: float, box: Sequence[int], size: int) -> torch.Tensor:
+    """uint8 (3, size, size) of the crop ``box`` = (top, left, h, w) in full-size pixels of an
+    image decoded at 1/r scale (r >= 1): bicubic with antialiasing. r = 1 is exactly torchvision's
+    ``resized_crop`` (open_clip's transform); r > 1 resizes the box divided by r, sub-pixel."""
+    top, left, h, w = box
+    if r == 1:
+        out = F.resized_crop(rgb, top, left, h, w, [size, size], InterpolationMode.BICUBIC, antialias=True)
+    else:
+        out = rgb.resize((size, size), Image.BICUBIC, box=(left / r, top / r, (left + w) / r, (top + h) / r))
+    return F.pil_to_tensor(out)
+
+
+class DraftRandomResizedCrop:
+    """RandomResizedCrop -> RGB -> uint8 (3, S, S) that decodes only the pixels it keeps.
+
+    The crop box is drawn first, by torchvision's ``RandomResizedCrop.get_params`` on the
+    header's size: the same torch RNG draws and the same boxes as open_clip's train transform.
+    When the box is at least twice the output in both directions, a JPEG is decoded with
+    libjpeg's DCT scaling (``Image.draft``) at 1/r, r = :func:`draft_factor`, and the box is
+    divided by r; the bicubic, antialiased resize then runs on the smaller image (the result
+    differs from the full decode by 1-2 grey levels on average: the DCT downscale filters
+    less than the bicubic one; more on fine textures such as grass). Otherwise (r = 1, non-JPEG, CMYK,
+    ``draft=False``) the pixels are bit-identical to ``train_transform(..., draft=False)``.
+
+    Input: the encoded bytes (``decodes_bytes``: the loader passes them) or a PIL image (an
+    unloaded one from ``Image.open`` can still be drafted). Bytes that do not decode raise
+    :class:`ImageDecodeError`; truncated JPEGs are refused (PIL's default).
+    """
+
+    decodes_bytes = True  # infclip.data.stream.decode passes the raw file
+
+    def __init__(self, size: int, scale: Sequence[float] = (0.08, 1.0),
+                 ratio: Sequence[float] = (0.75, 1.3333333), draft: bool = True):
+        self.size, self.scale, self.ratio, self.draft = size, list(scale), list(ratio), draft
+
+    def __call__(self, image: Union[bytes, Image.Image]) -> torch.Tensor:
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            try:
+                img = Image.open(io.BytesIO(image))
+            except Exception as e:
+                raise ImageDecodeError(str(e)) from None
+            with img:
+                return self._crop(img)
+        return self._crop(image)
+
+    def _crop(self, img: Image.Image) -> torch.Tensor:
+        state = torch.get_rng_state()
+        top, left, h, w = RandomResizedCrop.get_params(img, self.scale, self.ratio)
+        try:
+            rgb, r = self.decode(img, w, h)
+        except ImageDecodeError:
+            # A sample that does not decode must not consume random draws: the full-decode
+            # path drops it before its transform runs, and the following crops must match.
+            torch.set_rng_state(state)
+            raise
+        return crop_resize(rgb, r, (top, left, h, w), self.size)
+
+    def decode(self, img: Image.Image, crop_w: float, crop_h: float) -> tuple[Image.Image, int]:
+        """(the loaded RGB image, reduction r): drafted at 1/r when allowed, else in full."""
+        try:
+            r = draft_open(img, crop_w, crop_h, self.size) if self.draft else 1
+            return img.convert("RGB"), r
+        except Exception as e:  # OSError (truncated), SyntaxError, ValueError from decoders
+            raise ImageDecodeError(str(e)) from None
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
+                f"draft={self.draft})")
 
 
 def val_transform(image_size: int, mean: Optional[Sequence[float]] = None,

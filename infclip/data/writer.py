@@ -9,18 +9,19 @@ Output folder::
 
 This is what img2dataset produces (plus parquet files we do not write), so the training
 pipeline counts samples the same way for downloaded and generated data. The tars are written
-by ``webdataset.TarWriter`` with a fixed mtime/owner, so the bytes of a shard depend only on
-what was written (determinism); this module adds the numbering, limits and statistics.
+like ``webdataset.TarWriter`` (the same bytes: :class:`TarWriter` mirrors it with ``tarfile``,
+so this module needs no webdataset) with a fixed mtime/owner, so the bytes of a shard depend
+only on what was written (determinism); this module adds the numbering, limits and statistics.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import tarfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
-
-import webdataset as wds
 
 SHARD_DIGITS = 5
 
@@ -49,27 +50,62 @@ class ShardStats:
         return os.path.join(out_dir, f"{{{first:0{SHARD_DIGITS}d}..{last:0{SHARD_DIGITS}d}}}.tar")
 
 
-def tar_writer(path: str) -> wds.TarWriter:
-    """A ``webdataset.TarWriter`` of raw bytes with a fixed mtime, owner and mode, so a tar's
-    bytes depend only on the samples written."""
-    return wds.TarWriter(path, user="infclip", group="infclip", mode=0o644, encoder=False, mtime=0)
+def write_sizes(out_dir: str, sizes: dict[str, int]) -> None:
+    """Write ``sizes.json`` (``{"00000.tar": n, ...}``), the file sample counting reads first."""
+    with open(os.path.join(out_dir, "sizes.json"), "w") as f:
+        json.dump(sizes, f, indent=1, sort_keys=True)
+
+
+class TarWriter:
+    """``webdataset.TarWriter(path, encoder=False)``'s output with ``tarfile`` alone: each
+    ``write({"__key__": k, ext: bytes, ...})`` adds members ``k.ext`` in sorted ``ext`` order
+    (img2dataset's order: jpg, json, txt), each with the given owner, mode and mtime."""
+
+    def __init__(self, path: str, user: str, group: str, mode: int, mtime: float):
+        self.user, self.group, self.mode, self.mtime = user, group, mode, mtime
+        self._file = open(path, "wb")
+        self._tar = tarfile.open(fileobj=self._file, mode="w|")
+
+    def write(self, sample: dict[str, Any]) -> None:
+        key = sample["__key__"]
+        for ext in sorted(k for k in sample if not k.startswith("_")):
+            data = sample[ext]
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise ValueError(f"{key}.{ext} must be bytes, got {type(data).__name__}")
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mtime, info.mode = len(data), self.mtime, self.mode
+            info.uname, info.gname = self.user, self.group
+            self._tar.addfile(info, io.BytesIO(data))
+
+    def close(self) -> None:
+        self._tar.close()
+        self._file.close()
+
+
+def tar_writer(path: str) -> TarWriter:
+    """A tar writer of raw bytes with a fixed mtime, owner and mode, so a tar's bytes depend
+    only on the samples written."""
+    return TarWriter(path, user="infclip", group="infclip", mode=0o644, mtime=0)
 
 
 class ShardWriter:
     """Write samples into numbered tar shards with a per-shard sample and byte limit.
 
-    Use as a context manager; ``close()`` finishes the last shard and writes ``sizes.json``.
+    Use as a context manager; ``close()`` finishes the last shard and writes ``sizes.json``
+    (unless ``write_sizes=False``: writers in parallel processes, each owning some shards of
+    one folder, leave it to their parent, which merges their ``stats.sizes``).
     """
 
     def __init__(self, out_dir: str, max_samples: int = 10_000, max_bytes: Optional[int] = None,
-                 start_shard: int = 0):
+                 start_shard: int = 0, write_sizes: bool = True):
         if max_samples <= 0:
             raise ValueError(f"max_samples must be > 0, got {max_samples}")
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir, self.max_samples, self.max_bytes = out_dir, max_samples, max_bytes
+        self.write_sizes = write_sizes
         self.stats = ShardStats()
         self._index = start_shard
-        self._tar: Optional[wds.TarWriter] = None
+        self._tar: Optional[TarWriter] = None
         self._count = self._bytes = 0
 
     def write(self, key: str, image: bytes, caption: str, meta: Optional[dict[str, Any]] = None,
@@ -112,8 +148,8 @@ class ShardWriter:
     def close(self) -> ShardStats:
         if self._tar is not None:
             self._finish_shard()
-        with open(os.path.join(self.out_dir, "sizes.json"), "w") as f:
-            json.dump(self.stats.sizes, f, indent=1, sort_keys=True)
+        if self.write_sizes:
+            write_sizes(self.out_dir, self.stats.sizes)
         return self.stats
 
     def __enter__(self) -> "ShardWriter":

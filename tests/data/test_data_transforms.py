@@ -26,14 +26,17 @@ def test_val_transform_matches_open_clip_after_normalizer():
 
 
 def test_train_transform_uses_paper_augmentation_and_uint8():
-    t = train_transform(24, MEAN, STD, aug_scale=(0.08, 1.0), aug_ratio=(0.75, 1.3333333))
+    t = train_transform(24, MEAN, STD, aug_scale=(0.08, 1.0), aug_ratio=(0.75, 1.3333333), draft=False)
     rrc = [x for x in t.transforms if isinstance(x, RandomResizedCrop)]
     assert len(rrc) == 1 and rrc[0].scale == (0.08, 1.0) and rrc[0].ratio == (0.75, 1.3333333)
-    torch.manual_seed(0)
-    a = t(_image())
-    torch.manual_seed(0)
-    b = t(_image())
-    assert a.dtype == torch.uint8 and a.shape == (3, 24, 24) and torch.equal(a, b)
+    drafted = train_transform(24, MEAN, STD, aug_scale=(0.08, 1.0), aug_ratio=(0.75, 1.3333333))
+    assert drafted.scale == [0.08, 1.0] and drafted.ratio == [0.75, 1.3333333] and drafted.draft
+    for transform in (t, drafted):  # a loaded image: no draft, the same pixels
+        torch.manual_seed(0)
+        a = transform(_image())
+        torch.manual_seed(0)
+        b = t(_image())
+        assert a.dtype == torch.uint8 and a.shape == (3, 24, 24) and torch.equal(a, b)
 
 
 def test_normalizer_rejects_float_and_keeps_dtype_choice():

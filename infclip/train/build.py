@@ -114,7 +114,8 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
                                  keep_bytes=_keep_bytes(cfg, info.device))
         why = f"{why}; decoder {normalizer.describe()}"
     else:
-        transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
+        transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio),
+                                    draft=cfg.data.jpeg_draft)
         normalizer = Normalizer(built.mean, built.std).to(info.device)
     if info.is_main:
         print(f"data: decode={decode} ({why})", flush=True)

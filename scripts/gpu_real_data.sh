@@ -16,7 +16,7 @@
 #   decode - scripts/bench_decode.py at both sides (hardware, cuda, nvjpeg)
 #   loader - scripts/bench_data.py-style loader-alone rates for decode=cpu and device (14 workers)
 #   train  - scripts/bench_trainer.py RUNS on the SIDE-px shards
-# Knobs: N256 N512 SIDE RUNS STEPS WORKERS PHOTOS PHOTO_SCRIPT (a folder holding
+# Knobs: N256 N512 DECODE_SIDES SIDE RUNS STEPS WORKERS PHOTOS PHOTO_SCRIPT (a folder holding
 #        data/write_photo_shards.py and its infclip, when not this checkout) TRAIN_S
 set -o pipefail
 PARTS="${PARTS:-setup,shards,decode}"
@@ -42,7 +42,7 @@ if has shards; then
 fi
 spec() { n=$(ls /tmp/photos$1/*.tar | wc -l); printf '/tmp/photos%s/{00000..%05d}.tar' "$1" $((n - 1)); }
 if has decode; then
-  for side in 256 512; do
+  for side in ${DECODE_SIDES:-256 512}; do
     echo "== $side px" | tee -a $OUT/decode.txt
     timeout 200 $PY scripts/bench_decode.py --shards "$(spec $side)" --overlap-s 3 2>&1 \
         | grep -v "^\[\|WARNING" | tee -a $OUT/decode.txt

@@ -402,11 +402,14 @@ class JpegDecoder(nn.Module):
 
     def _resized_crop(self, images: list[Tensor], boxes: Tensor, dtype: torch.dtype) -> Tensor:
         """Crop box (top, left, h, w) of each (H, W, 3) image resized to S x S: (n, 3, S, S)
-        uint8, rounded and clamped like PIL's uint8 output. Works in the decoders' interleaved
-        layout: the canvas copies are then contiguous rows, the two passes plain batched matmuls."""
+        uint8, rounded and clamped like PIL's uint8 output.
+
+        The images are copied as they come (interleaved rows, contiguous) into one uint8
+        canvas, which one copy turns into planar ``dtype``; the two passes are then batched
+        matmuls over W and H (an interleaved canvas would leave a 3-wide inner dimension)."""
         shapes = {tuple(im.shape) for im in images}
         if len(shapes) == 1:
-            canvas = torch.stack(images).to(dtype)
+            canvas = torch.stack(images)
         else:  # pad to the largest image of the chunk; zero columns get zero weight
             hmax = max(s[0] for s in shapes)
             wmax = max(s[1] for s in shapes)
@@ -415,12 +418,12 @@ class JpegDecoder(nn.Module):
             # held the GIL for ~20 ms per micro-batch, which the training thread waited on
             torch._foreach_copy_([c[:im.shape[0], :im.shape[1]] for c, im in zip(canvas.unbind(0), images)],
                                  images)
-            canvas = canvas.to(dtype)
-        n, h_in, _, _ = canvas.shape
+        n, h_in, w_in, _ = canvas.shape
+        planar = torch.empty((n, 3, h_in, w_in), dtype=dtype, device=self.device)
+        planar.copy_(canvas.permute(0, 3, 1, 2))  # layout and dtype in one copy
         top, left, h, w = boxes.to(self.device).unbind(1)
-        ry = bicubic_weights(top, h, self.size, canvas.shape[1]).to(dtype)  # (n, S, H)
-        rx = bicubic_weights(left, w, self.size, canvas.shape[2]).to(dtype)  # (n, S, W)
-        tmp = torch.matmul(rx[:, None], canvas)  # horizontal pass: (n, H, S, 3)
-        out = torch.matmul(ry, tmp.reshape(n, h_in, self.size * 3))  # vertical pass: (n, S, S*3)
-        out = out.reshape(n, self.size, self.size, 3).permute(0, 3, 1, 2)
+        ry = bicubic_weights(top, h, self.size, h_in).to(dtype)  # (n, S, H)
+        rx = bicubic_weights(left, w, self.size, w_in).to(dtype)  # (n, S, W)
+        tmp = torch.matmul(planar, rx.transpose(1, 2)[:, None])  # horizontal pass: (n, 3, H, S)
+        out = torch.matmul(ry[:, None], tmp)  # vertical pass: (n, 3, S, S)
         return out.float().round_().clamp_(0, 255).to(torch.uint8)

@@ -191,6 +191,37 @@ def case_corrupt(how: str) -> Callable[[Ctx], tuple[bool, str]]:
     return case
 
 
+def _zero_text_projection(path: Path) -> None:
+    """Tamper with open_clip_model.safetensors: its text projection zeroed, same size."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    state["text_projection"] = state["text_projection"] * 0
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def eval_cmd(ctx: Ctx, checkpoint: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "infclip.eval", f"checkpoint={checkpoint}", f"synthetic_root={ctx.data}",
+            "device=cpu", "eval.workers=0", "log_to_run=false", *overrides]
+
+
+def case_tampered_safetensors(ctx: Ctx) -> tuple[bool, str]:
+    """The eval command and resume verify open_clip_model.safetensors too: fall back."""
+    run_dir = _copy_reference(ctx, "tampered-safetensors", 9)
+    _zero_text_projection(run_dir / "checkpoints" / "step_00000009" / "open_clip_model.safetensors")
+    out = run_dir / "eval.json"
+    evaluated = run(eval_cmd(ctx, run_dir, f"output={out}"))
+    resolved = json.loads(out.read_text())["resolved"].split("/")[-2] if out.is_file() else "nothing"
+    eval_ok = evaluated.returncode == 0 and "open_clip_model.safetensors does not match" in evaluated.stderr
+    shutil.move(str(run_dir / "checkpoints" / "step_00000009.damaged"), str(run_dir / "checkpoints" / "step_00000009"))
+    second = run(ctx.cmd(run_dir, *COMMON))
+    warned = "skipping damaged checkpoint" in second.stdout
+    ok, detail = compare(ctx, run_dir)
+    return (eval_ok and resolved == "step_00000006" and ok and warned and second.returncode == 0,
+            f"eval: exit {evaluated.returncode}, {'warned' if eval_ok else 'NO warning'}, evaluated {resolved}; "
+            f"resume: {'warned, ' if warned else 'NO warning, '}resumed from {resumed_from(second.stdout)}; {detail}")
+
+
 def case_concurrent(ctx: Ctx) -> tuple[bool, str]:
     run_dir = ctx.fresh("concurrent")
     first = start(ctx.cmd(run_dir, "steps=400", "eval.tasks=[]"), run_dir.with_suffix(".log"))
@@ -322,6 +353,7 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "corrupt newest: truncated model.pt": case_corrupt("truncate-model.pt"),
     "corrupt newest: random-bytes model.pt": case_corrupt("random-model.pt"),
     "corrupt newest: train.pt cut to 1000 B": case_corrupt("cut-train.pt"),
+    "tampered open_clip_model.safetensors (eval, resume)": case_tampered_safetensors,
     "concurrent start on one run_dir": case_concurrent,
     "stale lock after kill9": case_stale_lock,
     "NaN injected into the weights": case_nan_weights,

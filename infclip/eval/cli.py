@@ -72,20 +72,21 @@ def register() -> None:
 
 
 def _latest_step_dir(folder: Path) -> Optional[Path]:
-    """Newest step folder whose model.pt verifies against its manifest; each newer damaged
-    one is named in a one-line warning and skipped."""
-    steps = [p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / "model.pt").is_file()]
-    for step in sorted(steps, key=lambda p: int(p.name[5:]), reverse=True):
-        problem = verify(step, need=("model.pt",), only=("model.pt",))
-        if problem is None:
-            return step
-        print(f"warning: skipping damaged checkpoint {step}: {problem}", file=sys.stderr, flush=True)
-    return None
+    """Newest step folder whose loaded files (model.pt and open_clip's files) verify against
+    its manifest; each newer damaged one is named in a one-line warning, set aside as
+    ``step_N.damaged`` and skipped (``infclip.export.newest_intact``)."""
+    from infclip.export import newest_intact
+
+    return newest_intact(folder, warn=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _verified_model(path: Path) -> str:
-    """``path`` (a model.pt) if its folder's manifest, when there is one, vouches for it."""
-    problem = verify(path.parent, need=(path.name,), only=(path.name,)) if (path.parent / MANIFEST).is_file() else None
+    """``path`` (a model.pt) if its folder's manifest, when there is one, vouches for it and
+    for every other file the command loads from that folder (open_clip's files)."""
+    from infclip.export import open_clip_files
+
+    files = (path.name, *open_clip_files(path.parent))
+    problem = verify(path.parent, need=files, only=files) if (path.parent / MANIFEST).is_file() else None
     if problem:
         raise EvalConfigError(f"checkpoint {path.parent} is damaged: {problem}; give an intact step folder "
                               "or the run folder (its newest intact checkpoint is used)")

@@ -1,0 +1,96 @@
+"""Every file the eval command, the export and resume load is verified against the
+checkpoint's manifest (issue 28, defect 1): a tampered open_clip_model.safetensors (its text
+projection zeroed, same size) is a damaged checkpoint: warned about, set aside, fallen back from."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infclip.config import ModelConfig
+from infclip.eval.config import EvalConfigError
+from infclip.export import WEIGHTS_NAME, ExportError, checkpoint_writer, find_checkpoint
+from infclip.model import build_model
+from infclip.train import checkpoint as ckpt
+
+MODEL = "infclip-micro"
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run folder with checkpoints 1 and 2 of different micro models, written as the trainer
+    writes them (model.pt, train.pt, rank file, open_clip's files, manifest last)."""
+    built = build_model(ModelConfig(name=MODEL))
+    saver = ckpt.Checkpointer(tmp_path / "run", keep_last=3, rank=0, barrier=lambda: None,
+                              on_publish=checkpoint_writer(built, ModelConfig(name=MODEL)))
+    for step in (1, 2):
+        torch.manual_seed(step)
+        state = build_model(ModelConfig(name=MODEL)).model.state_dict()
+        saver.save(step, state, {"step": step}, {"rng": ckpt.rng_state(), "data": {}})
+    return tmp_path / "run"
+
+
+def _zero_text_projection(folder):
+    """The fault-injection pass's tampering: same size, same header, other bytes."""
+    path = folder / WEIGHTS_NAME
+    size = path.stat().st_size
+    state = load_file(str(path))
+    state["text_projection"] = torch.zeros_like(state["text_projection"])
+    save_file(state, str(path), metadata={"format": "pt"})
+    assert path.stat().st_size == size
+
+
+def test_eval_falls_back_from_a_tampered_safetensors_and_loads_the_intact_weights(run_dir, capsys):
+    from omegaconf import OmegaConf
+
+    from infclip.eval.cli import build, resolve_checkpoint
+
+    steps = run_dir / "checkpoints"
+    _zero_text_projection(steps / "step_00000002")
+    resolved = resolve_checkpoint(str(run_dir))
+    assert resolved == str(steps / "step_00000001" / "model.pt")
+    err = capsys.readouterr().err
+    assert f"skipping damaged checkpoint {steps / 'step_00000002'}: {WEIGHTS_NAME} does not match" in err
+    assert (steps / "step_00000002.damaged").is_dir() and not (steps / "step_00000002").exists()
+    cfg = OmegaConf.create({"model": None, "model_config_file": None})
+    model, _, _ = build(cfg, torch.device("cpu"), resolved)  # open_clip's local-dir: of step 1
+    saved = torch.load(resolved, weights_only=True)
+    assert torch.equal(model.text_projection, saved["text_projection"]) and saved["text_projection"].abs().sum() > 0
+
+
+def test_eval_refuses_an_explicit_step_folder_whose_safetensors_was_tampered(run_dir):
+    from infclip.eval.cli import resolve_checkpoint
+
+    step = run_dir / "checkpoints" / "step_00000002"
+    _zero_text_projection(step)
+    with pytest.raises(EvalConfigError, match=f"{WEIGHTS_NAME} does not match its SHA-256"):
+        resolve_checkpoint(str(step))
+    with pytest.raises(EvalConfigError, match=f"{WEIGHTS_NAME} does not match its SHA-256"):
+        resolve_checkpoint(str(step / "model.pt"))
+
+
+def test_a_weights_file_added_after_the_checkpoint_was_written_is_not_trusted(run_dir):
+    from infclip.eval.cli import resolve_checkpoint
+
+    step = run_dir / "checkpoints" / "step_00000002"
+    (step / "tokenizer_config.json").write_text("{}")  # open_clip's local-dir: would read it
+    with pytest.raises(EvalConfigError, match="tokenizer_config.json is not in its manifest.json"):
+        resolve_checkpoint(str(step))
+
+
+def test_export_falls_back_from_a_tampered_safetensors_and_refuses_it_by_step(run_dir):
+    steps = run_dir / "checkpoints"
+    _zero_text_projection(steps / "step_00000002")
+    with pytest.raises(ExportError, match=f"step_00000002 is damaged: {WEIGHTS_NAME} does not match"):
+        find_checkpoint(run_dir, 2)
+    lines = []
+    assert find_checkpoint(run_dir, None, warn=lines.append) == steps / "step_00000001"
+    assert len(lines) == 1 and WEIGHTS_NAME in lines[0] and "step_00000002.damaged" in lines[0]
+
+
+def test_resume_falls_back_from_a_tampered_safetensors(run_dir):
+    _zero_text_projection(run_dir / "checkpoints" / "step_00000002")
+    saver = ckpt.Checkpointer(run_dir, keep_last=3, rank=0, barrier=lambda: None)
+    lines = []
+    assert saver.latest_loadable(world_size=1, warn=lines.append).name == "step_00000001"
+    assert len(lines) == 1 and WEIGHTS_NAME in lines[0]
+

@@ -222,6 +222,29 @@ def case_tampered_safetensors(ctx: Ctx) -> tuple[bool, str]:
             f"resume: {'warned, ' if warned else 'NO warning, '}resumed from {resumed_from(second.stdout)}; {detail}")
 
 
+def case_collapsed_model(ctx: Ctx) -> tuple[bool, str]:
+    """A model trained into collapse (text projection zero, a consistent checkpoint: its
+    manifest rewritten) gets NaN class embeddings; it must not score 100 %."""
+    import torch
+
+    from infclip.manifest import write_manifest
+
+    run_dir = _copy_reference(ctx, "collapsed-model", 3)
+    step = run_dir / "checkpoints" / "step_00000003"
+    state = torch.load(step / "model.pt", weights_only=True)
+    state["text_projection"].zero_()
+    torch.save(state, step / "model.pt")
+    _zero_text_projection(step / "open_clip_model.safetensors")
+    write_manifest(step)
+    out = run_dir / "eval.json"
+    proc = run(eval_cmd(ctx, step, f"output={out}", "tasks=[synthetic_zeroshot]"))
+    metrics = json.loads(out.read_text())["metrics"] if out.is_file() else {}
+    top1, counted = metrics.get("eval/synthetic_zeroshot/top1"), metrics.get("eval/synthetic_zeroshot/num_nonfinite")
+    warned = "scored non-finite similarities" in proc.stderr
+    return (proc.returncode == 0 and top1 == 0.0 and bool(counted) and warned,
+            f"exit {proc.returncode}; top-1 {top1}; non-finite queries counted: {counted}; warned: {warned}")
+
+
 def case_concurrent(ctx: Ctx) -> tuple[bool, str]:
     run_dir = ctx.fresh("concurrent")
     first = start(ctx.cmd(run_dir, "steps=400", "eval.tasks=[]"), run_dir.with_suffix(".log"))
@@ -354,6 +377,7 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "corrupt newest: random-bytes model.pt": case_corrupt("random-model.pt"),
     "corrupt newest: train.pt cut to 1000 B": case_corrupt("cut-train.pt"),
     "tampered open_clip_model.safetensors (eval, resume)": case_tampered_safetensors,
+    "collapsed model (NaN class embeddings), eval": case_collapsed_model,
     "concurrent start on one run_dir": case_concurrent,
     "stale lock after kill9": case_stale_lock,
     "NaN injected into the weights": case_nan_weights,

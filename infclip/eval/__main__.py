@@ -5,6 +5,8 @@ See :mod:`infclip.eval.cli` and docs/eval.md.
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 import torch
 from omegaconf import DictConfig
@@ -43,6 +45,8 @@ def main(cfg: DictConfig) -> dict:
 def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, world_size: int) -> None:
     """Print the task table and one table per suite; write the JSON file, the run's metrics, wandb."""
     print(cli.format_table(metrics))
+    for line in cli.nonfinite_warnings(metrics):
+        print(line, file=sys.stderr, flush=True)
     for plan in suites:
         summary = summarize(plan, metrics)
         print(format_suite(plan, summary))

@@ -331,6 +331,19 @@ def format_table(metrics: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def nonfinite_warnings(metrics: dict[str, float]) -> list[str]:
+    """One warning line per task that had queries with non-finite scores (NaN/inf embeddings:
+    a collapsed or damaged model); those queries were counted as misses."""
+    lines = []
+    for key, n in metrics.items():
+        if key.endswith("/num_nonfinite") and n:
+            task = key.split("/")[1]
+            total = sum(metrics.get(f"eval/{task}/{k}", 0.0) for k in ("num_samples", "num_images", "num_texts"))
+            lines.append(f"warning: {task}: {int(n)} of {int(total)} queries scored non-finite similarities "
+                         "(the model's embeddings are NaN/inf: collapsed or damaged weights); counted as misses")
+    return lines
+
+
 def default_output(pretrained: Optional[str]) -> str:
     if pretrained and os.path.isfile(pretrained):
         return str(Path(pretrained).parent / "eval.json")

@@ -94,3 +94,28 @@ def test_resume_falls_back_from_a_tampered_safetensors(run_dir):
     assert saver.latest_loadable(world_size=1, warn=lines.append).name == "step_00000001"
     assert len(lines) == 1 and WEIGHTS_NAME in lines[0]
 
+
+def test_a_model_with_zeroed_text_projection_never_scores_100_and_is_reported(synthetic, micro):
+    """Defect 2: its class embeddings are NaN (open_clip normalizes a zero mean); it scored
+    top-1 = top-5 = 100 %. Now 0, every image counted, and the eval command warns."""
+    import copy
+
+    from infclip.eval import EvalConfig, run_evals
+    from infclip.eval.cli import nonfinite_warnings
+
+    model, tokenizer, preprocess = micro
+    collapsed = copy.deepcopy(model)
+    with torch.no_grad():
+        collapsed.text_projection.zero_()
+    tasks = [t for t in synthetic.eval_tasks() if t.kind == "zeroshot"]
+    metrics = run_evals(collapsed, tokenizer, preprocess, EvalConfig(tasks=tasks, workers=0), step=0, final=True,
+                        device="cpu")
+    name = tasks[0].name
+    assert metrics[f"eval/{name}/top1"] == 0.0 and metrics[f"eval/{name}/top5"] == 0.0
+    assert metrics[f"eval/{name}/num_nonfinite"] == metrics[f"eval/{name}/num_samples"] == 37
+    assert nonfinite_warnings(metrics) == [
+        f"warning: {name}: 37 of 37 queries scored non-finite similarities (the model's embeddings are NaN/inf: "
+        "collapsed or damaged weights); counted as misses"]
+    healthy = run_evals(model, tokenizer, preprocess, EvalConfig(tasks=tasks, workers=0), step=0, final=True,
+                        device="cpu")
+    assert f"eval/{name}/num_nonfinite" not in healthy and nonfinite_warnings(healthy) == []

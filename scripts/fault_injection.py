@@ -355,16 +355,42 @@ def case_sigterm_final_eval(ctx: Ctx) -> tuple[bool, str]:
     return rc == 0 and names[-1:] == ["step_00000006"], f"exit {rc}; checkpoints {names}; final eval finished: {evals}"
 
 
-def case_sigterm(ctx: Ctx) -> tuple[bool, str]:
-    run_dir = ctx.fresh("sigterm")
+def case_stop_signal(sig: int) -> Callable[[Ctx], tuple[bool, str]]:
+    def case(ctx: Ctx) -> tuple[bool, str]:
+        run_dir = ctx.fresh(signal.Signals(sig).name.lower())
+        log = run_dir.with_suffix(".log")
+        proc = start(ctx.cmd(run_dir, *COMMON), log)
+        wait_until(proc, lambda: last_step(run_dir) >= ctx.rng.randint(1, STEPS - 2))
+        os.killpg(proc.pid, sig)  # the whole group, as a terminal's Ctrl-C or scancel does
+        rc = proc.wait(timeout=300)
+        stopped, at = checkpoints(run_dir)[-1], last_step(run_dir)
+        clean = "Traceback" not in log.read_text()
+        second = run(ctx.cmd(run_dir, *COMMON))
+        ok, detail = compare(ctx, run_dir)
+        return (ok and rc == 0 and clean and stopped == f"step_{at:08d}" and second.returncode == 0,
+                f"exit {rc}, checkpoint {stopped} (last step {at}), traceback: {not clean}; resumed; {detail}")
+    return case
+
+
+def case_double_sigint(ctx: Ctx) -> tuple[bool, str]:
+    """Two Ctrl-C: the second exits at once (130); the next start removes a leftover
+    .step_N.tmp with one line and resumes from the newest complete checkpoint."""
+    run_dir = ctx.fresh("double-sigint")
     proc = start(ctx.cmd(run_dir, *COMMON), run_dir.with_suffix(".log"))
-    wait_until(proc, lambda: last_step(run_dir) >= ctx.rng.randint(1, STEPS - 2))
-    os.killpg(proc.pid, signal.SIGTERM)
+    root = run_dir / "checkpoints"
+    wait_until(proc, lambda: root.is_dir() and any(p.name.endswith(".tmp") and p.name != ".step_00000003.tmp"
+                                                    for p in root.iterdir()))
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
     rc = proc.wait(timeout=300)
-    stopped = checkpoints(run_dir)[-1]
+    left = sorted(p.name for p in root.iterdir() if p.name.endswith(".tmp"))
     second = run(ctx.cmd(run_dir, *COMMON))
+    removed = next((x for x in second.stdout.splitlines() if x.startswith("removed .step_")), "")
     ok, detail = compare(ctx, run_dir)
-    return ok and rc == 0 and second.returncode == 0, f"exit {rc}, checkpoint {stopped}; resumed; {detail}"
+    return (ok and rc == 130 and second.returncode == 0 and (removed != "" or not left),
+            f"exit {rc}; left {left or 'no temp folder'}; next start: '{removed[:60] or 'nothing to remove'}'; "
+            f"resumed from {resumed_from(second.stdout)}; {detail}")
 
 
 CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
@@ -372,7 +398,9 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "kill9 at a random moment (2)": case_kill9,
     "kill9 at a random moment (3)": case_kill9,
     "kill9 mid-checkpoint": case_kill9_mid_checkpoint,
-    "sigterm mid-run, resume": case_sigterm,
+    "sigterm mid-run, resume": case_stop_signal(signal.SIGTERM),
+    "ctrl-c (SIGINT) mid-run, resume": case_stop_signal(signal.SIGINT),
+    "two ctrl-c mid-checkpoint, resume": case_double_sigint,
     "corrupt newest: truncated model.pt": case_corrupt("truncate-model.pt"),
     "corrupt newest: random-bytes model.pt": case_corrupt("random-model.pt"),
     "corrupt newest: train.pt cut to 1000 B": case_corrupt("cut-train.pt"),

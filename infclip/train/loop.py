@@ -41,6 +41,7 @@ class State:
     stop_requested: bool = False  # set only from the value all ranks agreed on (_agree_on_stop)
     stop_signal: int = 0  # the agreed stop signal (SIGUSR1: Slurm's warning -> requeue)
     signal_received: int = 0  # set by the handler on this rank; acted on after the next step
+    interrupts: int = 0  # SIGINTs received (the second one exits at once: infclip.train.signals)
     saved_step: int = -1  # step of the newest checkpoint this process wrote or resumed from
     data_state: Optional[dict] = None  # loader position after the last *trained* step (not a prefetched one)
 

@@ -271,3 +271,17 @@ def test_no_resumable_checkpoint_names_each_one_and_why(tmp_path):
         _pick_checkpoint(SimpleNamespace(resume="auto"), info, parts)
     assert "step_00000002: model.pt is missing" in str(e.value) and "step_00000001" in str(e.value)
     assert "rank files" not in str(e.value)
+
+
+def test_an_unfinished_save_is_removed_at_the_next_start_with_one_line(tmp_path):
+    """A .step_N.tmp left by an interrupted save (kill, second Ctrl-C) goes at the next
+    resume=auto start, named in one line; the complete checkpoints stay (issue 28, defect 5)."""
+    c = _saver(tmp_path, keep=3)
+    _save(c, 1)
+    tmp = tmp_path / "checkpoints" / ".step_00000002.tmp"
+    tmp.mkdir()
+    (tmp / "rank_00000.pt").write_bytes(b"partial")
+    lines = []
+    assert c.latest_loadable(world_size=1, warn=lines.append).name == "step_00000001"
+    assert not tmp.exists() and len(lines) == 1 and ".step_00000002.tmp" in lines[0]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000001"]

@@ -245,6 +245,45 @@ def case_collapsed_model(ctx: Ctx) -> tuple[bool, str]:
             f"exit {proc.returncode}; top-1 {top1}; non-finite queries counted: {counted}; warned: {warned}")
 
 
+def _freeze_worker(ctx: Ctx, name: str, *overrides: str) -> tuple[subprocess.Popen, Path, Path]:
+    """Training with its one loader worker SIGSTOPped after step 2 (an NFS stall, a hung pipe:)."""
+    run_dir = ctx.fresh(name)
+    log = run_dir.with_suffix(".log")
+    proc = start(ctx.cmd(run_dir, *COMMON, *overrides), log)
+    wait_until(proc, lambda: last_step(run_dir) >= 2)
+    children = [c for t in Path(f"/proc/{proc.pid}/task").glob("*/children") for c in t.read_text().split()]
+    os.kill(int(children[0]), signal.SIGSTOP)
+    return proc, run_dir, log
+
+
+def case_frozen_worker(ctx: Ctx) -> tuple[bool, str]:
+    proc, run_dir, log = _freeze_worker(ctx, "frozen-worker", "data.stall_warn_s=2", "data.stall_abort_s=6")
+    rc = proc.wait(timeout=300)
+    text = log.read_text()
+    warning = next((x for x in text.splitlines() if x.startswith("warning: the data loader")), "")
+    stopped, at = checkpoints(run_dir)[-1], last_step(run_dir)
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    named = warning.split("it waits on ")[-1].split(";")[0]
+    return (ok and rc == 2 and "Traceback" not in text and bool(warning) and stopped == f"step_{at:08d}"
+            and second.returncode == 0,
+            f"warned: '{named}'; abort exit {rc}, checkpoint {stopped} (last step {at}); resumed; {detail}")
+
+
+def case_sigterm_frozen_worker(ctx: Ctx) -> tuple[bool, str]:
+    proc, run_dir, log = _freeze_worker(ctx, "sigterm-frozen-worker", "data.stall_warn_s=1", "data.stall_abort_s=0")
+    wait_until(proc, lambda: "delivered nothing" in log.read_text())
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=300)
+    took = time.monotonic() - t0
+    stopped, at = checkpoints(run_dir)[-1], last_step(run_dir)
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    return (ok and rc == 0 and took < 30 and stopped == f"step_{at:08d}" and second.returncode == 0,
+            f"exit {rc} {took:.1f} s after SIGTERM, checkpoint {stopped} (last step {at}); resumed; {detail}")
+
+
 def case_concurrent(ctx: Ctx) -> tuple[bool, str]:
     run_dir = ctx.fresh("concurrent")
     first = start(ctx.cmd(run_dir, "steps=400", "eval.tasks=[]"), run_dir.with_suffix(".log"))
@@ -406,6 +445,8 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "corrupt newest: train.pt cut to 1000 B": case_corrupt("cut-train.pt"),
     "tampered open_clip_model.safetensors (eval, resume)": case_tampered_safetensors,
     "collapsed model (NaN class embeddings), eval": case_collapsed_model,
+    "frozen loader worker (SIGSTOP)": case_frozen_worker,
+    "sigterm while the loader worker is frozen": case_sigterm_frozen_worker,
     "concurrent start on one run_dir": case_concurrent,
     "stale lock after kill9": case_stale_lock,
     "NaN injected into the weights": case_nan_weights,

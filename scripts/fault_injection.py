@@ -342,6 +342,16 @@ def case_refused(name: str, *overrides: str, expect: str) -> Callable[[Ctx], tup
     return case
 
 
+def case_bad_image_pretrained(ctx: Ctx) -> tuple[bool, str]:
+    """A file whose keys match nothing of the image tower: refused, not a random tower trained."""
+    import torch
+
+    path = ctx.work / "unrelated-tower.pt"
+    torch.save({"encoder.weight": torch.ones(2, 2)}, path)
+    return case_refused("image-pretrained", f"model.image_pretrained={path}",
+                        expect="match nothing in the tower")(ctx)
+
+
 def case_new_lr(ctx: Ctx) -> tuple[bool, str]:
     run_dir = _copy_reference(ctx, "new-lr", 6)
     proc = run(ctx.cmd(run_dir, *COMMON, "optim.lr=1e-4"))
@@ -453,6 +463,9 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "NaN injected into the gradients": case_nan_grads,
     "optim.lr=inf": case_refused("lr-inf", "optim.lr=inf", expect="optim.lr=inf is not a finite number"),
     "+optim.lrr=1 (typo added with +)": case_refused("plus-typo", "+optim.lrr=1", expect="did you mean optim.lr?"),
+    "model.image_pretrained whose keys match nothing": case_bad_image_pretrained,
+    "model.pretrained=no-such-tag": case_refused("pretrained-tag", "model.pretrained=no-such-tag",
+                                                 expect="model.pretrained='no-such-tag' cannot be loaded"),
     "resume with a new optim.lr": case_new_lr,
     "resume with another model.name": case_refused_resume,
     "half of the shards empty": case_half_empty,

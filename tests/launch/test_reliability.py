@@ -264,3 +264,18 @@ def test_a_stall_warning_names_the_shard_file_or_the_pipe_command_a_worker_waits
         for p in (holder, piper):
             os.killpg(p.pid, signal.SIGKILL)  # with its child
             p.wait()
+
+
+@pytest.mark.parametrize("bad", ["image_pretrained", "pretrained"])
+def test_weights_that_do_not_load_refuse_the_start_in_one_paragraph(tmp_path, data_root, bad):
+    """model.image_pretrained whose keys match nothing trained a random tower with exit 0, and
+    a model.pretrained that is neither a tag nor a file ended in a traceback (issue 28, defects 3
+    and 10): now one paragraph, exit 2, no run folder."""
+    path = tmp_path / "unrelated.pt"
+    torch.save({"encoder.weight": torch.ones(2, 2)}, path)
+    override = f"model.image_pretrained={path}" if bad == "image_pretrained" else "model.pretrained=no-such-tag"
+    proc = run(train_cmd(data_root, tmp_path / "run", *COMMON, override), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"error (ModelError): model.{bad}=")
+    assert ("match nothing in the tower" if bad == "image_pretrained" else "cannot be loaded") in proc.stderr
+    assert not (tmp_path / "run").exists()

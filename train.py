@@ -27,9 +27,9 @@ def user_errors() -> tuple[type, ...]:
     from infclip.data.shards import DataError
     from infclip.eval.config import EvalConfigError
     from infclip.train.guard import NonFiniteError
-    from infclip.train.rundir import RunDirBusy
+    from infclip.train.rundir import RunDirBusy, RunDirUnusable
 
-    return ConfigError, DataError, EvalConfigError, RunDirBusy, NonFiniteError
+    return ConfigError, DataError, EvalConfigError, RunDirBusy, RunDirUnusable, NonFiniteError
 
 
 def paragraph(err: BaseException) -> str:

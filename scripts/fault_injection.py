@@ -284,6 +284,36 @@ def case_sigterm_frozen_worker(ctx: Ctx) -> tuple[bool, str]:
             f"exit {rc} {took:.1f} s after SIGTERM, checkpoint {stopped} (last step {at}); resumed; {detail}")
 
 
+def case_killed_worker(ctx: Ctx) -> tuple[bool, str]:
+    """SIGKILL to the loader worker (the out-of-memory killer): one paragraph, a checkpoint."""
+    run_dir = ctx.fresh("killed-worker")
+    log = run_dir.with_suffix(".log")
+    proc = start(ctx.cmd(run_dir, *COMMON), log)
+    wait_until(proc, lambda: last_step(run_dir) >= 2)
+    children = [c for t in Path(f"/proc/{proc.pid}/task").glob("*/children") for c in t.read_text().split()]
+    os.kill(int(children[0]), signal.SIGKILL)
+    rc = proc.wait(timeout=300)
+    text = log.read_text()
+    stopped, at = checkpoints(run_dir)[-1], last_step(run_dir)
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    para = "error (DataError): a data loader worker died" in text and "Traceback" not in text
+    return (ok and rc == 2 and para and stopped == f"step_{at:08d}" and second.returncode == 0,
+            f"exit {rc}, one paragraph: {para}, checkpoint {stopped} (last step {at}); resumed; {detail}")
+
+
+def case_long_name(ctx: Ctx) -> tuple[bool, str]:
+    proc = run(ctx.cmd(ctx.work / ("x" * 300), *COMMON))
+    ok = one_paragraph(proc) and "longer than the file system allows" in proc.stderr
+    return ok, f"exit {proc.returncode}, no traceback: {'Traceback' not in proc.stderr}, '{proc.stderr.splitlines()[0][:80]}'"
+
+
+def case_eval_error(ctx: Ctx) -> tuple[bool, str]:
+    proc = run(eval_cmd(ctx, ctx.work / "absent" / "model.pt"))
+    ok = one_paragraph(proc) and "does not exist" in proc.stderr
+    return ok, f"exit {proc.returncode}, no traceback: {'Traceback' not in proc.stderr}, '{proc.stderr.splitlines()[0][:80]}'"
+
+
 def case_concurrent(ctx: Ctx) -> tuple[bool, str]:
     run_dir = ctx.fresh("concurrent")
     first = start(ctx.cmd(run_dir, "steps=400", "eval.tasks=[]"), run_dir.with_suffix(".log"))
@@ -457,6 +487,9 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "collapsed model (NaN class embeddings), eval": case_collapsed_model,
     "frozen loader worker (SIGSTOP)": case_frozen_worker,
     "sigterm while the loader worker is frozen": case_sigterm_frozen_worker,
+    "killed loader worker (SIGKILL)": case_killed_worker,
+    "eval command: a checkpoint that does not exist": case_eval_error,
+    "run name too long for the file system": case_long_name,
     "concurrent start on one run_dir": case_concurrent,
     "stale lock after kill9": case_stale_lock,
     "NaN injected into the weights": case_nan_weights,

@@ -95,13 +95,21 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
                 _abandon_step(state)
                 state.stop_requested, state.stop_signal = True, state.signal_received
                 break
+            state.step_rng = None  # the step completed: nothing to rewind from here on
             state.step += 1
             state.samples += cfg.batch.global_size
             _after_step(cfg, info, parts, state, metrics)
             if state.stop_requested:
                 break
     except LoaderStalled as e:
-        raise _stalled(info, parts, state, e) from None
+        raise _data_abort(info, parts, state, str(e), "Check the shard named (file system, pipe: command); "
+                          "data.stall_abort_s sets how long to wait (0: for ever)") from None
+    except RuntimeError as e:
+        if not _loader_died(e):
+            raise
+        raise _data_abort(info, parts, state, f"a data loader worker died ({str(e).strip().splitlines()[0]})",
+                          "If the system's out-of-memory killer ended it, lower data.workers or "
+                          "data.loader_batch") from None
     finally:  # stop the loader workers now, also when a step raised (they ignore SIGTERM)
         pipeline.close()
     return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
@@ -124,20 +132,25 @@ def _abandon_step(state: State) -> None:
         ckpt.set_rng_state(state.step_rng)
 
 
-def _stalled(info: DistInfo, parts: Parts, state: State, err: LoaderStalled) -> Exception:
-    """The stall abort's error (one paragraph, exit 2); one rank first checkpoints its last
-    completed step (several cannot: the others wait in a collective)."""
+def _loader_died(e: RuntimeError) -> bool:
+    """torch's error for a loader worker that exited or was killed (raised by its SIGCHLD
+    handler or the loader's liveness check)."""
+    return str(e).lstrip().startswith("DataLoader worker")
+
+
+def _data_abort(info: DistInfo, parts: Parts, state: State, what: str, advice: str) -> Exception:
+    """The error (one paragraph, exit 2) of a stalled or dead loader; one rank first
+    checkpoints its last completed step (several cannot: the others wait in a collective)."""
     from infclip.data.shards import DataError
 
     if info.distributed:
-        where = f"rank {info.rank}: {err}; the other ranks wait for it: stopping the job without a new checkpoint"
+        where = f"rank {info.rank}: {what}; the other ranks wait for it: stopping the job without a new checkpoint"
     else:
         _abandon_step(state)
         saved = parts.checkpointer.root / f"step_{state.step:08d}"
         path = _save(parts, state) if state.saved_step != state.step else saved
-        where = f"{err}; the last completed step ({state.step}) is checkpointed ({path})"
-    return DataError(f"{where}. Check the shard named (file system, pipe: command); resume=auto continues "
-                     "from the newest checkpoint. data.stall_abort_s sets how long to wait (0: for ever).")
+        where = f"{what}; the last completed step ({state.step}) is checkpointed ({path})"
+    return DataError(f"{where}. {advice}; resume=auto continues from the newest checkpoint.")
 
 
 def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: StepPipeline) -> dict:

@@ -119,3 +119,17 @@ def test_a_model_with_zeroed_text_projection_never_scores_100_and_is_reported(sy
     healthy = run_evals(model, tokenizer, preprocess, EvalConfig(tasks=tasks, workers=0), step=0, final=True,
                         device="cpu")
     assert f"eval/{name}/num_nonfinite" not in healthy and nonfinite_warnings(healthy) == []
+
+
+def test_the_eval_command_reports_its_errors_in_one_paragraph_with_exit_2(tmp_path):
+    """Every EvalConfigError was a traceback: the command had no handler (issue 28, defect 10)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    missing = tmp_path / "absent" / "model.pt"
+    proc = subprocess.run([sys.executable, "-m", "infclip.eval", f"checkpoint={missing}", "device=cpu"],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"error (EvalConfigError): checkpoint={str(missing)!r} does not exist")
+

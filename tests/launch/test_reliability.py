@@ -279,3 +279,35 @@ def test_weights_that_do_not_load_refuse_the_start_in_one_paragraph(tmp_path, da
     assert proc.stderr.startswith(f"error (ModelError): model.{bad}=")
     assert ("match nothing in the tower" if bad == "image_pretrained" else "cannot be loaded") in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_paragraph(tmp_path, data_root):
+    """A run name too long for the file system was a traceback (issue 28, defect 10)."""
+    from infclip.train.rundir import RunDirUnusable, acquire
+
+    proc = run(train_cmd(data_root, tmp_path / ("x" * 300), *COMMON), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error (RunDirUnusable): run_dir ") and "longer than the file system allows" in proc.stderr
+    with pytest.raises(RunDirUnusable, match="cannot be created or written"):  # not writable (root too)
+        acquire(Path("/proc/infclip-no-such-dir/run"))
+
+
+def test_a_killed_loader_worker_ends_the_run_in_one_paragraph_with_a_checkpoint(tmp_path, data_root, reference):
+    """SIGKILL to the loader worker (the out-of-memory killer's way) was a traceback; now one
+    paragraph, exit 2, the last completed step checkpointed, and resume=auto matches."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    proc = start(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path, log=log)
+    try:
+        wait_for_step(proc, run_dir, 2, log)
+        os.kill(_loader_worker(proc.pid), signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert rc == 2 and "Traceback" not in out and "error (DataError): a data loader worker died" in out, out[-3000:]
+    last = max(r["step"] for r in step_records(run_dir))
+    assert ckpt.list_checkpoints(run_dir)[-1].name == f"step_{last:08d}"
+    second = run(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert losses_by_step(run_dir) == {s: [v] for s, v in reference[1].items()}

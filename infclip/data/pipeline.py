@@ -166,7 +166,9 @@ class TrainData:
                 "cannot resume the data position exactly: " + ", ".join(
                     f"{k} was {a} now {b}" for k, (a, b) in diff.items())
                 + "; restore these settings (data.workers, world size, seed, data.resampled, "
-                "data.num_samples, data.loader_batch) or start the data stream afresh")
+                "data.num_samples, data.loader_batch), or start a new run from the checkpoint's weights "
+                "(model.pretrained=<checkpoint>/model.pt, another run_dir): its data position and "
+                "optimizer state start afresh")
         self.plan = EpochPlan(state["epoch"], state["batch"], list(state["cursors"]))
         self._skips = Counter(state.get("skips", {}))
 

@@ -308,14 +308,27 @@ def build(cfg: DictConfig, device: torch.device, pretrained: Optional[str]):
             return model, open_clip.get_tokenizer(spec), preprocess
         built = build_model(ModelConfig(name=name, config_file=cfg.model_config_file, pretrained=pretrained),
                             device=device)
-    except Exception as e:  # a load failure: wrong architecture or a damaged file
+    except Exception as e:  # a load failure: wrong architecture, a refused pickle, a vanished file
         if pretrained is None:
             raise
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        raise EvalConfigError(f"checkpoint {pretrained} does not load into model={name!r} "
-                              f"({type(e).__name__}: {first}); give the architecture it was trained with "
-                              "(model=<name>), or another checkpoint if this file is damaged") from e
+        raise EvalConfigError(_load_failure(pretrained, name, e)) from e
     return built.model, built.tokenizer, built.preprocess_val
+
+
+def _load_failure(pretrained: str, name: str, e: BaseException) -> str:
+    """Why a checkpoint did not load, blaming the architecture only for a key/shape mismatch."""
+    text = str(e)
+    first = f"{type(e).__name__}: {text.strip().splitlines()[0][:300]}" if text.strip() else type(e).__name__
+    if isinstance(e, FileNotFoundError) or "No such file" in text or "is not a file" in text:
+        return (f"checkpoint {pretrained} disappeared while it was read ({first}); a training writing into "
+                "that run folder may have pruned it (checkpoint.keep_last): evaluate again (the run folder "
+                "gives its newest checkpoint), or copy the step folder first")
+    if "Weights only load failed" in text or "Unpickl" in type(e).__name__ or "pickle" in text.lower():
+        return (f"checkpoint {pretrained} is not a plain weights file: loading it would run pickled code, "
+                f"which is refused ({first}); give a state dict saved with torch.save(model.state_dict()) "
+                "or a .safetensors file")
+    return (f"checkpoint {pretrained} does not load into model={name!r} ({first}); give the architecture it "
+            "was trained with (model=<name>), or another checkpoint if this file is damaged")
 
 
 def format_table(metrics: dict[str, float]) -> str:

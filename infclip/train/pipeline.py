@@ -362,7 +362,12 @@ class StepPipeline:
             fixed = sum(self.pools[n].n * c * row[n] for n in s.streamed)
             growable = [n for n in FIELDS if n not in s.streamed]
             per_chunk = sum(c * row[n] for n in growable)
-            fit = max((s.budget_bytes - fixed) // max(per_chunk, 1), -(-s.local // c))
+            step_chunks = -(-s.local // c)
+            fit = max((s.budget_bytes - fixed) // max(per_chunk, 1), step_chunks)
+            if fit * per_chunk + fixed > s.budget_bytes:  # one step's rows must fit: the cap is raised
+                print(f"step pipeline: memory.host_buffer_gb={s.budget_bytes / 2**30:.3g} is below one step's "
+                      f"host buffers; using {(fit * per_chunk + fixed) / 2**30:.3g} GB (one step, no prefetch)",
+                      flush=True)
             for n in growable:
                 pool = self.pools[n]
                 if fit < pool.n:

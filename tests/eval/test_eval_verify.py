@@ -133,3 +133,25 @@ def test_the_eval_command_reports_its_errors_in_one_paragraph_with_exit_2(tmp_pa
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.startswith(f"error (EvalConfigError): checkpoint={str(missing)!r} does not exist")
 
+
+def test_the_eval_command_blames_the_architecture_only_for_a_mismatch(tmp_path):
+    """A refused pickle or a vanished file was reported as a wrong architecture (defect 11)."""
+    import collections
+    import datetime
+
+    from omegaconf import OmegaConf
+
+    from infclip.eval.cli import _load_failure, build
+
+    path = tmp_path / "model.pt"
+    torch.save(collections.OrderedDict(w=torch.ones(1), when=datetime.datetime(2020, 1, 1)), path)
+    cfg = OmegaConf.create({"model": MODEL, "model_config_file": None})
+    with pytest.raises(EvalConfigError) as err:
+        build(cfg, torch.device("cpu"), str(path))
+    assert "loading it would run pickled code, which is refused" in str(err.value)
+    assert "architecture" not in str(err.value)
+    gone = _load_failure(str(path), MODEL, FileNotFoundError(2, "No such file or directory"))
+    assert "disappeared while it was read" in gone and "architecture" not in gone
+    torch.save({"w": torch.ones(1)}, path)
+    with pytest.raises(EvalConfigError, match="does not load into model='infclip-micro'.*architecture it was trained"):
+        build(cfg, torch.device("cpu"), str(path))

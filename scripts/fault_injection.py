@@ -1,6 +1,7 @@
 """Fault injection over the real trainer on CPU: kill -9 at random moments (mid-checkpoint
-included), damaged checkpoints, a concurrent start, NaN weights and gradients, bad values,
-half-empty data, signals in the final eval. Prints a table: case -> outcome.
+included), damaged checkpoints (a tampered safetensors too), a concurrent start, NaN weights
+and gradients, a collapsed model in the eval command, bad values and weights, half-empty data,
+Ctrl-C, a frozen or killed loader worker, signals in the final eval. Prints a table: case -> outcome.
 
     python scripts/fault_injection.py                 # every case (~5-10 min on 2 CPU cores)
     python scripts/fault_injection.py --cases kill9 corrupt --seed 3 --keep /tmp/fi

@@ -134,7 +134,7 @@ def _abandon_step(state: State) -> None:
 
 def _loader_died(e: RuntimeError) -> bool:
     """torch's error for a loader worker that exited or was killed (raised by its SIGCHLD
-    handler or the loader's liveness check)."""
+    handler or the loader's liveness check, or the step pipeline's LoaderDied)."""
     return str(e).lstrip().startswith("DataLoader worker")
 
 

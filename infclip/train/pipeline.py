@@ -65,6 +65,11 @@ class LoaderStalled(RuntimeError):
     """No loader batch arrived for ``StallWatch.abort_s`` seconds; the message names the worker."""
 
 
+class LoaderDied(RuntimeError):
+    """The connection to a loader worker broke mid-batch (the worker was killed); worded as
+    torch's own error for a dead worker ("DataLoader worker ...")."""
+
+
 class StoppedWaiting(RuntimeError):
     """A stop signal arrived while the step waited for data (the step is abandoned)."""
 
@@ -424,7 +429,10 @@ class StepPipeline:
                         feed.chunks[name].append(self._acquire(name))
                 t0 = time.perf_counter()
                 self._pulling_since = time.monotonic()
-                images, tokens = next(self.batches)
+                try:
+                    images, tokens = next(self.batches)
+                except (ConnectionError, EOFError) as e:  # receiving a batch from a worker that died
+                    raise LoaderDied(f"DataLoader worker connection lost ({type(e).__name__}: {e})") from e
                 self._pulling_since = None
                 t1 = time.perf_counter()
                 _check_batch(images, tokens, feed.filled, self.s)

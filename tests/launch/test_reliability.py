@@ -68,8 +68,11 @@ def test_damaged_newest_checkpoint_falls_back_with_identical_losses(tmp_path, da
     run_dir = _copy_until(reference, tmp_path, 6)
     newest = run_dir / "checkpoints" / "step_00000006"
     _damage(newest, how)
-    if how != "cut_train":  # the eval command skips a damaged model.pt too
-        assert resolve_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "step_00000004" / "model.pt")
+    if how != "cut_train":  # the eval command skips a damaged model.pt too (and sets it aside: on a copy)
+        copy = tmp_path / "copy"
+        shutil.copytree(run_dir, copy)
+        assert resolve_checkpoint(str(copy)) == str(copy / "checkpoints" / "step_00000004" / "model.pt")
+        assert (copy / "checkpoints" / "step_00000006.damaged").is_dir()
     proc = run(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]

@@ -27,9 +27,9 @@ def user_errors() -> tuple[type, ...]:
     from infclip.data.shards import DataError
     from infclip.eval.config import EvalConfigError
     from infclip.train.guard import NonFiniteError
-    from infclip.train.rundir import RunDirBusy
+    from infclip.train.rundir import RunDirBusy, RunDirUnusable
 
-    return ConfigError, DataError, EvalConfigError, RunDirBusy, NonFiniteError
+    return ConfigError, DataError, EvalConfigError, RunDirBusy, RunDirUnusable, NonFiniteError
 
 
 def paragraph(err: BaseException) -> str:
@@ -49,6 +49,9 @@ def main(cfg: DictConfig) -> None:
     try:
         train(cfg, overrides=list(HydraConfig.get().overrides.task))
         exit_zero_on_stop()  # finished and saved: a late stop signal is not a failure
+    except KeyboardInterrupt:  # Ctrl-C before training began (later, it is a stop signal)
+        print("interrupted before training started: nothing was trained or saved", file=sys.stderr, flush=True)
+        sys.exit(130)
     except user_errors() as err:
         if os.environ.get("INFCLIP_DEBUG") or os.environ.get("HYDRA_FULL_ERROR"):
             raise

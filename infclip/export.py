@@ -17,6 +17,11 @@ weight bytes). For an existing checkpoint:
 
     python -m infclip.export RUN_DIR [--step N] --out DIR
 
+Every file read from a checkpoint folder here (and by ``python -m infclip.eval``) is first
+verified against the folder's ``manifest.json`` (``verify_loaded_files``): a damaged newest
+checkpoint of a run is named in one warning line, set aside as ``step_N.damaged`` and the
+previous intact one used; a damaged folder named explicitly is refused.
+
 This module never imports ``infclip.train``.
 """
 
@@ -44,6 +49,48 @@ _TOKENIZER_FILES = ("special_tokens_map.json", "vocab.json", "vocab.txt", "merge
 
 class ExportError(ValueError):
     """A checkpoint cannot be exported; the message names the path or option and the fix."""
+
+
+# -- which files are read, verified ------------------------------------------------------------
+
+
+def open_clip_files(folder: Path) -> list[str]:
+    """Names of open_clip's files in a checkpoint folder (config, weights, HF tokenizer files)."""
+    names = sorted(os.listdir(folder)) if Path(folder).is_dir() else []
+    return [n for n in names if n in (CONFIG_NAME, WEIGHTS_NAME) or n in _TOKENIZER_FILES
+            or (n.startswith("tokenizer") and not n.endswith(".tmp"))]
+
+
+def loaded_files(folder: Path) -> tuple[str, ...]:
+    """What the eval command or the export may read from a checkpoint folder: ``model.pt``
+    and open_clip's files (they build the model when present). Not the training state."""
+    return ("model.pt", *open_clip_files(folder))
+
+
+def verify_loaded_files(folder: Path) -> Optional[str]:
+    """None when every file of ``loaded_files`` matches the folder's manifest (and is listed
+    in it); else one phrase naming the file. An older folder without a manifest passes."""
+    from infclip.manifest import verify
+
+    files = loaded_files(folder)
+    return verify(folder, need=files, only=files)
+
+
+def newest_intact(root: Path, warn: Callable[[str], None]) -> Optional[Path]:
+    """Newest ``step_N`` folder of ``root`` whose loaded files verify. Each newer one that
+    does not is named in one ``warn`` line; one whose bytes changed is set aside as
+    ``step_N.damaged`` (one whose files vanished, e.g. pruned meanwhile, is only skipped)."""
+    from infclip.manifest import set_aside, vanished
+
+    steps = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / "model.pt").is_file()]
+    for step in sorted(steps, key=lambda p: int(p.name[5:]), reverse=True):
+        problem = verify_loaded_files(step)
+        if problem is None:
+            return step
+        aside = None if vanished(problem) else set_aside(step)
+        moved = f"; moved aside to {aside.name}" if aside else ""
+        warn(f"warning: skipping damaged checkpoint {step}: {problem}{moved}, falling back to the previous one")
+    return None
 
 
 # -- the files ---------------------------------------------------------------------------------
@@ -137,20 +184,25 @@ def checkpoint_writer(built: Any, model_cfg: Any, enabled: bool = True) -> Optio
 # -- python -m infclip.export ------------------------------------------------------------------
 
 
-def find_checkpoint(path: Path, step: Optional[int]) -> Path:
-    """A checkpoint folder: ``path`` itself, or the run's ``checkpoints/step_N`` (newest if no step)."""
-    if (path / "model.pt").is_file() and step is None:
-        return path
+def find_checkpoint(path: Path, step: Optional[int], warn: Callable[[str], None] = print) -> Path:
+    """A checkpoint folder whose files verify: ``path`` itself or the run's ``checkpoints/step_N``
+    (refused when damaged), or the run's newest intact one (no step: damaged ones set aside)."""
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    steps = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "model.pt").is_file()),
-                   key=lambda p: int(p.name[5:])) if root.is_dir() else []
-    if step is not None:
-        steps = [p for p in steps if int(p.name[5:]) == step]
-    if not steps:
+    if step is None and not (path / "model.pt").is_file():
+        found = newest_intact(root, warn) if root.is_dir() else None
+    else:
+        found = path if step is None else root / f"step_{step:08d}"
+        found = found if (found / "model.pt").is_file() else None
+        problem = verify_loaded_files(found) if found is not None else None
+        if problem:
+            raise ExportError(f"checkpoint {found} is damaged: {problem}; export another step (--step N) "
+                              "or give the run folder (its newest intact checkpoint is used)")
+    if found is None:
         have = sorted(p.name for p in root.glob("step_*")) if root.is_dir() else []
-        raise ExportError(f"{path}: no checkpoint{'' if step is None else f' for --step {step}'} "
-                          f"(found {have or 'none'}); give a run folder or a checkpoints/step_XXXXXXXX folder")
-    return steps[-1]
+        what = f"found {have}, none intact" if have and step is None else f"found {have or 'none'}"
+        raise ExportError(f"{path}: no checkpoint{'' if step is None else f' for --step {step}'} ({what}); "
+                          "give a run folder or a checkpoints/step_XXXXXXXX folder")
+    return found
 
 
 def _run_model_config(ckpt: Path, model: Optional[str]) -> dict:
@@ -167,12 +219,12 @@ def _run_model_config(ckpt: Path, model: Optional[str]) -> dict:
 
 
 def export(ckpt: Path, out: Path, model: Optional[str] = None) -> Path:
-    """Write ``ckpt``'s weights in open_clip's format into ``out``; returns ``out``."""
+    """Write ``ckpt``'s weights in open_clip's format into ``out``; returns ``out``. ``ckpt``
+    comes from ``find_checkpoint`` (its files verified against its manifest)."""
     if model is None and (ckpt / CONFIG_NAME).is_file() and (ckpt / WEIGHTS_NAME).is_file():
         out.mkdir(parents=True, exist_ok=True)
-        for name in os.listdir(ckpt):  # written at save time: copy them (and any HF tokenizer files)
-            if name in (CONFIG_NAME, WEIGHTS_NAME) or name in _TOKENIZER_FILES or name.startswith("tokenizer"):
-                shutil.copy2(ckpt / name, out / name)
+        for name in open_clip_files(ckpt):  # written at save time: copy them (and any HF tokenizer files)
+            shutil.copy2(ckpt / name, out / name)
         return out
     import open_clip
 
@@ -205,7 +257,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model", default=None, help="architecture name when the run has no config.yaml")
     args = parser.parse_args(argv)
     try:
-        ckpt = find_checkpoint(Path(args.checkpoint).expanduser(), args.step)
+        ckpt = find_checkpoint(Path(args.checkpoint).expanduser(), args.step,
+                               warn=lambda line: print(line, file=sys.stderr, flush=True))
         out = export(ckpt, Path(args.out).expanduser(), args.model)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,6 +9,10 @@ an unpickling traceback.
 
 A folder without a manifest was written by an older version: it is accepted unverified
 (with one warning per process), so old runs can still resume.
+
+A folder that fails verification is never deleted: ``set_aside`` renames it to
+``step_N.damaged`` (the trainer's resume, the eval command and the export all do), so the
+newest intact checkpoint is used and pruning never counts the damaged one.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ def verify(folder: Path, need: tuple[str, ...] = (), only: Optional[tuple[str, .
         return f"{MANIFEST} is unreadable"
     unlisted = [n for n in need if n not in files]
     if unlisted:
+        added = [n for n in unlisted if (folder / n).is_file()]
+        if added:  # present, but not there when the checkpoint was written: nothing vouches for it
+            return f"{added[0]} is not in its {MANIFEST} (added or replaced after the checkpoint was written)"
         return f"missing {', '.join(unlisted[:4])}"
     for name, entry in files.items():
         if only is not None and name not in only:
@@ -80,6 +87,25 @@ def verify(folder: Path, need: tuple[str, ...] = (), only: Optional[tuple[str, .
         if problem:
             return f"{name} {problem}"
     return None
+
+
+def vanished(problem: str) -> bool:
+    """True when ``verify``'s ``problem`` is only that files are gone (a folder being removed,
+    e.g. pruned by a training while another process reads it), not bytes that changed."""
+    return problem.endswith("is missing") or problem.startswith("missing ")
+
+
+def set_aside(folder: Path) -> Optional[Path]:
+    """Renames a damaged checkpoint folder to ``<name>.damaged`` (never deletes it); returns
+    the new path, or None where that is not possible (a read-only run folder, a name taken)."""
+    aside = folder.with_name(f"{folder.name}.damaged")
+    try:
+        if aside.exists():
+            return None
+        os.replace(folder, aside)
+    except OSError:
+        return None
+    return aside
 
 
 def _check_file(path: Path, entry: dict) -> Optional[str]:

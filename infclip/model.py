@@ -3,7 +3,12 @@
 Any open_clip model name works (``ViT-B-32``, ``ViT-B-16``, timm/HF towers via their
 configs), plus the tiny configs shipped in ``infclip/model_configs`` and a user JSON
 file (``model.config_file``). ``model.pretrained`` may be an open_clip tag (downloaded by
-open_clip, never in tests) or a local checkpoint file.
+open_clip, never in tests) or a local checkpoint file; open_clip loads it strictly.
+``model.image_pretrained`` (LiT) is loaded here, strictly: open_clip would catch a load error
+and load with ``strict=False``, training a random tower from a file whose keys match nothing.
+
+Every failure to build or load is a :class:`ModelError` (a ``ConfigError``): one paragraph
+naming the key, the file and what did not match.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Any, Callable
 
 import open_clip
 import torch
+
+from infclip.config import ConfigError
 
 _CONFIG_DIR = Path(__file__).parent / "model_configs"
 open_clip.add_model_config(_CONFIG_DIR)
@@ -34,11 +41,15 @@ class BuiltModel:
     name: str = ""  # the open_clip model name it was built from (a config file's stem for model.config_file)
 
 
+class ModelError(ConfigError):
+    """The model or its weights cannot be built as configured; the message names the key and the file."""
+
+
 def register_config_file(path: str) -> str:
     """Register a custom open_clip JSON config; returns the model name (the file stem)."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise FileNotFoundError(f"model.config_file={path!r} does not exist; give a path to an open_clip JSON config")
+        raise ModelError(f"model.config_file={path!r} does not exist; give a path to an open_clip JSON config")
     open_clip.add_model_config(p)
     return p.stem
 
@@ -46,7 +57,7 @@ def register_config_file(path: str) -> str:
 def _check_name(name: str) -> None:
     if open_clip.get_model_config(name) is None and not name.startswith("hf-hub:"):
         known = ", ".join(sorted(open_clip.list_models())[:8])
-        raise ValueError(
+        raise ModelError(
             f"model.name={name!r} is not an open_clip model config (e.g. {known}, ..., infclip-tiny); "
             "pass model.config_file=/path/to/config.json for a custom one"
         )
@@ -55,7 +66,7 @@ def _check_name(name: str) -> None:
 def _check_pretrained(pretrained: str | None, key: str) -> None:
     looks_like_path = pretrained and (os.sep in pretrained or pretrained.endswith((".pt", ".pth", ".bin", ".safetensors")))
     if looks_like_path and not os.path.isfile(os.path.expanduser(pretrained)):
-        raise FileNotFoundError(f"{key}={pretrained!r} is not a file; give an existing checkpoint or an open_clip tag")
+        raise ModelError(f"{key}={pretrained!r} is not a file; give an existing checkpoint or an open_clip tag")
 
 
 def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
@@ -67,14 +78,18 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
     kwargs: dict[str, Any] = {}
     if cfg.init_logit_bias is not None:
         kwargs["init_logit_bias"] = cfg.init_logit_bias
-    model, _, preprocess_val = open_clip.create_model_and_transforms(
-        name,
-        pretrained=cfg.pretrained,
-        pretrained_image_path=cfg.image_pretrained,
-        device=device,
-        output_dict=True,
-        **kwargs,
-    )
+    try:
+        model, _, preprocess_val = open_clip.create_model_and_transforms(
+            name, pretrained=cfg.pretrained, device=device, output_dict=True, **kwargs)
+    except Exception as e:  # a tag unknown or not downloadable, a file that does not load or fit
+        if not cfg.pretrained:
+            raise
+        raise ModelError(f"model.pretrained={cfg.pretrained!r} cannot be loaded into model.name={name!r} "
+                         f"({_first_line(e)}); give an open_clip tag of that model "
+                         f"({open_clip.list_pretrained_tags_by_model(name) or 'it has none'}) or a checkpoint "
+                         "file of the same architecture") from e
+    if cfg.image_pretrained:
+        load_image_tower(model, cfg.image_pretrained, name)
     if cfg.init_logit_scale is not None:
         with torch.no_grad():
             model.logit_scale.fill_(cfg.init_logit_scale)
@@ -84,6 +99,47 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
     size = pp["size"] if isinstance(pp["size"], int) else pp["size"][0]
     return BuiltModel(model, open_clip.get_tokenizer(name), size, tuple(pp["mean"]), tuple(pp["std"]), preprocess_val,
                       name)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300]}" if text else type(e).__name__
+
+
+def load_image_tower(model: torch.nn.Module, path: str, name: str) -> None:
+    """Loads ``model.image_pretrained`` into ``model.visual`` strictly: every tensor of the tower
+    from the file, with its shape, and nothing else. The file holds the tower's own state dict
+    or a whole CLIP's (its ``visual.`` keys are used). Anything else is refused (ModelError)."""
+    key = "model.image_pretrained"
+    try:
+        state = open_clip.factory.load_state_dict(os.path.expanduser(path), device="cpu", weights_only=True)
+    except Exception as e:  # not a checkpoint, refused unpickling, empty
+        raise ModelError(f"{key}={path!r} cannot be loaded ({_first_line(e)}); give a weights-only state dict "
+                         "file (torch.save(visual.state_dict()) or .safetensors) of the image tower") from e
+    if any(k.startswith("visual.") for k in state):  # a whole CLIP checkpoint: its image tower
+        state = {k[len("visual."):]: v for k, v in state.items() if k.startswith("visual.")}
+    problem = _mismatch(model.visual.state_dict(), state)
+    if problem:
+        raise ModelError(f"{key}={path!r} does not fit the image tower of model.name={name!r}: {problem}; "
+                         "give that tower's own state dict, or a whole CLIP checkpoint of the same "
+                         "architecture (its visual.* keys are used)")
+    model.visual.load_state_dict(state, strict=True)
+
+
+def _mismatch(want: dict, got: dict) -> str:
+    """'' when ``got`` has exactly ``want``'s keys and shapes; else what differs, in one phrase."""
+    missing = [k for k in want if k not in got]
+    extra = [k for k in got if k not in want]
+    shapes = [f"{k}: file {tuple(got[k].shape)}, tower {tuple(want[k].shape)}" for k in want
+              if k in got and tuple(got[k].shape) != tuple(want[k].shape)]
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of the tower's {len(want)} tensors are not in the file (e.g. {missing[:3]})")
+    if extra:
+        parts.append(f"{len(extra)} keys of the file match nothing in the tower (e.g. {extra[:3]})")
+    if shapes:
+        parts.append(f"{len(shapes)} have other shapes (e.g. {shapes[0]})")
+    return "; ".join(parts)
 
 
 def clamp_logit_scale(model: torch.nn.Module, max_value: float = math.log(100)) -> None:

@@ -1,6 +1,7 @@
 """Fault injection over the real trainer on CPU: kill -9 at random moments (mid-checkpoint
-included), damaged checkpoints, a concurrent start, NaN weights and gradients, bad values,
-half-empty data, signals in the final eval. Prints a table: case -> outcome.
+included), damaged checkpoints (a tampered safetensors too), a concurrent start, NaN weights
+and gradients, a collapsed model in the eval command, bad values and weights, half-empty data,
+Ctrl-C, a frozen or killed loader worker, signals in the final eval. Prints a table: case -> outcome.
 
     python scripts/fault_injection.py                 # every case (~5-10 min on 2 CPU cores)
     python scripts/fault_injection.py --cases kill9 corrupt --seed 3 --keep /tmp/fi
@@ -191,6 +192,129 @@ def case_corrupt(how: str) -> Callable[[Ctx], tuple[bool, str]]:
     return case
 
 
+def _zero_text_projection(path: Path) -> None:
+    """Tamper with open_clip_model.safetensors: its text projection zeroed, same size."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    state["text_projection"] = state["text_projection"] * 0
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def eval_cmd(ctx: Ctx, checkpoint: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "infclip.eval", f"checkpoint={checkpoint}", f"synthetic_root={ctx.data}",
+            "device=cpu", "eval.workers=0", "log_to_run=false", *overrides]
+
+
+def case_tampered_safetensors(ctx: Ctx) -> tuple[bool, str]:
+    """The eval command and resume verify open_clip_model.safetensors too: fall back."""
+    run_dir = _copy_reference(ctx, "tampered-safetensors", 9)
+    _zero_text_projection(run_dir / "checkpoints" / "step_00000009" / "open_clip_model.safetensors")
+    out = run_dir / "eval.json"
+    evaluated = run(eval_cmd(ctx, run_dir, f"output={out}"))
+    resolved = json.loads(out.read_text())["resolved"].split("/")[-2] if out.is_file() else "nothing"
+    eval_ok = evaluated.returncode == 0 and "open_clip_model.safetensors does not match" in evaluated.stderr
+    shutil.move(str(run_dir / "checkpoints" / "step_00000009.damaged"), str(run_dir / "checkpoints" / "step_00000009"))
+    second = run(ctx.cmd(run_dir, *COMMON))
+    warned = "skipping damaged checkpoint" in second.stdout
+    ok, detail = compare(ctx, run_dir)
+    return (eval_ok and resolved == "step_00000006" and ok and warned and second.returncode == 0,
+            f"eval: exit {evaluated.returncode}, {'warned' if eval_ok else 'NO warning'}, evaluated {resolved}; "
+            f"resume: {'warned, ' if warned else 'NO warning, '}resumed from {resumed_from(second.stdout)}; {detail}")
+
+
+def case_collapsed_model(ctx: Ctx) -> tuple[bool, str]:
+    """A model trained into collapse (text projection zero, a consistent checkpoint: its
+    manifest rewritten) gets NaN class embeddings; it must not score 100 %."""
+    import torch
+
+    from infclip.manifest import write_manifest
+
+    run_dir = _copy_reference(ctx, "collapsed-model", 3)
+    step = run_dir / "checkpoints" / "step_00000003"
+    state = torch.load(step / "model.pt", weights_only=True)
+    state["text_projection"].zero_()
+    torch.save(state, step / "model.pt")
+    _zero_text_projection(step / "open_clip_model.safetensors")
+    write_manifest(step)
+    out = run_dir / "eval.json"
+    proc = run(eval_cmd(ctx, step, f"output={out}", "tasks=[synthetic_zeroshot]"))
+    metrics = json.loads(out.read_text())["metrics"] if out.is_file() else {}
+    top1, counted = metrics.get("eval/synthetic_zeroshot/top1"), metrics.get("eval/synthetic_zeroshot/num_nonfinite")
+    warned = "scored non-finite similarities" in proc.stderr
+    return (proc.returncode == 0 and top1 == 0.0 and bool(counted) and warned,
+            f"exit {proc.returncode}; top-1 {top1}; non-finite queries counted: {counted}; warned: {warned}")
+
+
+def _freeze_worker(ctx: Ctx, name: str, *overrides: str) -> tuple[subprocess.Popen, Path, Path]:
+    """Training with its one loader worker SIGSTOPped after step 2 (an NFS stall, a hung pipe:)."""
+    run_dir = ctx.fresh(name)
+    log = run_dir.with_suffix(".log")
+    proc = start(ctx.cmd(run_dir, *COMMON, *overrides), log)
+    wait_until(proc, lambda: last_step(run_dir) >= 2)
+    children = [c for t in Path(f"/proc/{proc.pid}/task").glob("*/children") for c in t.read_text().split()]
+    os.kill(int(children[0]), signal.SIGSTOP)
+    return proc, run_dir, log
+
+
+def case_frozen_worker(ctx: Ctx) -> tuple[bool, str]:
+    proc, run_dir, log = _freeze_worker(ctx, "frozen-worker", "data.stall_warn_s=2", "data.stall_abort_s=6")
+    rc = proc.wait(timeout=300)
+    text = log.read_text()
+    warning = next((x for x in text.splitlines() if x.startswith("warning: the data loader")), "")
+    stopped, at = checkpoints(run_dir)[-1], last_step(run_dir)
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    named = warning.split("it waits on ")[-1].split(";")[0]
+    return (ok and rc == 2 and "Traceback" not in text and bool(warning) and stopped == f"step_{at:08d}"
+            and second.returncode == 0,
+            f"warned: '{named}'; abort exit {rc}, checkpoint {stopped} (last step {at}); resumed; {detail}")
+
+
+def case_sigterm_frozen_worker(ctx: Ctx) -> tuple[bool, str]:
+    proc, run_dir, log = _freeze_worker(ctx, "sigterm-frozen-worker", "data.stall_warn_s=1", "data.stall_abort_s=0")
+    wait_until(proc, lambda: "delivered nothing" in log.read_text())
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=300)
+    took = time.monotonic() - t0
+    stopped, at = checkpoints(run_dir)[-1], last_step(run_dir)
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    return (ok and rc == 0 and took < 30 and stopped == f"step_{at:08d}" and second.returncode == 0,
+            f"exit {rc} {took:.1f} s after SIGTERM, checkpoint {stopped} (last step {at}); resumed; {detail}")
+
+
+def case_killed_worker(ctx: Ctx) -> tuple[bool, str]:
+    """SIGKILL to the loader worker (the out-of-memory killer): one paragraph, a checkpoint."""
+    run_dir = ctx.fresh("killed-worker")
+    log = run_dir.with_suffix(".log")
+    proc = start(ctx.cmd(run_dir, *COMMON), log)
+    wait_until(proc, lambda: last_step(run_dir) >= 2)
+    children = [c for t in Path(f"/proc/{proc.pid}/task").glob("*/children") for c in t.read_text().split()]
+    os.kill(int(children[0]), signal.SIGKILL)
+    rc = proc.wait(timeout=300)
+    text = log.read_text()
+    stopped, at = checkpoints(run_dir)[-1], last_step(run_dir)
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    para = "error (DataError): a data loader worker died" in text and "Traceback" not in text
+    return (ok and rc == 2 and para and stopped == f"step_{at:08d}" and second.returncode == 0,
+            f"exit {rc}, one paragraph: {para}, checkpoint {stopped} (last step {at}); resumed; {detail}")
+
+
+def case_long_name(ctx: Ctx) -> tuple[bool, str]:
+    proc = run(ctx.cmd(ctx.work / ("x" * 300), *COMMON))
+    ok = one_paragraph(proc) and "longer than the file system allows" in proc.stderr
+    return ok, f"exit {proc.returncode}, no traceback: {'Traceback' not in proc.stderr}, '{proc.stderr.splitlines()[0][:80]}'"
+
+
+def case_eval_error(ctx: Ctx) -> tuple[bool, str]:
+    proc = run(eval_cmd(ctx, ctx.work / "absent" / "model.pt"))
+    ok = one_paragraph(proc) and "does not exist" in proc.stderr
+    return ok, f"exit {proc.returncode}, no traceback: {'Traceback' not in proc.stderr}, '{proc.stderr.splitlines()[0][:80]}'"
+
+
 def case_concurrent(ctx: Ctx) -> tuple[bool, str]:
     run_dir = ctx.fresh("concurrent")
     first = start(ctx.cmd(run_dir, "steps=400", "eval.tasks=[]"), run_dir.with_suffix(".log"))
@@ -249,6 +373,16 @@ def case_refused(name: str, *overrides: str, expect: str) -> Callable[[Ctx], tup
     return case
 
 
+def case_bad_image_pretrained(ctx: Ctx) -> tuple[bool, str]:
+    """A file whose keys match nothing of the image tower: refused, not a random tower trained."""
+    import torch
+
+    path = ctx.work / "unrelated-tower.pt"
+    torch.save({"encoder.weight": torch.ones(2, 2)}, path)
+    return case_refused("image-pretrained", f"model.image_pretrained={path}",
+                        expect="match nothing in the tower")(ctx)
+
+
 def case_new_lr(ctx: Ctx) -> tuple[bool, str]:
     run_dir = _copy_reference(ctx, "new-lr", 6)
     proc = run(ctx.cmd(run_dir, *COMMON, "optim.lr=1e-4"))
@@ -301,16 +435,42 @@ def case_sigterm_final_eval(ctx: Ctx) -> tuple[bool, str]:
     return rc == 0 and names[-1:] == ["step_00000006"], f"exit {rc}; checkpoints {names}; final eval finished: {evals}"
 
 
-def case_sigterm(ctx: Ctx) -> tuple[bool, str]:
-    run_dir = ctx.fresh("sigterm")
+def case_stop_signal(sig: int) -> Callable[[Ctx], tuple[bool, str]]:
+    def case(ctx: Ctx) -> tuple[bool, str]:
+        run_dir = ctx.fresh(signal.Signals(sig).name.lower())
+        log = run_dir.with_suffix(".log")
+        proc = start(ctx.cmd(run_dir, *COMMON), log)
+        wait_until(proc, lambda: last_step(run_dir) >= ctx.rng.randint(1, STEPS - 2))
+        os.killpg(proc.pid, sig)  # the whole group, as a terminal's Ctrl-C or scancel does
+        rc = proc.wait(timeout=300)
+        stopped, at = checkpoints(run_dir)[-1], last_step(run_dir)
+        clean = "Traceback" not in log.read_text()
+        second = run(ctx.cmd(run_dir, *COMMON))
+        ok, detail = compare(ctx, run_dir)
+        return (ok and rc == 0 and clean and stopped == f"step_{at:08d}" and second.returncode == 0,
+                f"exit {rc}, checkpoint {stopped} (last step {at}), traceback: {not clean}; resumed; {detail}")
+    return case
+
+
+def case_double_sigint(ctx: Ctx) -> tuple[bool, str]:
+    """Two Ctrl-C: the second exits at once (130); the next start removes a leftover
+    .step_N.tmp with one line and resumes from the newest complete checkpoint."""
+    run_dir = ctx.fresh("double-sigint")
     proc = start(ctx.cmd(run_dir, *COMMON), run_dir.with_suffix(".log"))
-    wait_until(proc, lambda: last_step(run_dir) >= ctx.rng.randint(1, STEPS - 2))
-    os.killpg(proc.pid, signal.SIGTERM)
+    root = run_dir / "checkpoints"
+    wait_until(proc, lambda: root.is_dir() and any(p.name.endswith(".tmp") and p.name != ".step_00000003.tmp"
+                                                    for p in root.iterdir()))
+    os.kill(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
     rc = proc.wait(timeout=300)
-    stopped = checkpoints(run_dir)[-1]
+    left = sorted(p.name for p in root.iterdir() if p.name.endswith(".tmp"))
     second = run(ctx.cmd(run_dir, *COMMON))
+    removed = next((x for x in second.stdout.splitlines() if x.startswith("removed .step_")), "")
     ok, detail = compare(ctx, run_dir)
-    return ok and rc == 0 and second.returncode == 0, f"exit {rc}, checkpoint {stopped}; resumed; {detail}"
+    return (ok and rc == 130 and second.returncode == 0 and (removed != "" or not left),
+            f"exit {rc}; left {left or 'no temp folder'}; next start: '{removed[:60] or 'nothing to remove'}'; "
+            f"resumed from {resumed_from(second.stdout)}; {detail}")
 
 
 CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
@@ -318,16 +478,28 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "kill9 at a random moment (2)": case_kill9,
     "kill9 at a random moment (3)": case_kill9,
     "kill9 mid-checkpoint": case_kill9_mid_checkpoint,
-    "sigterm mid-run, resume": case_sigterm,
+    "sigterm mid-run, resume": case_stop_signal(signal.SIGTERM),
+    "ctrl-c (SIGINT) mid-run, resume": case_stop_signal(signal.SIGINT),
+    "two ctrl-c mid-checkpoint, resume": case_double_sigint,
     "corrupt newest: truncated model.pt": case_corrupt("truncate-model.pt"),
     "corrupt newest: random-bytes model.pt": case_corrupt("random-model.pt"),
     "corrupt newest: train.pt cut to 1000 B": case_corrupt("cut-train.pt"),
+    "tampered open_clip_model.safetensors (eval, resume)": case_tampered_safetensors,
+    "collapsed model (NaN class embeddings), eval": case_collapsed_model,
+    "frozen loader worker (SIGSTOP)": case_frozen_worker,
+    "sigterm while the loader worker is frozen": case_sigterm_frozen_worker,
+    "killed loader worker (SIGKILL)": case_killed_worker,
+    "eval command: a checkpoint that does not exist": case_eval_error,
+    "run name too long for the file system": case_long_name,
     "concurrent start on one run_dir": case_concurrent,
     "stale lock after kill9": case_stale_lock,
     "NaN injected into the weights": case_nan_weights,
     "NaN injected into the gradients": case_nan_grads,
     "optim.lr=inf": case_refused("lr-inf", "optim.lr=inf", expect="optim.lr=inf is not a finite number"),
     "+optim.lrr=1 (typo added with +)": case_refused("plus-typo", "+optim.lrr=1", expect="did you mean optim.lr?"),
+    "model.image_pretrained whose keys match nothing": case_bad_image_pretrained,
+    "model.pretrained=no-such-tag": case_refused("pretrained-tag", "model.pretrained=no-such-tag",
+                                                 expect="model.pretrained='no-such-tag' cannot be loaded"),
     "resume with a new optim.lr": case_new_lr,
     "resume with another model.name": case_refused_resume,
     "half of the shards empty": case_half_empty,

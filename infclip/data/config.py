@@ -60,6 +60,11 @@ class DataConfig:
     synthetic_eval: int = 512  # held-out eval images
     synthetic_image_size: int = 64  # generated image side in pixels
     synthetic_seed: int = 0
+    # A loader that delivers nothing for this long (a frozen worker: NFS stall, hung pipe:
+    # command) is named in a warning (worker, shard) and, after stall_abort_s, training stops
+    # with a checkpoint of the last completed step. Seconds; 0 turns either off.
+    stall_warn_s: float = 120.0
+    stall_abort_s: float = 1800.0
 
 
 def check_data_config(cfg: DataConfig) -> None:
@@ -94,3 +99,9 @@ def check_data_config(cfg: DataConfig) -> None:
             raise ValueError(f"data.sources[{i}] needs a shard spec and weight > 0 (got {s.shards!r}, {s.weight})")
     if cfg.synthetic_train <= 0 or cfg.synthetic_eval <= 0 or cfg.synthetic_image_size < 16:
         raise ValueError("data.synthetic_train/synthetic_eval must be > 0 and data.synthetic_image_size >= 16")
+    if not (cfg.stall_warn_s >= 0 and cfg.stall_abort_s >= 0):  # also rejects NaN
+        raise ValueError(f"data.stall_warn_s and data.stall_abort_s must be >= 0 seconds (0: off), got "
+                         f"{cfg.stall_warn_s} and {cfg.stall_abort_s}")
+    if 0 < cfg.stall_abort_s <= cfg.stall_warn_s:
+        raise ValueError(f"data.stall_abort_s={cfg.stall_abort_s:g} must be larger than data.stall_warn_s="
+                         f"{cfg.stall_warn_s:g} (warn first, then stop), or 0 (never stop)")

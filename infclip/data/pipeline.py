@@ -15,6 +15,7 @@ import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -91,6 +92,7 @@ class TrainData:
     def __post_init__(self) -> None:
         self.plan = EpochPlan(cursors=[0] * max(self.workers, 1))
         self._skips: Counter = Counter()
+        self._iter: Any = None  # the DataLoader's iterator while batches() runs (for waiting_on)
 
     @property
     def epoch_batches(self) -> int:
@@ -102,7 +104,7 @@ class TrainData:
         Closing the generator shuts the loader's workers down (then, not whenever the
         iterator happens to be garbage-collected: a reference held elsewhere, e.g. by a
         traceback, would keep workers that ignore SIGTERM alive until exit)."""
-        it = iter(self._loader())
+        it = self._iter = iter(self._loader())
         try:
             for images, tokens, info in it:
                 if info["epoch"] != self.plan.epoch:  # the first batch of the next epoch
@@ -112,9 +114,22 @@ class TrainData:
                 self._skips.update(info["skips"])
                 yield images, tokens
         finally:
+            self._iter = None
             shutdown = getattr(it, "_shutdown_workers", None)  # torch's multi-worker iterator
             if shutdown is not None:
                 shutdown()
+
+    def waiting_on(self) -> str:
+        """Which loader worker the next batch must come from (batches arrive in order) and what
+        it is reading, for a stall warning: ``loader worker 1 (pid 4242) reading /d/00017.tar``.
+        Thread-safe enough for a message: it only reads the iterator's bookkeeping."""
+        it = self._iter
+        try:  # torch's in-order multi-worker iterator: task index -> (worker id, ...)
+            worker = it._task_info[it._rcvd_idx][0]
+            pid = it._workers[worker].pid
+        except (AttributeError, KeyError, IndexError, TypeError):
+            return "the data loader (in-process or its worker unknown)"
+        return f"loader worker {worker} (pid {pid}) {reading(pid, self.spec.urls)}"
 
     def _loader(self) -> DataLoader:
         if self.workers:  # HF tokenizers warn (and may deadlock) when used across fork()
@@ -151,9 +166,38 @@ class TrainData:
                 "cannot resume the data position exactly: " + ", ".join(
                     f"{k} was {a} now {b}" for k, (a, b) in diff.items())
                 + "; restore these settings (data.workers, world size, seed, data.resampled, "
-                "data.num_samples, data.loader_batch) or start the data stream afresh")
+                "data.num_samples, data.loader_batch), or start a new run from the checkpoint's weights "
+                "(model.pretrained=<checkpoint>/model.pt, another run_dir): its data position and "
+                "optimizer state start afresh")
         self.plan = EpochPlan(state["epoch"], state["batch"], list(state["cursors"]))
         self._skips = Counter(state.get("skips", {}))
+
+
+def reading(pid: int, urls: list[str]) -> str:
+    """What process ``pid`` reads, from Linux's /proc: the shard files it has open, else the
+    commands of its child processes (a ``pipe:`` shard's command); a phrase either way."""
+    try:
+        targets = {os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+    except OSError:
+        return "(what it reads is unknown: no /proc)"
+    shards = sorted(t for t in targets if t in set(urls) or t.endswith((".tar", ".tar.gz", ".tgz")))
+    if shards:
+        return "reading " + ", ".join(shards[:3])
+    commands = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in _quiet_read(children).split():
+            cmd = _quiet_read(Path(f"/proc/{child}/cmdline")).replace("\0", " ").strip()
+            commands.append(f"`{cmd[:200]}` (pid {child})")
+    if commands:
+        return "waiting on " + ", ".join(commands[:3])
+    return "with no shard file open (between shards, or blocked in decoding)"
+
+
+def _quiet_read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def ignore_stop_signals(worker_id: int) -> None:

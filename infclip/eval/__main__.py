@@ -5,6 +5,9 @@ See :mod:`infclip.eval.cli` and docs/eval.md.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import hydra
 import torch
 from omegaconf import DictConfig
@@ -19,7 +22,24 @@ cli.register()
 
 @hydra.main(version_base=None, config_path=str(cli.CONFIG_DIR), config_name="eval")
 def main(cfg: DictConfig) -> dict:
-    """Evaluate; rank 0 prints the tables and writes the results. Returns the metrics."""
+    """Evaluate; rank 0 prints the tables and writes the results. Returns the metrics. A
+    configuration, checkpoint or data error is one paragraph on stderr and exit status 2
+    (``INFCLIP_DEBUG=1`` or ``HYDRA_FULL_ERROR=1`` shows the traceback)."""
+    from infclip.config import ConfigError
+    from infclip.data.shards import DataError
+
+    try:
+        return evaluate(cfg)
+    except (EvalConfigError, ConfigError, DataError) as err:
+        if os.environ.get("INFCLIP_DEBUG") or os.environ.get("HYDRA_FULL_ERROR"):
+            raise
+        print(f"error ({type(err).__name__}): {str(err).strip()}\n(INFCLIP_DEBUG=1 shows the traceback)",
+              file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    """The command's work (see ``main``)."""
     dist_info = cli.init_distributed(cfg.device)
     tasks, suites = cli.plan_tasks(cfg)
     ecfg = cli._eval_config(cfg, tasks)
@@ -43,6 +63,8 @@ def main(cfg: DictConfig) -> dict:
 def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, world_size: int) -> None:
     """Print the task table and one table per suite; write the JSON file, the run's metrics, wandb."""
     print(cli.format_table(metrics))
+    for line in cli.nonfinite_warnings(metrics):
+        print(line, file=sys.stderr, flush=True)
     for plan in suites:
         summary = summarize(plan, metrics)
         print(format_suite(plan, summary))

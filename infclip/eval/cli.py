@@ -72,20 +72,21 @@ def register() -> None:
 
 
 def _latest_step_dir(folder: Path) -> Optional[Path]:
-    """Newest step folder whose model.pt verifies against its manifest; each newer damaged
-    one is named in a one-line warning and skipped."""
-    steps = [p for p in folder.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / "model.pt").is_file()]
-    for step in sorted(steps, key=lambda p: int(p.name[5:]), reverse=True):
-        problem = verify(step, need=("model.pt",), only=("model.pt",))
-        if problem is None:
-            return step
-        print(f"warning: skipping damaged checkpoint {step}: {problem}", file=sys.stderr, flush=True)
-    return None
+    """Newest step folder whose loaded files (model.pt and open_clip's files) verify against
+    its manifest; each newer damaged one is named in a one-line warning, set aside as
+    ``step_N.damaged`` and skipped (``infclip.export.newest_intact``)."""
+    from infclip.export import newest_intact
+
+    return newest_intact(folder, warn=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _verified_model(path: Path) -> str:
-    """``path`` (a model.pt) if its folder's manifest, when there is one, vouches for it."""
-    problem = verify(path.parent, need=(path.name,), only=(path.name,)) if (path.parent / MANIFEST).is_file() else None
+    """``path`` (a model.pt) if its folder's manifest, when there is one, vouches for it and
+    for every other file the command loads from that folder (open_clip's files)."""
+    from infclip.export import open_clip_files
+
+    files = (path.name, *open_clip_files(path.parent))
+    problem = verify(path.parent, need=files, only=files) if (path.parent / MANIFEST).is_file() else None
     if problem:
         raise EvalConfigError(f"checkpoint {path.parent} is damaged: {problem}; give an intact step folder "
                               "or the run folder (its newest intact checkpoint is used)")
@@ -307,14 +308,27 @@ def build(cfg: DictConfig, device: torch.device, pretrained: Optional[str]):
             return model, open_clip.get_tokenizer(spec), preprocess
         built = build_model(ModelConfig(name=name, config_file=cfg.model_config_file, pretrained=pretrained),
                             device=device)
-    except Exception as e:  # a load failure: wrong architecture or a damaged file
+    except Exception as e:  # a load failure: wrong architecture, a refused pickle, a vanished file
         if pretrained is None:
             raise
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        raise EvalConfigError(f"checkpoint {pretrained} does not load into model={name!r} "
-                              f"({type(e).__name__}: {first}); give the architecture it was trained with "
-                              "(model=<name>), or another checkpoint if this file is damaged") from e
+        raise EvalConfigError(_load_failure(pretrained, name, e)) from e
     return built.model, built.tokenizer, built.preprocess_val
+
+
+def _load_failure(pretrained: str, name: str, e: BaseException) -> str:
+    """Why a checkpoint did not load, blaming the architecture only for a key/shape mismatch."""
+    text = str(e)
+    first = f"{type(e).__name__}: {text.strip().splitlines()[0][:300]}" if text.strip() else type(e).__name__
+    if isinstance(e, FileNotFoundError) or "No such file" in text or "is not a file" in text:
+        return (f"checkpoint {pretrained} disappeared while it was read ({first}); a training writing into "
+                "that run folder may have pruned it (checkpoint.keep_last): evaluate again (the run folder "
+                "gives its newest checkpoint), or copy the step folder first")
+    if "Weights only load failed" in text or "Unpickl" in type(e).__name__ or "pickle" in text.lower():
+        return (f"checkpoint {pretrained} is not a plain weights file: loading it would run pickled code, "
+                f"which is refused ({first}); give a state dict saved with torch.save(model.state_dict()) "
+                "or a .safetensors file")
+    return (f"checkpoint {pretrained} does not load into model={name!r} ({first}); give the architecture it "
+            "was trained with (model=<name>), or another checkpoint if this file is damaged")
 
 
 def format_table(metrics: dict[str, float]) -> str:
@@ -328,6 +342,19 @@ def format_table(metrics: dict[str, float]) -> str:
         chance_text = f"{100 * chance:9.2f}" if chance is not None else ""
         lines.append(f"{task:<24} {name:<24} {100 * value:9.2f} {chance_text}")
     return "\n".join(lines)
+
+
+def nonfinite_warnings(metrics: dict[str, float]) -> list[str]:
+    """One warning line per task that had queries with non-finite scores (NaN/inf embeddings:
+    a collapsed or damaged model); those queries were counted as misses."""
+    lines = []
+    for key, n in metrics.items():
+        if key.endswith("/num_nonfinite") and n:
+            task = key.split("/")[1]
+            total = sum(metrics.get(f"eval/{task}/{k}", 0.0) for k in ("num_samples", "num_images", "num_texts"))
+            lines.append(f"warning: {task}: {int(n)} of {int(total)} queries scored non-finite similarities "
+                         "(the model's embeddings are NaN/inf: collapsed or damaged weights); counted as misses")
+    return lines
 
 
 def default_output(pretrained: Optional[str]) -> str:

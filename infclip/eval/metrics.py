@@ -12,6 +12,11 @@ score ``s*``, ``e`` the negatives scoring exactly ``s*`` and ``p >= 1`` the posi
 We report the expectation -- no random numbers are drawn -- so a collapsed model (all
 scores equal) scores exactly chance and never 100 %, while untied scores give the plain
 top-k hit. Zero-shot top-k and text->image recall are the p = 1 case.
+
+Non-finite scores: a query whose row of scores holds a NaN or an infinity cannot be ranked
+and is a miss at every k (``finite_rows``); callers count such queries (``num_nonfinite``).
+So a model whose embeddings collapsed to NaN (open_clip's classifier builder divides a zero
+class embedding by its zero norm) scores 0, never 100 %.
 """
 
 from __future__ import annotations
@@ -34,8 +39,18 @@ def hit_probability(g: Tensor, e: Tensor, p: Tensor, k: int) -> Tensor:
     return torch.where(m <= 0, torch.zeros_like(g), 1 - prod)
 
 
+def finite_rows(scores: Tensor) -> Tensor:
+    """(n,) bool: rows whose every score is finite (the others are misses)."""
+    return torch.isfinite(scores).all(1)
+
+
+def _misses_where_nonfinite(hits: dict[int, Tensor], finite: Tensor) -> dict[int, Tensor]:
+    return {k: torch.where(finite, h, torch.zeros_like(h)) for k, h in hits.items()}
+
+
 def topk_hits(scores: Tensor, target: Tensor, ks: tuple[int, ...]) -> dict[int, Tensor]:
-    """Hit probabilities when exactly one column per row is positive.
+    """Hit probabilities when exactly one column per row is positive; a row holding a
+    non-finite score is a miss (0) at every k.
 
     scores: (n, C) float; target: (n,) int64 column of the positive. Returns {k: (n,) float64}.
     """
@@ -43,11 +58,12 @@ def topk_hits(scores: Tensor, target: Tensor, ks: tuple[int, ...]) -> dict[int, 
     g = (scores > pos).sum(1)
     e = (scores == pos).sum(1) - 1  # the positive itself ties with itself
     p = torch.ones_like(g)
-    return {k: hit_probability(g, e, p, k) for k in ks}
+    return _misses_where_nonfinite({k: hit_probability(g, e, p, k) for k in ks}, finite_rows(scores))
 
 
 def multi_positive_hits(scores: Tensor, positive: Tensor, ks: tuple[int, ...]) -> dict[int, Tensor]:
-    """Hit probabilities when a row may have several positive columns (image -> its captions).
+    """Hit probabilities when a row may have several positive columns (image -> its captions);
+    a row holding a non-finite score is a miss (0) at every k.
 
     scores: (n, M) float; positive: (n, M) bool with >= 1 True per row. Returns {k: (n,) float64}.
     """
@@ -55,7 +71,7 @@ def multi_positive_hits(scores: Tensor, positive: Tensor, ks: tuple[int, ...]) -
     g = ((scores > best) & ~positive).sum(1)
     e = ((scores == best) & ~positive).sum(1)
     p = ((scores == best) & positive).sum(1)
-    return {k: hit_probability(g, e, p, k) for k in ks}
+    return _misses_where_nonfinite({k: hit_probability(g, e, p, k) for k in ks}, finite_rows(scores))
 
 
 def chance_single(num_candidates: int, k: int) -> float:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from infclip.eval.data import RetrievalData
 from infclip.eval.embed import Runtime, all_reduce_sum, encode_images, encode_texts, fp32, gather_strided, shard
-from infclip.eval.metrics import chance_multi, chance_single, multi_positive_hits, topk_hits
+from infclip.eval.metrics import chance_multi, chance_single, finite_rows, multi_positive_hits, topk_hits
 
 RECALL_K = (1, 5, 10)
 
@@ -28,23 +28,27 @@ def _my_chunks(n: int, chunk_size: int, rt: Runtime) -> list[tuple[int, int]]:
 
 
 def recall_sums(img: Tensor, txt: Tensor, txt2img: Tensor, chunk_size: int, rt: Runtime) -> Tensor:
-    """This rank's hit sums (float64, shape (2, len(RECALL_K))): row 0 image->text, row 1 text->image.
+    """This rank's hit sums (float64, shape (2, len(RECALL_K) + 1)): row 0 image->text, row 1
+    text->image; the last column counts the queries whose scores were not finite (misses).
 
     img: (N, d), txt: (M, d) unit-norm, all rows on every rank; txt2img: (M,) int64 in [0, N).
     """
-    sums = torch.zeros(2, len(RECALL_K), dtype=torch.float64, device=img.device)
+    sums = torch.zeros(2, len(RECALL_K) + 1, dtype=torch.float64, device=img.device)
     for a, b in _my_chunks(img.shape[0], chunk_size, rt):
         positive = txt2img[None, :] == torch.arange(a, b, device=img.device)[:, None]  # (b-a, M)
-        hits = multi_positive_hits(img[a:b] @ txt.T, positive, RECALL_K)
-        sums[0] += torch.stack([hits[k].sum() for k in RECALL_K])
+        scores = img[a:b] @ txt.T
+        hits = multi_positive_hits(scores, positive, RECALL_K)
+        sums[0] += torch.stack([*(hits[k].sum() for k in RECALL_K), (~finite_rows(scores)).sum().double()])
     for a, b in _my_chunks(txt.shape[0], chunk_size, rt):
-        hits = topk_hits(txt[a:b] @ img.T, txt2img[a:b], RECALL_K)
-        sums[1] += torch.stack([hits[k].sum() for k in RECALL_K])
+        scores = txt[a:b] @ img.T
+        hits = topk_hits(scores, txt2img[a:b], RECALL_K)
+        sums[1] += torch.stack([*(hits[k].sum() for k in RECALL_K), (~finite_rows(scores)).sum().double()])
     return sums
 
 
 def summarize(sums: Tensor, txt2img: list[int], num_images: int) -> dict[str, float]:
-    """Recall metrics and their chance levels from the summed hits."""
+    """Recall metrics and their chance levels from the summed hits; ``num_nonfinite`` (queries
+    of both directions scored as misses for non-finite scores) only when there were any."""
     num_texts = len(txt2img)
     per_image = torch.bincount(torch.tensor(txt2img), minlength=num_images).tolist()
     out: dict[str, float] = {}
@@ -56,6 +60,9 @@ def summarize(sums: Tensor, txt2img: list[int], num_images: int) -> dict[str, fl
         out[f"i2t_r{k}_chance"] = chance_multi(num_texts, per_image, k)
         out[f"t2i_r{k}_chance"] = chance_single(num_images, k)
     out["num_images"], out["num_texts"] = float(num_images), float(num_texts)
+    nonfinite = float(sums[:, -1].sum())
+    if nonfinite:
+        out["num_nonfinite"] = nonfinite
     return out
 
 

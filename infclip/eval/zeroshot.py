@@ -17,7 +17,7 @@ from torch import Tensor
 
 from infclip.eval.data import ZeroShotData
 from infclip.eval.embed import Runtime, all_reduce_sum, encode_images, fp32, gather_strided, shard
-from infclip.eval.metrics import chance_single, topk_hits
+from infclip.eval.metrics import chance_single, finite_rows, topk_hits
 
 TOPK = (1, 5)
 
@@ -37,22 +37,26 @@ def class_embeddings(model, tokenizer: Callable, classnames: list[str], template
 
 
 def zeroshot_counts(img: Tensor, labels: Tensor, classes: Tensor) -> Tensor:
-    """Per-class sums for one rank's images: (3, C) float64 rows = (top1 hits, top5 hits, count).
+    """Per-class sums for one rank's images: (4, C) float64 rows = (top1 hits, top5 hits, count,
+    images whose scores were not finite: misses).
 
     img: (n, d) unit-norm; labels: (n,) in [0, C); classes: (C, d) unit-norm.
     """
     num_classes = classes.shape[0]
-    hits = topk_hits(img @ classes.T, labels, TOPK)
-    out = torch.zeros(3, num_classes, dtype=torch.float64, device=img.device)
+    scores = img @ classes.T
+    hits = topk_hits(scores, labels, TOPK)
+    out = torch.zeros(4, num_classes, dtype=torch.float64, device=img.device)
     out[0].index_add_(0, labels, hits[1])
     out[1].index_add_(0, labels, hits[5])
     out[2].index_add_(0, labels, torch.ones_like(hits[1]))
+    out[3].index_add_(0, labels, (~finite_rows(scores)).double())
     return out
 
 
 def summarize(counts: Tensor) -> dict[str, float]:
-    """Metrics from summed per-class counts (3, C): top1, top5, mean per-class recall, chance."""
-    hit1, hit5, n = counts.sum(1).tolist()
+    """Metrics from summed per-class counts (4, C): top1, top5, mean per-class recall, chance;
+    ``num_nonfinite`` (images scored as misses for non-finite scores) only when there were any."""
+    hit1, hit5, n, nonfinite = counts.sum(1).tolist()
     present = counts[2] > 0
     per_class = counts[0][present] / counts[2][present]
     num_classes = counts.shape[1]
@@ -60,6 +64,7 @@ def summarize(counts: Tensor) -> dict[str, float]:
         "top1": hit1 / n, "top5": hit5 / n, "mean_per_class_recall": float(per_class.mean()),
         "top1_chance": chance_single(num_classes, 1), "top5_chance": chance_single(num_classes, 5),
         "num_samples": n, "num_classes": float(num_classes),
+        **({"num_nonfinite": nonfinite} if nonfinite else {}),
     }
 
 
@@ -68,7 +73,7 @@ def evaluate_zeroshot(model, tokenizer: Callable, data: ZeroShotData, on_device:
     """Zero-shot metrics over all of ``data`` (sharded over the group; same result on every rank)."""
     classes = class_embeddings(model, tokenizer, data.classnames, data.templates, batch_size, rt)
     indices = shard(len(data.images), rt)
-    counts = torch.zeros(3, len(data.classnames), dtype=torch.float64, device=rt.device)
+    counts = torch.zeros(4, len(data.classnames), dtype=torch.float64, device=rt.device)
     if len(indices):
         img = encode_images(model, data.images, indices, on_device, batch_size, workers, rt)
         labels = torch.tensor([data.images.labels[i] for i in indices], device=rt.device)

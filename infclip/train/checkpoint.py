@@ -162,8 +162,10 @@ class Checkpointer:
         Rank 0 only. Each newer one that fails is named in one ``warn`` line and kept in
         ``rejected``; a damaged one (not merely written for another world size) is moved
         aside to ``step_N.damaged``, so pruning never counts it and a re-save never collides.
+        Unfinished ``.step_N.tmp`` folders of an interrupted save are removed first (one line).
         """
         self._recover_moved_aside()
+        self._remove_unfinished(warn)
         self.rejected = {}
         for p in reversed(list_checkpoints(self.root.parent)):
             problem = verify_checkpoint(p, world_size)
@@ -179,6 +181,18 @@ class Checkpointer:
             warn(f"warning: skipping damaged checkpoint {p}: {problem}; moved aside to {aside.name}, "
                  "falling back to the previous one")
         return None
+
+    def _remove_unfinished(self, warn: Callable[[str], None]) -> None:
+        """Removes the ``.step_N.tmp`` folders an interrupted save left (kill, second Ctrl-C,
+        full disk): never a checkpoint, only a partial copy of one (rank 0 only)."""
+        if self.rank != 0 or not self.root.is_dir():
+            return
+        left = sorted(self.root.glob(".step_*.tmp"))
+        for p in left:
+            shutil.rmtree(p, ignore_errors=True)
+        if left:
+            warn(f"removed {', '.join(p.name for p in left)} in {self.root}: unfinished checkpoint "
+                 f"write(s) of an interrupted run (the complete checkpoints are untouched)")
 
     def _recover_moved_aside(self) -> None:
         """A kill between moving a re-saved step aside and renaming its replacement into

@@ -29,7 +29,9 @@ from infclip.train.resume import last_finite_checkpoint, maybe_resume, resume_co
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
 from infclip.train.logger import _BOOKKEEPING, gpu_memory_gb, run_info
-from infclip.train.pipeline import StepPipeline, TensorFeed, build_step_pipeline, duplicate_warning
+from infclip.train.pipeline import (
+    LoaderStalled, StallWatch, StepPipeline, StoppedWaiting, TensorFeed, build_step_pipeline, duplicate_warning,
+)
 
 
 @dataclass
@@ -41,8 +43,10 @@ class State:
     stop_requested: bool = False  # set only from the value all ranks agreed on (_agree_on_stop)
     stop_signal: int = 0  # the agreed stop signal (SIGUSR1: Slurm's warning -> requeue)
     signal_received: int = 0  # set by the handler on this rank; acted on after the next step
+    interrupts: int = 0  # SIGINTs received (the second one exits at once: infclip.train.signals)
     saved_step: int = -1  # step of the newest checkpoint this process wrote or resumed from
     data_state: Optional[dict] = None  # loader position after the last *trained* step (not a prefetched one)
+    step_rng: Optional[dict] = None  # RNG state at the start of the current step (single rank: to abandon it)
 
 
 def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
@@ -79,27 +83,83 @@ def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dic
 def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
     state.data_state = parts.data.state_dict()  # the position before any step of this process
     _warn_duplicates(cfg, info, parts)
-    pipeline = build_step_pipeline(cfg, parts.data, parts.engine, info.device, info.world_size)
+    pipeline = build_step_pipeline(cfg, parts.data, parts.engine, info.device, info.world_size,
+                                   _stall_watch(cfg, info, parts, state))
     parts.engine.next_feed = pipeline.peek  # a decoding normalizer starts on the next step during the replay
     parts.logger.set_start(state.step)
     t_run = time.perf_counter()
     try:
         while state.step < cfg.steps:
-            metrics = train_step(cfg, info, parts, state, pipeline)
+            try:
+                metrics = train_step(cfg, info, parts, state, pipeline)
+            except StoppedWaiting:  # single rank: abandon the step, stop as after the last one
+                _abandon_step(state)
+                state.stop_requested, state.stop_signal = True, state.signal_received
+                break
+            state.step_rng = None  # the step completed: nothing to rewind from here on
             state.step += 1
             state.samples += cfg.batch.global_size
             _after_step(cfg, info, parts, state, metrics)
             if state.stop_requested:
                 break
+    except LoaderStalled as e:
+        raise _data_abort(info, parts, state, str(e), "Check the shard named (file system, pipe: command); "
+                          "data.stall_abort_s sets how long to wait (0: for ever)") from None
+    except RuntimeError as e:
+        if not _loader_died(e):
+            raise
+        raise _data_abort(info, parts, state, f"a data loader worker died ({str(e).strip().splitlines()[0]})",
+                          "If the system's out-of-memory killer ended it, lower data.workers or "
+                          "data.loader_batch") from None
     finally:  # stop the loader workers now, also when a step raised (they ignore SIGTERM)
         pipeline.close()
     return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
+
+
+def _stall_watch(cfg: Any, info: DistInfo, parts: Parts, state: State) -> StallWatch:
+    """A stalled loader is warned about and ends the run (data.stall_*). On one rank a stop
+    signal is also honoured while waiting for data: the step is abandoned. Several ranks
+    never abandon a step on a signal (the others finish it and wait for this one in the
+    stop agreement); a rank whose loader stalls ends the job (torchrun stops the others)."""
+    return StallWatch(cfg.data.stall_warn_s, cfg.data.stall_abort_s, parts.data.waiting_on,
+                      warn=parts.logger.write,
+                      stop_requested=None if info.distributed else (lambda: state.signal_received != 0))
+
+
+def _abandon_step(state: State) -> None:
+    """The step was left half done (no update applied): put the RNG back to its start, so a
+    checkpoint now holds exactly the state after the last completed step."""
+    if state.step_rng is not None:
+        ckpt.set_rng_state(state.step_rng)
+
+
+def _loader_died(e: RuntimeError) -> bool:
+    """torch's error for a loader worker that exited or was killed (raised by its SIGCHLD
+    handler or the loader's liveness check, or the step pipeline's LoaderDied)."""
+    return str(e).lstrip().startswith("DataLoader worker")
+
+
+def _data_abort(info: DistInfo, parts: Parts, state: State, what: str, advice: str) -> Exception:
+    """The error (one paragraph, exit 2) of a stalled or dead loader; one rank first
+    checkpoints its last completed step (several cannot: the others wait in a collective)."""
+    from infclip.data.shards import DataError
+
+    if info.distributed:
+        where = f"rank {info.rank}: {what}; the other ranks wait for it: stopping the job without a new checkpoint"
+    else:
+        _abandon_step(state)
+        saved = parts.checkpointer.root / f"step_{state.step:08d}"
+        path = _save(parts, state) if state.saved_step != state.step else saved
+        where = f"{what}; the last completed step ({state.step}) is checkpointed ({path})"
+    return DataError(f"{where}. {advice}; resume=auto continues from the newest checkpoint.")
 
 
 def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: StepPipeline) -> dict:
     """One optimizer step on the pipeline's next feed. The GPU starts as soon as the feed's
     first micro-batch is there; ``time_data_wait`` is all the time the step blocked on data."""
     t0 = time.perf_counter()
+    if not info.distributed:  # to abandon the step on a stop signal or a stalled loader
+        state.step_rng = ckpt.rng_state()
     feed = pipeline.next()
     parts.model.train()
     lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step's update uses

@@ -27,6 +27,12 @@ Resume: a feed carries the data position *after its last loader batch*
 (``TrainData.state_dict()`` taken by the filler between two loader batches); the trainer
 checkpoints the position of the last step it trained on, never that of a prefetched one.
 
+Stalls (issue 28): with a :class:`StallWatch`, the consumer checks about once a second while
+it waits for rows how long the filler has been waiting for its current loader batch: past
+``warn_s`` one warning names the loader worker and the shard it reads, past ``abort_s``
+:class:`LoaderStalled` is raised; a stop signal while waiting raises :class:`StoppedWaiting`
+(single rank: the trainer abandons the step, see ``infclip.train.loop``).
+
 Threading: only the filler touches the loader generator (a generator cannot be closed from
 another thread while it runs); :meth:`StepPipeline.close` asks the filler to stop, then
 kills loader workers that outlive their loader (``stop_workers``), which also unblocks a
@@ -53,6 +59,30 @@ FIELDS = ("images", "tokens")  # loader batch = (images uint8 (B,3,H,W), tokens 
 
 class PipelineStopped(RuntimeError):
     """The pipeline was closed while a step still waited for its rows."""
+
+
+class LoaderStalled(RuntimeError):
+    """No loader batch arrived for ``StallWatch.abort_s`` seconds; the message names the worker."""
+
+
+class LoaderDied(RuntimeError):
+    """The connection to a loader worker broke mid-batch (the worker was killed); worded as
+    torch's own error for a dead worker ("DataLoader worker ...")."""
+
+
+class StoppedWaiting(RuntimeError):
+    """A stop signal arrived while the step waited for data (the step is abandoned)."""
+
+
+@dataclass
+class StallWatch:
+    """What the consumer does while it waits for the loader (see module docs)."""
+
+    warn_s: float  # seconds without a loader batch before one warning (0: never)
+    abort_s: float  # ... before LoaderStalled (0: never)
+    describe: Callable[[], str]  # the worker the loader waits on and what it reads
+    warn: Callable[[str], None] = print
+    stop_requested: Optional[Callable[[], bool]] = None  # True: raise StoppedWaiting (None: never)
 
 
 @dataclass(frozen=True)
@@ -167,6 +197,8 @@ class StepFeed:
         with self._cond:
             while self.filled < stop and self.error is None:
                 self._cond.wait(timeout=1.0)
+                if count_wait and self.filled < stop:  # the trainer's own wait (not a read-ahead thread)
+                    self.pipe.check_waiting()
         if count_wait:
             self.wait_s += time.perf_counter() - t0
         if self.filled < stop:
@@ -225,8 +257,11 @@ class StepPipeline:
     filler between two loader batches.
     """
 
-    def __init__(self, batches: Iterator, data_state: Callable[[], dict], settings: PipelineSettings):
-        self.batches, self.data_state, self.s = batches, data_state, settings
+    def __init__(self, batches: Iterator, data_state: Callable[[], dict], settings: PipelineSettings,
+                 watch: Optional[StallWatch] = None):
+        self.batches, self.data_state, self.s, self.watch = batches, data_state, settings, watch
+        self._pulling_since: Optional[float] = None  # monotonic start of the filler's current next(batches)
+        self._warned_for: Optional[float] = None  # the pull already warned about
         _check(settings)
         self._cond = threading.Condition()
         self.pools = {n: _Pool(settings.pool_chunks(n), settings.chunk, settings.pin) for n in FIELDS}
@@ -256,6 +291,7 @@ class StepPipeline:
                 except queue.Empty:
                     if not self._thread.is_alive():
                         raise PipelineStopped("the step pipeline's filler thread is not running")
+                    self.check_waiting()
         if isinstance(feed, BaseException):
             raise feed
         feed.wait_s += time.perf_counter() - t0
@@ -277,6 +313,27 @@ class StepPipeline:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
         feed.release_all(event)
+
+    def check_waiting(self) -> None:
+        """Called by the consumer while it waits: a stop signal raises StoppedWaiting; a loader
+        batch pending for ``watch.warn_s`` is warned about once, for ``watch.abort_s`` raises
+        LoaderStalled (see module docs)."""
+        w = self.watch
+        if w is None:
+            return
+        if w.stop_requested is not None and w.stop_requested():
+            raise StoppedWaiting("a stop signal arrived while the step waited for data")
+        since = self._pulling_since
+        stalled = time.monotonic() - since if since is not None else 0.0
+        if w.abort_s and stalled >= w.abort_s:
+            raise LoaderStalled(f"the data loader delivered nothing for {stalled:.0f} s (data.stall_abort_s="
+                                f"{w.abort_s:g}): it waits on {w.describe()}")
+        if w.warn_s and stalled >= w.warn_s and self._warned_for != since:
+            self._warned_for = since
+            w.warn(f"warning: the data loader has delivered nothing for {stalled:.0f} s (data.stall_warn_s="
+                   f"{w.warn_s:g}): it waits on {w.describe()}; a stalled file system or pipe: command? "
+                   + (f"training stops with a checkpoint after data.stall_abort_s={w.abort_s:g} s" if w.abort_s
+                      else "data.stall_abort_s=0: waiting for ever"))
 
     def loader_rate(self) -> float:
         """Samples per second the loader delivered while the filler was pulling (not waiting
@@ -325,7 +382,12 @@ class StepPipeline:
             fixed = sum(self.pools[n].n * c * row[n] for n in s.streamed)
             growable = [n for n in FIELDS if n not in s.streamed]
             per_chunk = sum(c * row[n] for n in growable)
-            fit = max((s.budget_bytes - fixed) // max(per_chunk, 1), -(-s.local // c))
+            step_chunks = -(-s.local // c)
+            fit = max((s.budget_bytes - fixed) // max(per_chunk, 1), step_chunks)
+            if fit * per_chunk + fixed > s.budget_bytes:  # one step's rows must fit: the cap is raised
+                print(f"step pipeline: memory.host_buffer_gb={s.budget_bytes / 2**30:.3g} is below one step's "
+                      f"host buffers; using {(fit * per_chunk + fixed) / 2**30:.3g} GB (one step, no prefetch)",
+                      flush=True)
             for n in growable:
                 pool = self.pools[n]
                 if fit < pool.n:
@@ -381,7 +443,12 @@ class StepPipeline:
                     for name in FIELDS:
                         feed.chunks[name].append(self._acquire(name))
                 t0 = time.perf_counter()
-                images, tokens = next(self.batches)
+                self._pulling_since = time.monotonic()
+                try:
+                    images, tokens = next(self.batches)
+                except (ConnectionError, EOFError) as e:  # receiving a batch from a worker that died
+                    raise LoaderDied(f"DataLoader worker connection lost ({type(e).__name__}: {e})") from e
+                self._pulling_since = None
                 t1 = time.perf_counter()
                 _check_batch(images, tokens, feed.filled, self.s)
                 feed.put(images, tokens, self.data_state)
@@ -429,9 +496,12 @@ def ring_rows(local: int, micro: int, loader_batch: int, want_rows: int) -> int:
     return min(rows, local)
 
 
-def build_step_pipeline(cfg: Any, data: Any, engine: Any, device: torch.device, world_size: int) -> StepPipeline:
+def build_step_pipeline(cfg: Any, data: Any, engine: Any, device: torch.device, world_size: int,
+                        watch: Optional[StallWatch] = None) -> StepPipeline:
     """The pipeline for a run: ``cfg`` a TrainConfig, ``data`` its TrainData, ``engine`` its
-    StepEngine (which says which inputs only the cache pass reads)."""
+    StepEngine (which says which inputs only the cache pass reads); ``watch``: what to do
+    about a stalled loader (threaded pipelines only: without the thread the trainer itself
+    waits inside the loader)."""
     local = cfg.batch.global_size // world_size
     mem = cfg.memory
     # data.workers=0 decodes and augments in the filler itself, seeding torch's *global* RNG
@@ -453,7 +523,7 @@ def build_step_pipeline(cfg: Any, data: Any, engine: Any, device: torch.device, 
         streamed=streamed, ring_rows=rows, threaded=threaded, chunk_rows=chunk,
         budget_bytes=host_budget_bytes(mem.host_buffer_gb),
     )
-    return StepPipeline(data.batches(), data.state_dict, settings)
+    return StepPipeline(data.batches(), data.state_dict, settings, watch if threaded else None)
 
 
 def host_budget_bytes(host_buffer_gb: Optional[float]) -> int:

@@ -80,11 +80,17 @@ def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> dict[str, 
 def _load(path: Path, info: DistInfo) -> tuple[dict, dict, dict]:
     try:
         return ckpt.load(path, info.rank, map_location=info.device)
-    except Exception as e:  # a damaged file of a checkpoint without manifest (older version)
-        raise ResumeError(
-            f"checkpoint {path} cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-            "it has no manifest to verify it by. Resume from an older one with resume=<its folder>, "
-            "or move this one aside."
+    except Exception as e:
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        if (path / ckpt.MANIFEST).is_file():  # its bytes are the ones written: not damage
+            raise ResumeError(
+                f"checkpoint {path} matches its manifest but cannot be loaded ({why}); it was written by "
+                "another version of infclip or torch. Resume with that version, or start a new run from "
+                f"its weights: model.pretrained={path / 'model.pt'} in another run_dir."
+            ) from None
+        raise ResumeError(  # a damaged file of a checkpoint without manifest (older version)
+            f"checkpoint {path} cannot be loaded ({why}); it has no manifest to verify it by. Resume from "
+            "an older one with resume=<its folder>, or move this one aside."
         ) from None
 
 

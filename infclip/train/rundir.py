@@ -34,6 +34,10 @@ class RunDirBusy(RuntimeError):
     """Another training holds this run directory."""
 
 
+class RunDirUnusable(RuntimeError):
+    """The run directory cannot be created or written (permissions, name length, full disk)."""
+
+
 def record_start(cfg: Any, run_dir: Path, overrides: list[str]) -> None:
     """Rank 0, once the start is accepted (lock held, checkpoint loaded): the resolved
     config and the overrides. A refused start never reaches this, so it leaves the
@@ -47,7 +51,7 @@ def run_dir_lock(run_dir: Path, info: DistInfo) -> Iterator[None]:
     """Holds ``run_dir/train.lock`` (rank 0) for the block; every rank raises ``RunDirBusy``
     if it is held by a live training. Creates ``run_dir``; on the way out removes the lock
     and, when the block wrote nothing else into a folder it created, the folder."""
-    created = info.is_main and not run_dir.exists()
+    created = info.is_main and not os.path.exists(run_dir)  # (never raises: a name too long is found below)
     token = on_rank0(info, lambda: acquire(run_dir))
     try:
         yield
@@ -57,8 +61,26 @@ def run_dir_lock(run_dir: Path, info: DistInfo) -> Iterator[None]:
 
 
 def acquire(run_dir: Path) -> str:
-    """Takes the lock (creating ``run_dir``); returns its token. Raises ``RunDirBusy``."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """Takes the lock (creating ``run_dir``); returns its token. Raises ``RunDirBusy``, or
+    ``RunDirUnusable`` when the folder cannot be created or written."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return _take(run_dir)
+    except OSError as e:
+        raise RunDirUnusable(_unusable_message(run_dir, e)) from None
+
+
+def _unusable_message(run_dir: Path, e: OSError) -> str:
+    import errno
+
+    why = {errno.ENAMETOOLONG: "a name in it is longer than the file system allows (usually 255 bytes)",
+           errno.EACCES: "no permission", errno.EROFS: "a read-only file system",
+           errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded"}.get(e.errno, "")
+    return (f"run_dir {run_dir} cannot be created or written ({type(e).__name__}: {e.strerror}"
+            f"{'; ' + why if why else ''}); choose another run_dir (or a shorter name) on a writable disk")
+
+
+def _take(run_dir: Path) -> str:
     lock = run_dir / LOCK_NAME
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "start": time.time(),
             "slurm_job": os.environ.get("SLURM_JOB_ID"), "token": uuid.uuid4().hex}

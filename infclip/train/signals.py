@@ -1,5 +1,10 @@
-"""Stop signals: SIGTERM (a user's scancel) and SIGUSR1 (Slurm's warning before the time
-limit) end training after the current step, with a checkpoint and exit status 0.
+"""Stop signals: SIGTERM (a user's scancel), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's warning
+before the time limit) end training after the current step, with a checkpoint and exit status 0.
+
+SIGINT is recorded as SIGTERM (a user's stop: never a requeue) and announced in one line; a
+second SIGINT ends the process at once (status 130, no checkpoint: the newest one stays the
+last complete one, and the ``.step_N.tmp`` an interrupted save may leave is removed at the
+next start).
 
 The handler only records the signal (``state.signal_received``); the loop acts on it after
 the step, once every rank agreed (``_agree_on_stop`` in ``infclip.train.loop``). The handlers
@@ -14,20 +19,43 @@ the interpreter's own finalization, after it resets its signal handlers, is left
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from typing import Any, Iterator
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+INTERRUPTED_EXIT = 130  # a second Ctrl-C: the shell's status for "ended by SIGINT"
 
 
 def install_signal_handlers(state: Any) -> dict:
-    """Records SIGTERM / SIGUSR1 in ``state.signal_received`` (the largest number wins:
-    SIGTERM 15 over SIGUSR1 10). Returns the previous handlers, for ``restore_signal_handlers``."""
+    """Records SIGTERM / SIGUSR1 / SIGINT in ``state.signal_received`` (the largest number wins:
+    SIGTERM 15 over SIGUSR1 10; SIGINT counts as SIGTERM). A second SIGINT exits at once.
+    Returns the previous handlers, for ``restore_signal_handlers``."""
 
     def handler(signum, frame):
+        if signum == signal.SIGINT:
+            _interrupt(state)
+            signum = signal.SIGTERM
         state.signal_received = max(state.signal_received, signum)
 
     return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+
+
+def _interrupt(state: Any) -> None:
+    """First SIGINT: say what happens (os.write: a print could be re-entered); second: exit now."""
+    state.interrupts = getattr(state, "interrupts", 0) + 1
+    if state.interrupts == 1:
+        _say("interrupted: stopping after this step with a checkpoint (interrupt again to exit at once)")
+        return
+    _say("interrupted again: exiting now without a checkpoint (the newest complete one stays)")
+    os._exit(INTERRUPTED_EXIT)  # at once: no finally blocks, no waiting on loader workers
+
+
+def _say(line: str) -> None:
+    try:
+        os.write(2, f"{line}\n".encode())
+    except OSError:
+        pass
 
 
 def restore_signal_handlers(previous: dict) -> None:
@@ -49,7 +77,7 @@ def signals_handled(state: Any) -> Iterator[None]:
 
 
 def exit_zero_on_stop() -> None:
-    """From now on SIGTERM / SIGUSR1 end the process with status 0 (``SystemExit(0)``): for
+    """From now on SIGTERM / SIGUSR1 / SIGINT end the process with status 0 (``SystemExit(0)``): for
     the time after a run finished, when nothing is left to save."""
 
     def handler(signum, frame):

@@ -13,6 +13,9 @@ from infclip.data.config import DataConfig, SourceConfig, check_data_config
     ({"aug_ratio": (0.0, 1.0)}, "data.aug_ratio"),
     ({"sources": [SourceConfig(shards="/x/{0..1}.tar", weight=0)]}, r"data.sources\[0\]"),
     ({"synthetic_image_size": 8}, "data.synthetic_image_size"),
+    ({"stall_warn_s": -1.0}, "data.stall_warn_s"),
+    ({"stall_abort_s": float("nan")}, "data.stall_abort_s"),
+    ({"stall_warn_s": 60.0, "stall_abort_s": 30.0}, "data.stall_abort_s=30 must be larger than data.stall_warn_s=60"),
 ])
 def test_rejects(kw, key):
     with pytest.raises(ValueError, match=key):
@@ -21,3 +24,4 @@ def test_rejects(kw, key):
 
 def test_defaults_pass():
     check_data_config(DataConfig())
+    check_data_config(DataConfig(stall_warn_s=0.0, stall_abort_s=0.0))  # 0: off

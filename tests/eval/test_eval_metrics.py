@@ -53,6 +53,47 @@ def test_collapsed_scores_give_chance():
     assert hits[10].tolist() == pytest.approx([chance_multi(20, [5], 10)] * 4)
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_scores_are_misses(bad):
+    """A NaN/inf anywhere in a query's row (its positive or a negative): a miss at every k."""
+    scores = torch.zeros(3, 6)
+    scores[:, 2] = 1.0  # the positive is clearly first: a hit when finite
+    scores[0, :] = bad  # every score (open_clip's NaN classifier of a zero-norm class embedding)
+    scores[1, 2] = bad  # the positive only
+    scores[2, 4] = bad  # one negative only
+    target = torch.full((3,), 2)
+    hits = topk_hits(scores, target, (1, 5))
+    assert hits[1].tolist() == [0.0, 0.0, 0.0] and hits[5].tolist() == [0.0, 0.0, 0.0]
+    positive = F.one_hot(target, 6).bool()
+    multi = multi_positive_hits(scores, positive, (1, 5))
+    assert multi[1].tolist() == [0.0, 0.0, 0.0] and multi[5].tolist() == [0.0, 0.0, 0.0]
+    finite = torch.zeros(3, 6).index_fill_(1, torch.tensor([2]), 1.0)
+    assert topk_hits(finite, target, (1,))[1].tolist() == [1.0, 1.0, 1.0]  # the same rows, finite: hits
+
+
+def test_a_collapsed_classifier_scores_zero_and_is_counted():
+    """NaN class embeddings: top-1 and top-5 are 0 (they were 1.0), each image is counted."""
+    from infclip.eval.zeroshot import summarize, zeroshot_counts
+
+    img = F.normalize(torch.randn(9, 4), dim=1)
+    classes = torch.full((7, 4), math.nan)
+    result = summarize(zeroshot_counts(img, torch.arange(9) % 7, classes))
+    assert result["top1"] == 0.0 and result["top5"] == 0.0 and result["num_nonfinite"] == 9
+    healthy = summarize(zeroshot_counts(img, torch.arange(9) % 7, F.normalize(torch.randn(7, 4), dim=1)))
+    assert "num_nonfinite" not in healthy  # only reported when there were any
+
+
+def test_retrieval_counts_nonfinite_queries_of_both_directions():
+    from infclip.eval.retrieval import summarize
+
+    img, txt = F.normalize(torch.randn(5, 4), dim=1), F.normalize(torch.randn(10, 4), dim=1)
+    txt[3] = math.nan  # one caption: every image query's row holds it; one text query
+    txt2img = torch.arange(10) % 5
+    sums = recall_sums(img, txt, txt2img, chunk_size=2, rt=Runtime(torch.device("cpu")))
+    assert sums[:, -1].tolist() == [5.0, 1.0] and sums[0, :-1].tolist() == [0.0, 0.0, 0.0]
+    assert summarize(sums, txt2img.tolist(), 5)["num_nonfinite"] == 6
+
+
 def _reference_recall(img, txt, txt2img):
     """Full-matrix top-k recall (no ties in the inputs)."""
     sims = img @ txt.T
@@ -71,7 +112,8 @@ def test_recall_sums_match_full_matrix_reference():
     img, txt = F.normalize(torch.randn(23, 8), dim=1), F.normalize(torch.randn(70, 8), dim=1)
     txt2img = torch.arange(70) % 23
     got = recall_sums(img, txt, txt2img, chunk_size=1000, rt=Runtime(torch.device("cpu")))
-    assert torch.allclose(got, _reference_recall(img, txt, txt2img), atol=1e-12)
+    assert torch.allclose(got[:, :len(RECALL_K)], _reference_recall(img, txt, txt2img), atol=1e-12)
+    assert got[:, -1].tolist() == [0.0, 0.0]  # no query with non-finite scores
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 7, 23])

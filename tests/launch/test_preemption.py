@@ -127,6 +127,39 @@ def test_sigterm_checkpoints_and_exits_0_without_requeue(tmp_path, data_root, re
         assert losses_by_step(tmp_path / "run")[step] == [reference[step]]
 
 
+def test_ctrl_c_checkpoints_the_last_step_exits_0_and_resumes_exactly(tmp_path, data_root, reference):
+    """SIGINT to the process group (a terminal's Ctrl-C) is a stop signal like SIGTERM: it
+    was a KeyboardInterrupt traceback, exit 130, no checkpoint (issue 28, defect 5)."""
+    rc, out, last = _signal_mid_run(tmp_path, data_root, signal.SIGINT, child_env())
+    assert rc == 0 and "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert "interrupted: stopping after this step with a checkpoint" in out
+    assert ckpt.list_checkpoints(tmp_path / "run")[-1].name == f"step_{last:08d}" and last < STEPS
+    assert not list((tmp_path / "run" / "checkpoints").glob(".step_*.tmp"))
+    second = run(train_cmd(data_root, tmp_path / "run", *COMMON), cwd=tmp_path)
+    assert second.returncode == 0 and f"step_{last:08d} at step {last}" in second.stdout, second.stdout[-2000:]
+    assert_same_losses(tmp_path / "run", reference)
+
+
+def test_a_second_ctrl_c_exits_at_once_with_status_130(tmp_path):
+    """The handler itself, in a child process: the first SIGINT is recorded as SIGTERM (never
+    a requeue) and announced; the second ends the process at once, though nothing returns."""
+    script = (
+        "import os, signal, sys, time, types\n"
+        "from infclip.train.signals import install_signal_handlers\n"
+        "state = types.SimpleNamespace(signal_received=0)\n"
+        "install_signal_handlers(state)\n"
+        "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
+        "print('recorded', state.signal_received, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)\n"
+        "print('still running', flush=True)\n"
+    )
+    t0 = time.monotonic()
+    proc = run([sys.executable, "-c", script], cwd=tmp_path, env=child_env(PYTHONPATH=str(Path(ckpt.__file__).parents[2])))
+    assert proc.returncode == 130 and time.monotonic() - t0 < 20, proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["recorded", str(int(signal.SIGTERM))]
+    assert "interrupt again to exit at once" in proc.stderr and "exiting now without a checkpoint" in proc.stderr
+
+
 def _worker_pid(torchrun_pid, rank, timeout=120):
     """The pid of torchrun's worker with RANK=rank (read from /proc)."""
     deadline = time.monotonic() + timeout

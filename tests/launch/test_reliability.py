@@ -68,8 +68,11 @@ def test_damaged_newest_checkpoint_falls_back_with_identical_losses(tmp_path, da
     run_dir = _copy_until(reference, tmp_path, 6)
     newest = run_dir / "checkpoints" / "step_00000006"
     _damage(newest, how)
-    if how != "cut_train":  # the eval command skips a damaged model.pt too
-        assert resolve_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "step_00000004" / "model.pt")
+    if how != "cut_train":  # the eval command skips a damaged model.pt too (and sets it aside: on a copy)
+        copy = tmp_path / "copy"
+        shutil.copytree(run_dir, copy)
+        assert resolve_checkpoint(str(copy)) == str(copy / "checkpoints" / "step_00000004" / "model.pt")
+        assert (copy / "checkpoints" / "step_00000006.damaged").is_dir()
     proc = run(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
@@ -167,3 +170,147 @@ def test_sigterm_during_the_final_eval_keeps_every_step(tmp_path, data_root):
     assert sorted(losses_by_step(run_dir)) == [1, 2, 3, 4]
     summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
     assert summary["steps"] == 4 and any(k.startswith("eval/") for k in summary)  # the eval finished too
+
+
+def _loader_worker(trainer_pid, timeout=60):
+    """The pid of the trainer's (only) DataLoader worker: a child process of it (/proc)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for children in Path(f"/proc/{trainer_pid}/task").glob("*/children"):
+            pids = children.read_text().split()
+            if pids:
+                return int(pids[0])
+        time.sleep(0.05)
+    raise AssertionError("no loader worker found")
+
+
+def _freeze_loader(tmp_path, data_root, *overrides):
+    """Starts the reference's training and SIGSTOPs its loader worker after step 2 (a stand-in
+    for an NFS stall or a hung pipe: command). Returns (process, run folder, log)."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    proc = start(train_cmd(data_root, run_dir, *COMMON, *overrides), cwd=tmp_path, log=log)
+    wait_for_step(proc, run_dir, 2, log)
+    os.kill(_loader_worker(proc.pid), signal.SIGSTOP)
+    return proc, run_dir, log
+
+
+def test_a_frozen_loader_worker_is_named_then_the_run_stops_with_a_checkpoint(tmp_path, data_root, reference):
+    """Issue 28, defect 4: it printed nothing for minutes. Now: a warning naming the worker and
+    its shard after data.stall_warn_s, a checkpoint of the last completed step and one
+    paragraph (exit 2) after data.stall_abort_s; resume=auto then matches the reference."""
+    proc, run_dir, log = _freeze_loader(tmp_path, data_root, "data.stall_warn_s=1", "data.stall_abort_s=4")
+    try:
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    last = max(r["step"] for r in step_records(run_dir))
+    assert rc == 2 and "Traceback" not in out, out[-3000:]
+    warning = next(x for x in out.splitlines() if "delivered nothing for" in x and x.startswith("warning:"))
+    assert "data.stall_warn_s=1" in warning and "loader worker 0 (pid " in warning
+    # the shard file when the worker froze inside it (a SIGSTOP may also land between shards)
+    assert ("reading " in warning and ".tar" in warning) or "with no shard file open" in warning, warning
+    assert "error (DataError): the data loader delivered nothing for" in out and "data.stall_abort_s=4" in out
+    assert ckpt.list_checkpoints(run_dir)[-1].name == f"step_{last:08d}" and last < STEPS
+    second = run(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert losses_by_step(run_dir) == {s: [v] for s, v in reference[1].items()}
+
+
+def test_sigterm_while_waiting_on_a_frozen_loader_checkpoints_and_exits_0(tmp_path, data_root, reference):
+    """SIGTERM was not honoured within 60 s while the loader hung; now the step waiting for
+    data is abandoned, the last completed step checkpointed, exit 0, and the resume is exact."""
+    import time
+
+    proc, run_dir, log = _freeze_loader(tmp_path, data_root, "data.stall_warn_s=1", "data.stall_abort_s=0")
+    try:
+        wait_for(proc, log, lambda: "delivered nothing for" in log.read_text(), "the stall warning")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # the trainer only: its worker is frozen
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert rc == 0 and time.monotonic() - t0 < 30 and "Traceback" not in out, out[-3000:]
+    last = max(r["step"] for r in step_records(run_dir))
+    assert ckpt.list_checkpoints(run_dir)[-1].name == f"step_{last:08d}" and last < STEPS
+    second = run(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert losses_by_step(run_dir) == {s: [v] for s, v in reference[1].items()}
+
+
+def test_a_stall_warning_names_the_shard_file_or_the_pipe_command_a_worker_waits_on(tmp_path):
+    """What ``reading`` tells from /proc: an open shard file (an NFS read that hangs), or the
+    command of a child process (a pipe: shard whose command hangs)."""
+    from infclip.data.pipeline import reading
+
+    shard = tmp_path / "00017.tar"
+    shard.write_bytes(b"\0" * 1024)
+    holder = subprocess.Popen([sys.executable, "-c", f"f = open({str(shard)!r}, 'rb'); import time; time.sleep(60)"],
+                              start_new_session=True)
+    piper = subprocess.Popen([sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '60'])"],
+                             start_new_session=True)
+    try:
+        import time
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (str(shard) in reading(holder.pid, [str(shard)])
+                                                   and "`sleep 60`" in reading(piper.pid, [])):
+            time.sleep(0.05)
+        assert reading(holder.pid, [str(shard)]) == f"reading {shard}"
+        assert reading(piper.pid, []).startswith("waiting on `sleep 60` (pid ")
+    finally:
+        for p in (holder, piper):
+            os.killpg(p.pid, signal.SIGKILL)  # with its child
+            p.wait()
+
+
+@pytest.mark.parametrize("bad", ["image_pretrained", "pretrained"])
+def test_weights_that_do_not_load_refuse_the_start_in_one_paragraph(tmp_path, data_root, bad):
+    """model.image_pretrained whose keys match nothing trained a random tower with exit 0, and
+    a model.pretrained that is neither a tag nor a file ended in a traceback (issue 28, defects 3
+    and 10): now one paragraph, exit 2, no run folder."""
+    path = tmp_path / "unrelated.pt"
+    torch.save({"encoder.weight": torch.ones(2, 2)}, path)
+    override = f"model.image_pretrained={path}" if bad == "image_pretrained" else "model.pretrained=no-such-tag"
+    proc = run(train_cmd(data_root, tmp_path / "run", *COMMON, override), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"error (ModelError): model.{bad}=")
+    assert ("match nothing in the tower" if bad == "image_pretrained" else "cannot be loaded") in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_paragraph(tmp_path, data_root):
+    """A run name too long for the file system was a traceback (issue 28, defect 10)."""
+    from infclip.train.rundir import RunDirUnusable, acquire
+
+    proc = run(train_cmd(data_root, tmp_path / ("x" * 300), *COMMON), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error (RunDirUnusable): run_dir ") and "longer than the file system allows" in proc.stderr
+    with pytest.raises(RunDirUnusable, match="cannot be created or written"):  # not writable (root too)
+        acquire(Path("/proc/infclip-no-such-dir/run"))
+
+
+def test_a_killed_loader_worker_ends_the_run_in_one_paragraph_with_a_checkpoint(tmp_path, data_root, reference):
+    """SIGKILL to the loader worker (the out-of-memory killer's way) was a traceback; now one
+    paragraph, exit 2, the last completed step checkpointed, and resume=auto matches."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    proc = start(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path, log=log)
+    try:
+        wait_for_step(proc, run_dir, 2, log)
+        os.kill(_loader_worker(proc.pid), signal.SIGKILL)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert rc == 2 and "Traceback" not in out and "error (DataError): a data loader worker died" in out, out[-3000:]
+    last = max(r["step"] for r in step_records(run_dir))
+    assert ckpt.list_checkpoints(run_dir)[-1].name == f"step_{last:08d}"
+    second = run(train_cmd(data_root, run_dir, *COMMON), cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert losses_by_step(run_dir) == {s: [v] for s, v in reference[1].items()}

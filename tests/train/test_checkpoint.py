@@ -271,3 +271,48 @@ def test_no_resumable_checkpoint_names_each_one_and_why(tmp_path):
         _pick_checkpoint(SimpleNamespace(resume="auto"), info, parts)
     assert "step_00000002: model.pt is missing" in str(e.value) and "step_00000001" in str(e.value)
     assert "rank files" not in str(e.value)
+
+
+def test_an_unfinished_save_is_removed_at_the_next_start_with_one_line(tmp_path):
+    """A .step_N.tmp left by an interrupted save (kill, second Ctrl-C) goes at the next
+    resume=auto start, named in one line; the complete checkpoints stay (issue 28, defect 5)."""
+    c = _saver(tmp_path, keep=3)
+    _save(c, 1)
+    tmp = tmp_path / "checkpoints" / ".step_00000002.tmp"
+    tmp.mkdir()
+    (tmp / "rank_00000.pt").write_bytes(b"partial")
+    lines = []
+    assert c.latest_loadable(world_size=1, warn=lines.append).name == "step_00000001"
+    assert not tmp.exists() and len(lines) == 1 and ".step_00000002.tmp" in lines[0]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000001"]
+
+
+def test_a_verified_checkpoint_that_does_not_load_is_not_said_to_lack_a_manifest(tmp_path):
+    """Resume said "has no manifest to verify it by" when the manifest verified and the load
+    failed for another reason (issue 28, defect 11)."""
+    from types import SimpleNamespace
+
+    from infclip.train.resume import ResumeError, _load
+
+    path = _save(_saver(tmp_path), 1)
+    (path / "train.pt").write_bytes(b"written by something else")
+    ckpt.write_manifest(path)  # consistent: the bytes are those the manifest lists
+    assert ckpt.verify_checkpoint(path, 1) is None
+    with pytest.raises(ResumeError) as err:
+        _load(path, SimpleNamespace(rank=0, device="cpu"))
+    assert "matches its manifest but cannot be loaded" in str(err.value) and "no manifest" not in str(err.value)
+
+
+def test_the_data_position_error_names_a_way_that_exists():
+    """It advised to "start the data stream afresh", which no key or command does (defect 11)."""
+    from infclip.data.pipeline import TrainData
+    from infclip.data.shards import DataError
+    from infclip.data.stream import StreamSpec
+
+    data = TrainData(StreamSpec(["a.tar", "b.tar"], [1.0, 1.0], False, 0, 0, 1, 4, 2, 0), None, None, 1, 8)
+    saved = {**data.state_dict(), "workers": 2}
+    with pytest.raises(DataError) as err:
+        data.load_state_dict(saved)
+    message = str(err.value)
+    assert "workers was 2 now 1" in message and "afresh" not in message.split("model.pretrained")[0]
+    assert "model.pretrained=<checkpoint>/model.pt" in message

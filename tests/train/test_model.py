@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from infclip.config import ModelConfig
+from infclip.config import ConfigError, ModelConfig
 from infclip.model import build_model, clamp_logit_scale
 
 
@@ -39,9 +39,9 @@ def test_unknown_model_name_is_a_clear_error():
 
 
 def test_missing_files_are_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model.config_file"):
+    with pytest.raises(ConfigError, match="model.config_file"):
         build_model(ModelConfig(config_file=str(tmp_path / "absent.json")))
-    with pytest.raises(FileNotFoundError, match="model.pretrained"):
+    with pytest.raises(ConfigError, match="model.pretrained"):
         build_model(ModelConfig(name="infclip-micro", pretrained=str(tmp_path / "absent.pt")))
 
 
@@ -51,3 +51,48 @@ def test_logit_scale_clamped_to_ln_100():
         built.model.logit_scale.fill_(7.0)
     clamp_logit_scale(built.model)
     assert float(built.model.logit_scale.detach().exp()) == pytest.approx(100.0, rel=1e-5)
+
+
+def _micro(seed):
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(name="infclip-micro")).model
+
+
+def test_image_pretrained_loads_the_tower_strictly_from_its_own_or_a_whole_clip_state_dict(tmp_path):
+    source = _micro(1)
+    tower, whole = tmp_path / "tower.pt", tmp_path / "clip.pt"
+    torch.save(source.visual.state_dict(), tower)
+    torch.save(source.state_dict(), whole)
+    for path in (tower, whole):
+        built = build_model(ModelConfig(name="infclip-micro", image_pretrained=str(path))).model
+        for k, v in source.visual.state_dict().items():
+            assert torch.equal(built.visual.state_dict()[k], v), k
+        assert not torch.equal(built.text_projection, source.text_projection)  # the text tower stays fresh
+
+
+@pytest.mark.parametrize("content,expect", [
+    (b"not a checkpoint", "cannot be loaded (UnpicklingError"),
+    ({"foo.weight": torch.ones(2)}, "1 keys of the file match nothing in the tower (e.g. ['foo.weight'])"),
+    ("other-shapes", "have other shapes (e.g. "),
+])
+def test_image_pretrained_that_does_not_fit_is_refused_in_one_paragraph(tmp_path, content, expect):
+    """Issue 28, defect 3: open_clip caught the error (or loaded nothing with strict=False) and
+    a random image tower was trained with exit 0."""
+    path = tmp_path / "tower.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content == "other-shapes":
+        state = _micro(1).visual.state_dict()
+        state["proj"] = torch.zeros(3, 3)
+        torch.save(state, path)
+    else:
+        torch.save(content, path)
+    with pytest.raises(ConfigError) as err:
+        build_model(ModelConfig(name="infclip-micro", image_pretrained=str(path)))
+    message = str(err.value)
+    assert message.startswith(f"model.image_pretrained={str(path)!r}") and expect in message and "\n" not in message
+
+
+def test_a_pretrained_tag_that_is_neither_a_tag_nor_a_file_is_a_config_error():
+    with pytest.raises(ConfigError, match="model.pretrained='no-such-tag' cannot be loaded into model.name='infclip-micro'"):
+        build_model(ModelConfig(name="infclip-micro", pretrained="no-such-tag"))

@@ -220,7 +220,7 @@ def test_lit_streamed_images_same_gradients_and_no_whole_step_of_images(prefetch
     assert_grads_close(grads_of(model), grads_of(ref), atol=0, rtol=0)
 
 
-def test_host_budget_shrinks_prefetch_but_never_below_one_step():
+def test_host_budget_shrinks_prefetch_but_never_below_one_step(capsys):
     row = 3 * 2 * 2 + 5 * 8  # bytes of one loader row (uint8 3x2x2 image, 5 int64 tokens)
     pipe = _pipeline(_Loader(), prefetch_steps=3, chunk_rows=4, budget_bytes=row * (LOCAL + 4))
     try:
@@ -228,6 +228,7 @@ def test_host_budget_shrinks_prefetch_but_never_below_one_step():
         assert pipe.pools["images"].n == pipe.pools["tokens"].n == (LOCAL + 4) // 4
     finally:
         pipe.close()
+    assert "below one step" not in capsys.readouterr().out
     pipe = _pipeline(_Loader(), prefetch_steps=3, chunk_rows=4, budget_bytes=1)
     try:
         rows, _ = _take(pipe, 3)  # one step of chunks still works (the replay frees them)
@@ -235,6 +236,8 @@ def test_host_budget_shrinks_prefetch_but_never_below_one_step():
         assert pipe.pools["images"].n == LOCAL // 4
     finally:
         pipe.close()
+    # raised to one step, and said so (issue 28, defect 11: it was raised silently)
+    assert "memory.host_buffer_gb=9.31e-10 is below one step's host buffers" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("steps_of", [1, 4])

@@ -168,3 +168,39 @@ def test_batchnorm_tower_grad_cache_equals_per_micro_batch_reference():
     assert any(not torch.equal(before[n], want[n]) for n in want), "the reference must update BN stats"
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+class _Dropping:
+    """A normalizer that, like the device JPEG decoder, reports samples it could not decode."""
+
+    reads_host = True
+
+    def __init__(self, drop: set, micro: int):
+        from engine_testutils import normalize
+
+        self.norm, self.drop, self.micro, self.calls = normalize, drop, micro, 0
+        self.last_dropped = None
+
+    def __call__(self, images):
+        k = self.calls % (LOCAL // self.micro)  # micro-batch index within the pass
+        self.calls += 1
+        mask = torch.tensor([k * self.micro + i in self.drop for i in range(images.shape[0])])
+        self.last_dropped = mask if mask.any() else None
+        return self.norm(images)
+
+
+@pytest.mark.parametrize("micro", [5, LOCAL])
+def test_samples_the_decoder_dropped_are_left_out_of_the_loss(micro):
+    """The step equals a full-batch step on the kept samples alone (no dropout: the dropped
+    rows' forwards change nothing but get no gradient)."""
+    model = tiny_clip(dropout=0.0, patch_dropout=0.0).train()
+    ref = copy.deepcopy(model)
+    images, tokens = batch(LOCAL)
+    keep = [i for i in range(LOCAL) if i not in (3, 7)]
+    ref_loss, ref_grads = reference_grads(ref, images[keep], tokens[keep], len(keep))
+    mode = "on" if micro < LOCAL else "off"
+    engine = engine_for(config(LOCAL, micro, grad_cache=mode), model)
+    engine.normalizer = _Dropping({3, 7}, micro)
+    out = engine.step(images, tokens)
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-6, rtol=1e-6)
+    assert_grads_close(grads_of(model), ref_grads)

@@ -22,7 +22,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import photo_like  # noqa: E402
 
-from infclip.data.jpeg import JpegDecoder, JpegPacker  # noqa: E402
+from infclip.data.jpeg import JpegDecoder, JpegPacker, PackedJpegs  # noqa: E402
 from infclip.data.transforms import train_transform  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def main() -> None:
         rows.append(packer(data))
         torch.manual_seed(i)
         refs.append(transform(Image.open(io.BytesIO(data)).convert("RGB")))
-    rows, refs = torch.stack(rows).pin_memory(), torch.stack(refs).float()
+    rows, refs = PackedJpegs.collate(rows), torch.stack(refs).float()
     gpu, cpu = JpegDecoder(a.size, device="cuda"), JpegDecoder(a.size, device="cpu")
 
     def levels(dec, out):

@@ -37,8 +37,8 @@ class DataConfig:
     #       drive (pip install 'infclip[hwdecode]'), else "cpu"; the startup line says which.
     #   "cpu": loader workers decode, crop, resize; 3*S*S bytes per sample in host memory.
     #   "device": workers parse only the JPEG header and draw the crop; the trainer decodes on
-    #       the GPU (data.device_decoder) and resizes there. jpeg_max_bytes + 32 bytes per
-    #       sample of host memory; larger files are downscaled by the worker until they fit.
+    #       the GPU (data.device_decoder) and resizes there. Host memory per sample: the JPEG's
+    #       own size + 72 bytes (packed; files over jpeg_max_bytes are re-encoded smaller).
     decode: str = "auto"
     # The GPU decoder of decode=device: "auto" (fastest that works: hardware, cuda, nvjpeg),
     # "hardware" (NVJPG engines via nvImageCodec: no SM time), "cuda" (nvImageCodec on the SMs),
@@ -48,7 +48,9 @@ class DataConfig:
     # for its replay (each kept sample is decoded once per step instead of twice; 3*S*S bytes
     # each). None: 40 % of the device memory free once the model is built. 0: decode twice.
     decoded_keep_gb: Optional[float] = None
-    jpeg_max_bytes: int = 65536
+    # decode=device: files above this many bytes are re-encoded smaller by the worker (a guard
+    # against huge files); the host keeps every other file at its own size (packed).
+    jpeg_max_bytes: int = 1 << 20
     # CPU decode: a JPEG decodes at 1/2-1/8 scale (PIL draft mode, DCT-domain) when its random
     # crop is >= 2x the output side; the same crops, pixels within 1-2 levels of a full decode
     # (measured: ~1.1x loader rate at 512 px, none at <= 256 px with 224 crops). false: full decode.

@@ -11,15 +11,17 @@ PIL's antialiased bicubic filter as two batched matmuls, rounds to 8-bit levels 
 It runs for each micro-batch in both passes of the gradient cache; decoding and resizing are
 deterministic, so the replay sees the pixels the cache pass saw.
 
-Row layout (uint8, ``HEADER + max_bytes`` per sample): int32 little-endian
-``[nbytes, top, left, height, width, image_h, image_w, flags]`` then the JPEG bytes, zero
-padded. A 20-60 KB LAION JPEG in a 64 KB row is under half of the 150 KB a decoded 224-px
-image takes in host memory and on PCIe (the rows never go to the device: ``decode_jpeg``
-reads host bytes, so the stager hands the decoder host rows, see ``reads_host``).
+Packing: a worker's row is an int32 little-endian header ``[nbytes, top, left, height, width,
+image_h, image_w, flags]`` then the JPEG's own bytes (no padding); a loader batch collates its
+rows into one :class:`PackedJpegs` (an index and one byte buffer), and the step pipeline keeps
+them in per-chunk byte arenas, so host memory per sample is the file's size plus 72 bytes of
+index (a 20-60 KB LAION JPEG, against 150 KB of decoded 224-px pixels). The rows never go to
+the device as such: the decoders read host bytes, so the stager hands them the host rows
+(see ``reads_host``).
 
-The worker re-encodes (baseline RGB JPEG, flag ``REENCODED``) what nvJPEG should not get or the
-row cannot hold: other formats (PNG, WebP, ...), progressive or CMYK JPEGs, and files over
-``max_bytes`` (downscaled until they fit). A file that does not parse or lacks its end
+The worker re-encodes (baseline RGB JPEG, flag ``REENCODED``) what the GPU decoders should not
+get: other formats (PNG, WebP, ...), progressive or CMYK JPEGs, and files over ``max_bytes``
+(``data.jpeg_max_bytes``, a guard against huge files: downscaled until they fit). A file that does not parse or lacks its end
 marker (truncated) is skipped and counted (``corrupt_image``) like on the CPU path. Damage
 that only a full decode finds fails on the device: that image becomes black and is counted
 in :attr:`JpegDecoder.failures` (a warning names the count).
@@ -60,7 +62,7 @@ class JpegPacker:
     """
 
     image_size: int
-    max_bytes: int = 65536
+    max_bytes: int = 1 << 20
     scale: Sequence[float] = (0.08, 1.0)
     ratio: Sequence[float] = (0.75, 1.3333333)
     takes_bytes: ClassVar[bool] = True  # the stream passes raw bytes, not a decoded PIL image
@@ -69,11 +71,16 @@ class JpegPacker:
         data, (width, height), flags = self._baseline(data)
         probe = torch.zeros(()).expand(1, height, width)  # get_params reads only the shape
         top, left, h, w = RandomResizedCrop.get_params(probe, list(self.scale), list(self.ratio))
-        row = torch.zeros(HEADER + self.max_bytes, dtype=torch.uint8)
+        row = torch.empty(HEADER + len(data), dtype=torch.uint8)
         header = torch.tensor([len(data), top, left, h, w, height, width, flags], dtype=torch.int32)
         row[:HEADER] = header.view(torch.uint8)
-        row[HEADER:HEADER + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        row[HEADER:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return row
+
+    @staticmethod
+    def collate(rows: Sequence[Tensor]) -> "PackedJpegs":
+        """The stream's batch of packer rows (instead of ``torch.stack``)."""
+        return PackedJpegs.collate(rows)
 
     def _baseline(self, data: bytes) -> tuple[bytes, tuple[int, int], int]:
         """(bytes nvJPEG can take, (width, height), flags); re-encodes what it cannot."""
@@ -109,12 +116,69 @@ class JpegPacker:
         raise Skip("image_too_large")
 
 
-def unpack_header(rows: Tensor) -> Tensor:
-    """int32 (B, 8) ``[nbytes, top, left, height, width, image_h, image_w, flags]`` of packed rows."""
+INDEX = HEADER_INTS + 1  # PackedJpegs.index columns: the header, then the byte offset
+
+
+class PackedJpegs:
+    """A batch of packed JPEGs, each at its own length (host memory ~ the files' own size).
+
+    ``index``: int64 (B, 9) ``[nbytes, top, left, height, width, image_h, image_w, flags,
+    offset]``; ``data``: uint8 (N,), sample k's JPEG is ``data[offset_k:offset_k + nbytes_k]``.
+    Invariant: every (offset, nbytes) lies inside ``data``. Slicing rows keeps ``data`` (the
+    offsets stay valid); the step pipeline's pools hand out slices of a chunk's arena.
+    """
+
+    def __init__(self, index: Tensor, data: Tensor):
+        if index.dtype != torch.int64 or index.dim() != 2 or index.shape[1] != INDEX:
+            raise ValueError(f"PackedJpegs.index must be int64 (B, {INDEX}), got {index.dtype} {tuple(index.shape)}")
+        self.index, self.data = index, data
+
+    @classmethod
+    def collate(cls, rows: Sequence[Tensor]) -> "PackedJpegs":
+        """From packer rows (uint8 ``HEADER + nbytes`` each): one index and one byte buffer."""
+        heads = torch.stack([r[:HEADER].view(torch.int32) for r in rows]).to(torch.int64)
+        sizes = heads[:, 0]
+        offsets = torch.cumsum(sizes, 0) - sizes
+        data = torch.cat([r[HEADER:HEADER + int(n)] for r, n in zip(rows, sizes.tolist())]) if rows else \
+            torch.empty(0, dtype=torch.uint8)
+        return cls(torch.cat([heads, offsets[:, None]], 1), data)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.index.shape[0],)
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+    def __getitem__(self, rows: slice) -> "PackedJpegs":
+        if not isinstance(rows, slice):
+            raise TypeError("PackedJpegs rows are taken by slice")
+        return PackedJpegs(self.index[rows], self.data)
+
+    def data_ptr(self) -> int:  # identity of these rows (the decoder's per-step cache key)
+        return self.index.data_ptr()
+
+    def payloads(self) -> list:
+        """Each sample's JPEG bytes as a numpy view into ``data`` (no copy)."""
+        host = self.data.numpy()
+        return [host[o:o + n] for n, o in self.index[:, [0, HEADER_INTS]].tolist()]
+
+    def nbytes(self) -> int:
+        """Bytes these rows occupy in host memory: their JPEGs plus the index."""
+        return int(self.index[:, 0].sum()) + self.index.numel() * 8
+
+
+def unpack_header(rows) -> Tensor:
+    """int32 (B, 8) ``[nbytes, top, left, height, width, image_h, image_w, flags]`` of packed rows
+    (a :class:`PackedJpegs`, or packer rows stacked into uint8 (B, >HEADER))."""
+    if isinstance(rows, PackedJpegs):
+        return rows.index[:, :HEADER_INTS].to(torch.int32)
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] <= HEADER:
         raise ValueError(f"packed JPEG rows must be uint8 (B, {HEADER}+max_bytes), got {rows.dtype} "
                          f"{tuple(rows.shape)}: was the loader built with data.decode=device?")
-    return rows[:, :HEADER].contiguous().view(torch.int32)
+    head = torch.empty((rows.shape[0], HEADER), dtype=torch.uint8)
+    head.copy_(rows[:, :HEADER])  # (a 1-row slice counts as contiguous whatever its stride)
+    return head.view(torch.int32)
 
 
 def bicubic_weights(start: Tensor, length: Tensor, out: int, size: int) -> Tensor:
@@ -145,7 +209,7 @@ def bicubic_weights(start: Tensor, length: Tensor, out: int, size: int) -> Tenso
 
 
 class JpegDecoder(nn.Module):
-    """Device side: packed rows (host, uint8 (B, HEADER + max_bytes)) -> normalized float
+    """Device side: packed JPEGs (host, :class:`PackedJpegs`) -> normalized float
     images (B, 3, S, S) on ``device``, equal to the CPU path's ``Normalizer(train_transform(img))``
     up to JPEG decoder rounding (NVJPG / nvJPEG vs libjpeg-turbo IDCT) and +-1 level of resampling.
 
@@ -210,7 +274,7 @@ class JpegDecoder(nn.Module):
 
     # -- decode once per step ---------------------------------------------------------
     @staticmethod
-    def _key(rows: Tensor) -> tuple:
+    def _key(rows) -> tuple:
         return (rows.data_ptr(), tuple(rows.shape))
 
     def mark_reread(self, rows: Tensor) -> None:
@@ -358,11 +422,13 @@ class JpegDecoder(nn.Module):
         out.record_stream(compute)
         return self.normalizer(out)  # the CPU path's own uint8 -> float step
 
-    def _decode_resize(self, rows: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+    def _decode_resize(self, rows: PackedJpegs) -> tuple[Tensor, Optional[Tensor]]:
         """uint8 (B, 3, S, S) on the device, in the current stream, and the dropped mask."""
+        if not isinstance(rows, PackedJpegs):
+            unpack_header(rows)  # raises the paragraph for what is no packed batch at all
+            rows = PackedJpegs.collate(list(rows))
         header = unpack_header(rows).tolist()
-        host = rows.numpy()
-        datas = [host[k, HEADER:HEADER + h[0]] for k, h in enumerate(header)]
+        datas = rows.payloads()
         images, dropped = self._decode(datas, header)
         # Compute in float32 on the CPU, fp16 on the GPU (exact for 0..255; ~1e-3 relative
         # weights, fp32 accumulation): the result is rounded to 8-bit levels anyway.

@@ -298,7 +298,8 @@ class BatchStream(IterableDataset):
             seed = mix_seed("batch", spec.seed, epoch, spec.rank, worker, b)
             images, texts, raw = self._batch(stream, counts, raw, seed)
             info = {"epoch": epoch, "worker": worker, "raw": raw, "skips": dict(counts)}
-            yield torch.stack(images), self.tokenizer(texts), info
+            collate = getattr(self.transform, "collate", torch.stack)  # JpegPacker: PackedJpegs
+            yield collate(images), self.tokenizer(texts), info
             counts.clear()
 
     def _batch(self, stream: Iterator[RawSample], counts: Counter, raw: int, seed: int

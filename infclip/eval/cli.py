@@ -317,6 +317,10 @@ def build(cfg: DictConfig, device: torch.device, pretrained: Optional[str]):
 
 def _load_failure(pretrained: str, name: str, e: BaseException) -> str:
     """Why a checkpoint did not load, blaming the architecture only for a key/shape mismatch."""
+    from infclip.model import ModelError
+
+    if isinstance(e, ModelError) and e.__cause__ is not None:  # build_model's wrapper: the real reason
+        e = e.__cause__
     text = str(e)
     first = f"{type(e).__name__}: {text.strip().splitlines()[0][:300]}" if text.strip() else type(e).__name__
     if isinstance(e, FileNotFoundError) or "No such file" in text or "is not a file" in text:

@@ -115,9 +115,82 @@ class _Pool:
         self.buf: Optional[Tensor] = None
         self.free: list[tuple[int, Any]] = [(i, None) for i in range(n)]  # (chunk, event before reuse)
 
+    @staticmethod
+    def row_bytes(like: Tensor) -> int:
+        return like[0].numel() * like.element_size()
+
     def allocate(self, like: Tensor) -> None:
         if self.buf is None:
             self.buf = torch.empty((self.n, self.rows, *like.shape[1:]), dtype=like.dtype, pin_memory=self.pin)
+
+    def write(self, chunk: int, lo: int, src: Tensor) -> None:
+        self.buf[chunk][lo:lo + src.shape[0]].copy_(src)
+
+    def read(self, chunk: int, lo: int, k: int) -> Tensor:
+        return self.buf[chunk][lo:lo + k]
+
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.numel() * self.buf.element_size()
+
+
+class _PackedPool(_Pool):
+    """A pool of packed JPEGs (``data.decode=device``): per chunk an index (rows, 9) and a byte
+    arena sized from the first loader batch (``SLACK`` x its mean bytes per sample per row), so
+    host memory follows the files' own sizes. A batch that does not fit grows its chunk's arena
+    (a new pinned buffer; rows handed out before keep the old one alive)."""
+
+    SLACK = 1.15
+
+    def __init__(self, n: int, rows: int, pin: bool):
+        super().__init__(n, rows, pin)
+        self.arenas: list[Tensor] = []
+        self.used: list[int] = []
+        self.grown = 0  # arena reallocations (a batch of larger files than the first)
+
+    @classmethod
+    def row_bytes(cls, like: Any) -> int:
+        return math.ceil(cls.SLACK * like.nbytes() / max(len(like), 1))
+
+    def allocate(self, like: Any) -> None:
+        if self.buf is None:
+            from infclip.data.jpeg import INDEX
+
+            self.buf = torch.empty((self.n, self.rows, INDEX), dtype=torch.int64, pin_memory=self.pin)
+            size = self.rows * math.ceil(self.SLACK * int(like.index[:, 0].sum()) / max(len(like), 1))
+            self.arenas = [torch.empty(size, dtype=torch.uint8, pin_memory=self.pin) for _ in range(self.n)]
+            self.used = [0] * self.n
+
+    def write(self, chunk: int, lo: int, src: Any) -> None:
+        if lo == 0:
+            self.used[chunk] = 0  # a chunk is filled from its first row on: its old bytes are free
+        at, n = self.used[chunk], src.data.numel()
+        lengths, offsets = src.index[:, 0], src.index[:, -1]
+        end = at + n
+        if end > self.arenas[chunk].numel():
+            grown = torch.empty(max(end, int(1.25 * self.arenas[chunk].numel())), dtype=torch.uint8, pin_memory=self.pin)
+            grown[:at].copy_(self.arenas[chunk][:at])
+            self.arenas[chunk] = grown
+            self.grown += 1
+        arena = self.arenas[chunk]
+        if bool((offsets[1:] == offsets[:-1] + lengths[:-1]).all()) and int(offsets[0]) == 0:
+            arena[at:end].copy_(src.data)  # a collated batch: contiguous in order
+        else:  # a slice of a larger buffer: gather each file
+            end = at
+            for length, offset in zip(lengths.tolist(), offsets.tolist()):
+                arena[end:end + length].copy_(src.data[offset:offset + length])
+                end += length
+        index = self.buf[chunk][lo:lo + len(src)]
+        index.copy_(src.index)
+        index[:, -1] = at + torch.cumsum(lengths, 0) - lengths
+        self.used[chunk] = end
+
+    def read(self, chunk: int, lo: int, k: int) -> Any:
+        from infclip.data.jpeg import PackedJpegs
+
+        return PackedJpegs(self.buf[chunk][lo:lo + k], self.arenas[chunk])
+
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else self.buf.numel() * 8 + sum(a.numel() for a in self.arenas)
 
 
 class StepFeed:
@@ -149,7 +222,7 @@ class StepFeed:
             raise RuntimeError(f"{name} rows {start}:{stop} straddle two chunks of {c} rows")
         if start < self.released[name]:
             raise RuntimeError(f"{name} rows {start}:{stop} were already released (their last read is done)")
-        return self.pipe.pools[name].buf[self.chunks[name][j]][lo:lo + (stop - start)]
+        return self.pipe.pools[name].read(self.chunks[name][j], lo, stop - start)
 
     @property
     def piece_rows(self) -> int:
@@ -214,7 +287,7 @@ class StepFeed:
         j, lo = divmod(at, self.s.chunk)
         self.pipe._allocate(images, tokens)
         for name, src in zip(FIELDS, (images, tokens)):
-            self.pipe.pools[name].buf[self.chunks[name][j]][lo:lo + k].copy_(src)
+            self.pipe.pools[name].write(self.chunks[name][j], lo, src)
         if at + k >= self.s.local:
             self.data_state = last_state()
         with self._cond:
@@ -348,7 +421,7 @@ class StepPipeline:
         return self._last_rate
 
     def host_bytes(self) -> int:
-        return sum(p.buf.numel() * p.buf.element_size() for p in self.pools.values() if p.buf is not None)
+        return sum(p.nbytes() for p in self.pools.values())
 
     def close(self) -> None:
         """Stop the filler, close the loader generator, kill loader workers that outlive it."""
@@ -376,7 +449,9 @@ class StepPipeline:
         prefetch part of the re-read fields' pools to ``budget_bytes`` if needed."""
         if self.pools["images"].buf is not None:
             return
-        row = {n: t[0].numel() * t.element_size() for n, t in zip(FIELDS, (images, tokens))}
+        if not isinstance(images, Tensor) and not isinstance(self.pools["images"], _PackedPool):
+            self.pools["images"] = self._packed(self.pools["images"])
+        row = {n: self.pools[n].row_bytes(t) for n, t in zip(FIELDS, (images, tokens))}
         c, s = self.s.chunk, self.s
         if s.budget_bytes:
             fixed = sum(self.pools[n].n * c * row[n] for n in s.streamed)
@@ -399,6 +474,13 @@ class StepPipeline:
                         pool.free = [(i, e) for i, e in pool.free if i < fit]
         for n, t in zip(FIELDS, (images, tokens)):
             self.pools[n].allocate(t)
+
+    def _packed(self, pool: _Pool) -> _PackedPool:
+        """The images pool as byte arenas: the loader ships packed JPEGs (data.decode=device)."""
+        with self._cond:
+            packed = _PackedPool(pool.n, pool.rows, pool.pin)
+            packed.free = pool.free
+        return packed
 
     def _acquire(self, name: str) -> int:
         """A free chunk of ``name``'s pool (blocks until the consumer releases one)."""

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from infclip.data import jpeg_backends
-from infclip.data.jpeg import JpegDecoder, JpegPacker
+from infclip.data.jpeg import JpegDecoder, JpegPacker, PackedJpegs
 from infclip.data.jpeg_backends import pil_decode, probe_jpeg, select_backend
 
 S = 32
@@ -26,7 +26,7 @@ def packed(n: int, seed: int = 0) -> torch.Tensor:
         img.save(buf, format="JPEG", quality=90)
         torch.manual_seed(seed + k)
         rows.append(JpegPacker(S)(buf.getvalue()))
-    return torch.stack(rows)
+    return PackedJpegs.collate(rows)
 
 
 def test_a_cpu_device_gets_a_cpu_decoder_and_the_gpu_ones_are_refused_with_the_reason():

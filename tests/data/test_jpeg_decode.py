@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
-from infclip.data.jpeg import HEADER, REENCODED, JpegDecoder, JpegPacker, bicubic_weights, unpack_header
+from infclip.data.jpeg import HEADER, REENCODED, JpegDecoder, JpegPacker, PackedJpegs, bicubic_weights, unpack_header
 from infclip.data.stream import Skip
 from infclip.data.transforms import train_transform
 
@@ -51,10 +51,9 @@ def test_packer_keeps_the_bytes_and_draws_the_cpu_paths_crop():
     torch.manual_seed(7)
     box = RandomResizedCrop.get_params(Image.open(io.BytesIO(data)), [0.08, 1.0], [0.75, 1.3333333])
     header = unpack_header(row[None])[0].tolist()
-    assert row.shape == (HEADER + 65536,) and row.dtype == torch.uint8
+    assert row.shape == (HEADER + len(data),) and row.dtype == torch.uint8  # the file's own size
     assert header == [len(data), *box, 70, 90, 0]
     assert bytes(row[HEADER:HEADER + len(data)].tolist()) == data
-    assert not row[HEADER + len(data):].any()
 
 
 @pytest.mark.parametrize("sizes", [[(64, 64)] * 3, [(90, 70), (40, 120), (64, 64), (200, 150)]])
@@ -67,7 +66,7 @@ def test_decoder_matches_the_cpu_transform_within_one_level(sizes):
         torch.manual_seed(100 + i)
         rows.append(packer(data))
         refs.append(cpu_path(data, 100 + i))
-    out = decoder(torch.stack(rows))
+    out = decoder(PackedJpegs.collate(rows))
     assert out.shape == (len(sizes), 3, S, S) and out.dtype == torch.float32
     diff = (levels(decoder, out) - torch.stack(refs).float()).abs()
     assert diff.max() <= 1, diff.max()
@@ -130,16 +129,16 @@ def test_an_image_no_decoder_can_read_is_dropped_and_counted():
     bad[:4] = torch.tensor([500], dtype=torch.int32).view(torch.uint8)
     decoder = JpegDecoder(S)
     with pytest.warns(UserWarning, match="left out of the loss"):
-        out = decoder(torch.stack([good, bad]))
+        out = decoder(PackedJpegs.collate([good, bad]))
     assert decoder.failures == 1 and decoder.drops == {"undecodable": 1}
     assert decoder.last_dropped.tolist() == [False, True]
     assert decoder.stats()["decode_dropped/undecodable"] == 1
-    assert torch.equal(out[0], decoder(good[None])[0])  # its neighbour is untouched
+    assert torch.equal(out[0], decoder(PackedJpegs.collate([good]))[0])  # its neighbour is untouched
     assert decoder.last_dropped is None  # a clean micro-batch reports no drops
 
 
 def test_an_image_the_device_backend_fails_on_is_decoded_by_pil_not_dropped(monkeypatch):
-    rows = torch.stack([JpegPacker(S)(photo(64, 64, seed=s)) for s in range(3)])
+    rows = PackedJpegs.collate([JpegPacker(S)(photo(64, 64, seed=s)) for s in range(3)])
     decoder = JpegDecoder(S)
     want = decoder(rows)
     real = decoder.backend.decode_fn
@@ -156,7 +155,7 @@ def test_rows_that_are_not_packed_jpegs_are_refused_with_the_fix():
 
 def test_autocast_does_not_change_the_pixels():
     """Pass 1 of the gradient cache decodes under autocast, the replay outside it."""
-    rows = torch.stack([JpegPacker(S)(photo(90, 70, seed=s)) for s in range(3)])
+    rows = PackedJpegs.collate([JpegPacker(S)(photo(90, 70, seed=s)) for s in range(3)])
     decoder = JpegDecoder(S)
     plain = decoder(rows)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -164,7 +163,7 @@ def test_autocast_does_not_change_the_pixels():
 
 
 def test_prefetched_decodes_are_picked_up_in_order_and_cancelled_cleanly():
-    rows = [torch.stack([JpegPacker(S)(photo(64 + 8 * k, 64, seed=k + i)) for i in range(2)]) for k in range(3)]
+    rows = [PackedJpegs.collate([JpegPacker(S)(photo(64 + 8 * k, 64, seed=k + i)) for i in range(2)]) for k in range(3)]
     decoder = JpegDecoder(S)
     direct = [decoder(r) for r in rows]
     fetched = []

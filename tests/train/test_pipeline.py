@@ -259,3 +259,61 @@ def test_lit_host_bytes_per_sample_are_the_tokens_only(steps_of):
         assert pipe.host_bytes() == 8 * image_bytes + 2 * local * token_bytes
     finally:
         pipe.close()
+
+
+def _packed_batches(sizes: list[int]):
+    """Loader batches of packed 'JPEGs' whose bytes name their sample: sample i is ``sizes[i %
+    len(sizes)]`` bytes of value i % 251 (the header's crop fields carry i)."""
+    from infclip.data.jpeg import HEADER_INTS, PackedJpegs
+
+    i = 0
+    while True:
+        index, data = [], []
+        for _ in range(LOADER):
+            n = sizes[i % len(sizes)]
+            offset = sum(len(d) for d in data)
+            index.append([n, i, 0, 1, 1, 1, 1, 0, offset])
+            data.append(torch.full((n,), i % 251, dtype=torch.uint8))
+            i += 1
+        assert len(index[0]) == HEADER_INTS + 1
+        yield PackedJpegs(torch.tensor(index), torch.cat(data)), torch.arange(i - LOADER, i).view(-1, 1)
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_packed_jpegs_are_kept_at_their_own_size_and_read_back_exactly(threaded):
+    """data.decode=device: the host keeps each file's bytes (not fixed rows); arenas grow when
+    later batches hold larger files; every read returns exactly the bytes put in."""
+    sizes = [100, 300, 50, 700]  # the first loader batch's mean is 287.5 bytes
+    pipe = StepPipeline(_packed_batches(sizes), lambda: {}, PipelineSettings(
+        local=LOCAL, pin=False, chunk_rows=LOADER, prefetch_steps=1.0, threaded=threaded))
+    try:
+        for step in range(3):
+            feed = pipe.next()
+            for a in range(0, LOCAL, LOADER):
+                got = feed.rows("images", a, a + LOADER)
+                for k, payload in enumerate(got.payloads()):
+                    i = int(got.index[k, 1])
+                    assert i == step * LOCAL + a + k
+                    assert len(payload) == sizes[i % len(sizes)] and (payload == i % 251).all()
+            pipe.release(feed)
+        pool = pipe.pools["images"]
+        per_sample = pool.nbytes() / (pool.n * pool.rows)
+        assert per_sample <= 1.15 * 287.5 + 72 + 1, per_sample  # ~ the files' own size, not a fixed row
+    finally:
+        pipe.close()
+
+
+def test_a_batch_of_larger_files_grows_its_arena_and_every_row_reads_back():
+    sizes = [10] * LOADER + [5000] * LOADER  # the second batch is 500x the first's files
+    pipe = StepPipeline(_packed_batches(sizes), lambda: {}, PipelineSettings(
+        local=LOCAL, pin=False, chunk_rows=LOCAL, prefetch_steps=0.0, threaded=False))
+    try:
+        feed = pipe.next()
+        first = feed.rows("images", 0, LOADER)
+        whole = feed.rows("images", 0, LOCAL)
+        assert pipe.pools["images"].grown >= 1
+        assert [len(p) for p in first.payloads()] == [10] * LOADER and all((p == k).all() for k, p in enumerate(first.payloads()))
+        assert [len(p) for p in whole.payloads()] == [10] * 4 + [5000] * 4 + [10] * 4
+        pipe.release(feed)
+    finally:
+        pipe.close()

@@ -105,13 +105,13 @@ def measure(spec: str, workers: int, batch: int, batches: int, image_size: int, 
 
 def gpu_decode_rate(spec: str, image_size: int, micro: int, tokenizer, repeats: int = 5) -> tuple[float, float]:
     """(images/s of JpegDecoder on ``micro`` packed rows, mean packed JPEG KiB) on the GPU."""
-    from infclip.data.jpeg import HEADER, JpegDecoder, unpack_header
+    from infclip.data.jpeg import JpegDecoder, unpack_header
 
     cfg = DataConfig(kind="wds", workers=2, loader_batch=micro, shuffle_buffer=0, resampled=True)
     data = build_train_data(cfg, transform=loader_transform("device", image_size), tokenizer=tokenizer,
                             rank=0, world_size=1, seed=0, shards=spec, num_samples=10**9)
     it = data.batches()
-    rows = next(it)[0].pin_memory()
+    rows = next(it)[0]
     it.close()
     dec = JpegDecoder(image_size, device="cuda")
     dec(rows)  # warm-up (nvJPEG handles, cuBLAS)

@@ -23,12 +23,11 @@ import torch
 from PIL import Image
 
 from infclip.data.config import DataConfig
-from infclip.data.jpeg import HEADER, JpegDecoder, JpegPacker, unpack_header
+from infclip.data.jpeg import JpegDecoder, JpegPacker, PackedJpegs, unpack_header
 from infclip.data.pipeline import build_train_data
-from infclip.data.transforms import train_transform
 
 
-def packed_rows(spec: str, size: int, micro: int) -> torch.Tensor:
+def packed_rows(spec: str, size: int, micro: int) -> PackedJpegs:
     """One loader batch of packed rows (pinned), as data.decode=device workers ship them."""
     import open_clip
 
@@ -38,7 +37,7 @@ def packed_rows(spec: str, size: int, micro: int) -> torch.Tensor:
     it = data.batches()
     rows = next(it)[0]
     it.close()
-    return rows.pin_memory()
+    return PackedJpegs(rows.index.pin_memory(), rows.data.pin_memory())
 
 
 def cpu_reference(rows: torch.Tensor, size: int, n: int) -> torch.Tensor:
@@ -46,9 +45,10 @@ def cpu_reference(rows: torch.Tensor, size: int, n: int) -> torch.Tensor:
     from torchvision.transforms.functional import InterpolationMode, resized_crop
 
     head = unpack_header(rows).tolist()
+    payloads = rows.payloads()
     refs = []
     for k in range(n):
-        data = rows[k, HEADER:HEADER + head[k][0]].numpy().tobytes()
+        data = payloads[k].tobytes()
         img = Image.open(io.BytesIO(data)).convert("RGB")
         top, left, h, w = head[k][1:5]
         out = resized_crop(img, top, left, h, w, [size, size], InterpolationMode.BICUBIC)
@@ -131,9 +131,7 @@ def main() -> None:
         levels = ((out[:a.parity_n] - dec.normalizer.shift) / dec.normalizer.scale).round().cpu()
         d = (levels - ref).abs()
         rate = a.micro / timed(lambda: dec(rows), a.repeats)
-        head_l = unpack_header(rows)[:, 0].tolist()
-        host = rows.numpy()
-        datas = [host[k, HEADER:HEADER + n] for k, n in enumerate(head_l)]
+        datas = rows.payloads()
         engine_only = a.micro / timed(lambda: dec.backend.decode(datas, dec._stream), a.repeats)
         tflops, beside = overlap(dec, rows, a.overlap_s)
         table.append(f"| {dec.backend.name} | {rate:,.0f} ({engine_only:,.0f}) | {beside:,.0f} | {tflops:.0f} ({alone:.0f}) | "

@@ -180,6 +180,7 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
         "samples_per_s_per_gpu": cfg.batch.global_size / step_time / info.world_size,
         "step_time": step_time, "time_data_wait": wait, "data_wait_pct": 100.0 * wait / step_time,
         "loader_samples_per_s": pipeline.loader_rate() * info.world_size, "time_optim": t_opt,
+        "host_image_bytes_per_sample": pipeline.image_bytes_per_sample(),
         **{f"time_{k}": v for k, v in out.timings.items()},
         "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
         "amp_overflow": int(overflow), **_decoder_stats(parts),

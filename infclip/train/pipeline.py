@@ -420,6 +420,11 @@ class StepPipeline:
             self._last_rate = rows / secs
         return self._last_rate
 
+    def image_bytes_per_sample(self) -> float:
+        """Host bytes the images pool holds per sample slot (packed JPEGs: ~ the files' size)."""
+        pool = self.pools["images"]
+        return pool.nbytes() / max(pool.n * pool.rows, 1)
+
     def host_bytes(self) -> int:
         return sum(p.nbytes() for p in self.pools.values())
 

@@ -51,7 +51,9 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # "adamw" | "adafactor" (timm's big_vision-style AdafactorBigVision)
+    # "adamw" | "adafactor" (timm's big_vision-style AdafactorBigVision) | "timm/<name>": any of
+    # timm.optim.list_optimizers() (lamb, lion, adan, ...), as open_clip's --opt timm/<name>
+    name: str = "adamw"
     lr: float = 1e-3  # peak learning rate (the paper's)
     weight_decay: float = 1e-4  # the paper's; gains, biases and logit scale get none
     beta1: float = 0.9
@@ -62,10 +64,13 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    kind: str = "cosine"  # "cosine" | "constant"
+    kind: str = "cosine"  # "cosine" | "constant" | "const-cooldown" (open_clip's: constant, then a cooldown)
     warmup_steps: int = 0  # linear warm-up from 0 to lr
     warmup_fraction: float = 0.0  # alternative to warmup_steps, as a fraction of train.steps
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    min_lr_ratio: float = 0.0  # cosine floor / cooldown end lr, as a fraction of lr
+    cooldown_steps: int = 0  # const-cooldown: the last steps decay from lr to min_lr_ratio * lr
+    cooldown_fraction: float = 0.0  # alternative to cooldown_steps, as a fraction of train.steps
+    cooldown_power: float = 1.0  # const-cooldown: decay (1 - progress) ** power (1: linear, open_clip's default)
 
 
 @dataclass
@@ -160,8 +165,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "loss.kind": ("clip", "siglip", "nt_xent"),
     "loss.impl": ("auto", "vanilla", "local", "torch", "triton"),
     "loss.fp32_precision": ("ieee", "tf32"),
-    "optim.name": ("adamw", "adafactor"),
-    "schedule.kind": ("cosine", "constant"),
+    "schedule.kind": ("cosine", "constant", "const-cooldown"),
     "precision.amp": ("fp32", "bf16", "fp16"),
     "memory.grad_cache": ("auto", "on", "off"),
     "memory.cache_dtype": ("fp32", "bf16"),
@@ -174,6 +178,42 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the key and the fix."""
+
+
+def _validate_optimizer(name: str) -> None:
+    """adamw, adafactor, or timm/<a name timm.optim knows> (nearest names suggested)."""
+    if name in ("adamw", "adafactor"):
+        return
+    if not name.startswith("timm/"):
+        raise ConfigError(f"optim.name={name!r} is not valid; choose adamw, adafactor or timm/<optimizer> "
+                          "(e.g. timm/lamb, timm/lion; timm.optim.list_optimizers() lists them)")
+    import difflib
+
+    from timm.optim import list_optimizers
+
+    known = list_optimizers()
+    if name[5:] not in known:
+        near = difflib.get_close_matches(name[5:], known, n=3)
+        hint = f"did you mean {', '.join('timm/' + n for n in near)}?" if near else \
+            "timm.optim.list_optimizers() lists the names"
+        raise ConfigError(f"optim.name={name!r}: timm has no optimizer {name[5:]!r}; {hint}")
+
+
+def _validate_schedule(cfg: Any, steps: int) -> None:
+    if cfg.cooldown_steps < 0 or not 0 <= cfg.cooldown_fraction <= 1 or cfg.cooldown_power <= 0:
+        raise ConfigError("schedule.cooldown_steps must be >= 0, schedule.cooldown_fraction in [0, 1] and "
+                          "schedule.cooldown_power > 0")
+    if cfg.kind == "const-cooldown" and not (cfg.cooldown_steps or cfg.cooldown_fraction):
+        raise ConfigError("schedule.kind=const-cooldown needs schedule.cooldown_steps=N or "
+                          "schedule.cooldown_fraction=F (the final steps over which the lr decays)")
+    if cfg.kind != "const-cooldown" and (cfg.cooldown_steps or cfg.cooldown_fraction):
+        raise ConfigError(f"schedule.cooldown_steps/cooldown_fraction apply to schedule.kind=const-cooldown, "
+                          f"not {cfg.kind!r}: set schedule.kind=const-cooldown or drop them")
+    warmup = cfg.warmup_steps or math.ceil(cfg.warmup_fraction * steps)
+    cooldown = cfg.cooldown_steps or math.ceil(cfg.cooldown_fraction * steps)
+    if warmup + cooldown > steps:
+        raise ConfigError(f"the warm-up ({warmup} steps) and the cooldown ({cooldown}) exceed steps={steps}: "
+                          "shorten schedule.warmup_* / schedule.cooldown_* or train longer")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -189,8 +229,10 @@ def validate(cfg: Any, world_size: int) -> None:
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             raise ConfigError(f"{key}={_get(cfg, key)!r} is not valid; choose one of {list(choices)}")
+    _validate_optimizer(cfg.optim.name)
     _validate_batch(cfg.batch, world_size)
     _validate_numbers(cfg)
+    _validate_schedule(cfg.schedule, cfg.steps)
     _validate_loss(cfg)
     if cfg.data.kind == "wds" and not (cfg.data.shards or cfg.data.sources):
         raise ConfigError("data.kind=wds needs data.shards=/path/{00000..00099}.tar (or data.sources)")

@@ -1,7 +1,8 @@
 """Optimizer and learning-rate schedule from config.
 
-AdamW, or the paper's modified AdaFactor via timm's big_vision-style
-``AdafactorBigVision`` (momentum = beta1, second-moment decay capped at beta2).
+AdamW, the paper's modified AdaFactor via timm's big_vision-style ``AdafactorBigVision``
+(momentum = beta1, second-moment decay capped at beta2), or any timm optimizer by name
+(``optim.name=timm/lamb``: ``timm.optim.create_optimizer_v2`` on our parameter groups).
 Gains, biases, embeddings of positions/class tokens and the logit scale/bias get no
 weight decay (open_clip's rule: every parameter with fewer than 2 dims, plus the named
 ones). Frozen (LiT-locked) parameters are left out entirely, so they hold no state.
@@ -42,15 +43,32 @@ def build_optimizer(model: torch.nn.Module, cfg: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None)
     if cfg.name == "adafactor":
         return AdafactorBigVision(groups, lr=cfg.lr, momentum=cfg.beta1, beta2_cap=cfg.beta2)
-    raise ValueError(f"optim.name={cfg.name!r}: choose 'adamw' or 'adafactor'")
+    if cfg.name.startswith("timm/"):  # open_clip's --opt timm/<name>: timm's factory, our groups
+        from timm.optim import create_optimizer_v2
+
+        # weight_decay=0 here: each group carries its own (create_optimizer_v2 would otherwise
+        # re-split the groups by its own no-decay rule)
+        return create_optimizer_v2(groups, opt=cfg.name[5:], lr=cfg.lr, weight_decay=0.0,
+                                   betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    raise ValueError(f"optim.name={cfg.name!r}: choose 'adamw', 'adafactor' or 'timm/<optimizer>'")
 
 
-def lr_factor(step: int, total: int, warmup: int, kind: str, min_ratio: float) -> float:
-    """Multiplier of the peak lr at ``step`` (0-based): linear warm-up, then cosine or constant."""
+def lr_factor(step: int, total: int, warmup: int, kind: str, min_ratio: float,
+              cooldown: int = 0, power: float = 1.0) -> float:
+    """Multiplier of the peak lr at ``step`` (0-based): linear warm-up, then cosine to
+    ``min_ratio``, constant, or constant until the last ``cooldown`` steps, which decay as
+    ``min_ratio + (1 - min_ratio) * (1 - progress) ** power`` (open_clip's const-cooldown; the
+    last step reaches ``min_ratio`` exactly)."""
     if step < warmup:
         return (step + 1) / warmup
     if kind == "constant":
         return 1.0
+    if kind == "const-cooldown":
+        start = total - cooldown
+        if step < start:
+            return 1.0
+        progress = min(1.0, (step - start + 1) / max(1, cooldown))
+        return min_ratio + (1 - min_ratio) * (1 - progress) ** power
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -58,6 +76,11 @@ def lr_factor(step: int, total: int, warmup: int, kind: str, min_ratio: float) -
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int):
     """``cfg`` is a ScheduleConfig; stepping once per optimizer step."""
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_fraction * total_steps)
+    cooldown = cfg.cooldown_steps or math.ceil(cfg.cooldown_fraction * total_steps)
+    if warmup + cooldown > total_steps:
+        raise ValueError(f"warm-up ({warmup}) and cooldown ({cooldown}) steps exceed train.steps={total_steps}: "
+                         "shorten schedule.warmup_* or schedule.cooldown_*")
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total_steps, warmup, cfg.kind, cfg.min_lr_ratio)
+        optimizer, lambda s: lr_factor(s, total_steps, warmup, cfg.kind, cfg.min_lr_ratio, cooldown,
+                                       cfg.cooldown_power)
     )

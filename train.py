@@ -59,5 +59,20 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def check_command_line() -> None:
+    """Overrides checked before Hydra parses them (a typo gets "did you mean", exit 2)."""
+    from pathlib import Path
+
+    from infclip.config import ConfigError, check_overrides
+
+    groups = tuple(p.name for p in (Path(__file__).resolve().parent / "configs").iterdir() if p.is_dir())
+    try:
+        check_overrides(sys.argv[1:], groups + ("optim", "eval"))
+    except ConfigError as err:
+        print(paragraph(err), file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    check_command_line()
     main()

@@ -304,6 +304,53 @@ def _schema_keys(schema: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def check_overrides(args: list[str], groups: tuple[str, ...] = ()) -> None:
+    """Command-line overrides checked before Hydra sees them, so that a typo gets our
+    paragraph (Hydra's own error for ``key=value`` on an unknown key recommends ``+key=``,
+    the wrong fix, and exits 1). ``groups``: config group names (``experiment``, ...).
+
+    Checks plain ``key=value`` overrides only (``+``/``~``/``hydra.`` ones are Hydra's): the key
+    must be a path through :class:`TrainConfig`'s fields (anything below a list or dict field
+    is left to the composed config's check), and a brace-expanded value must be quoted.
+    """
+    for arg in args:
+        if "=" not in arg or arg[0] in "-+~":
+            continue
+        key, value = arg.split("=", 1)
+        if key.startswith("hydra.") or key.split("@")[0] in groups:
+            continue
+        if not _schema_path_ok(key.split("."), TrainConfig):
+            raise ConfigError(_unknown_key_message(key, _parent_kind(key.split(".")), TrainConfig))
+        if "{" in value and value[:1] not in ("'", '"'):
+            raise ConfigError(
+                f"{key}={value}: a brace-expanded spec must be quoted for Hydra, in both quotes: "
+                f"\"{key}='{value}'\" (double for the shell, single for Hydra)")
+
+
+def _parent_kind(parts: list[str], kind: type = None) -> type:
+    """The deepest schema dataclass along ``parts`` (the one that lacks the next name)."""
+    import typing
+
+    kind = kind or TrainConfig
+    sub = typing.get_type_hints(kind).get(parts[0])
+    return _parent_kind(parts[1:], sub) if len(parts) > 1 and dataclasses.is_dataclass(sub) else kind
+
+
+def _schema_path_ok(parts: list[str], kind: type) -> bool:
+    import typing
+
+    hints = typing.get_type_hints(kind)
+    if parts[0] not in hints:
+        return False
+    if len(parts) == 1:
+        return True
+    sub = hints[parts[0]]
+    args = [t for t in typing.get_args(sub) if t is not type(None)]
+    if typing.get_origin(sub) is typing.Union and len(args) == 1:
+        sub = args[0]  # Optional[X]
+    return _schema_path_ok(parts[1:], sub) if dataclasses.is_dataclass(sub) else True
+
+
 def check_known_keys(cfg: Any, schema: type = None) -> None:
     """Every key of the composed config is a field of its schema dataclass.
 
@@ -390,3 +437,4 @@ __all__ = [
     "LoggingConfig", "EvalConfig", "EvalTaskConfig", "ConfigError", "register_configs",
     "validate", "check_known_keys", "micro_size",
 ]
+

@@ -56,10 +56,13 @@ def register_config_file(path: str) -> str:
 
 def _check_name(name: str) -> None:
     if open_clip.get_model_config(name) is None and not name.startswith("hf-hub:"):
-        known = ", ".join(sorted(open_clip.list_models())[:8])
+        import difflib
+
+        near = difflib.get_close_matches(name, open_clip.list_models(), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(near)}?" if near else "open_clip.list_models() lists them"
         raise ModelError(
-            f"model.name={name!r} is not an open_clip model config (e.g. {known}, ..., infclip-tiny); "
-            "pass model.config_file=/path/to/config.json for a custom one"
+            f"model.name={name!r} is not an open_clip model config; {hint} "
+            "(or pass model.config_file=/path/to/config.json for a custom one)"
         )
 
 

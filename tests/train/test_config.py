@@ -1,5 +1,6 @@
 """Config composition through Hydra and validation before any model work."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,42 @@ def test_a_data_error_raised_in_a_loader_worker_prints_only_its_message():
                         '  File "stream.py", line 1, in raw_stream\n'
                         "infclip.data.shards.DataError: no training shard gives a sample: 4 shards in a row")
     assert paragraph(wrapped) == "error (DataError): no training shard gives a sample: 4 shards in a row"
+
+
+@pytest.mark.parametrize("args, match", [
+    (["batch.global_szie=256"], r"unknown config key 'batch.global_szie'.*did you mean batch.global_size\?"),
+    (["memory.offlaod=true"], r"did you mean memory.offload\?"),
+    (["stpes=10"], r"did you mean steps\?"),
+    (["data.kind=wds", "data.shards=/data/{00000..00009}.tar"], r"must be quoted .*\"data.shards='/data/"),
+])
+def test_command_line_typos_get_our_paragraph_and_exit_2_before_hydra(args, match, tmp_path):
+    """Hydra's own message for a typo recommends '+key=' (the wrong fix) and exits 1."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "train.py"), *args, f"run_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert re.search(match, proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr and "+" + args[0] not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args", [["experiment=quickstart", "steps=3"], ["+x=1"], ["hydra.run.dir=/tmp/x"],
+                                  ["eval.tasks=[]"], ["data.sources=[]"], ["~logging"]])
+def test_valid_or_hydra_own_overrides_pass_the_command_line_check(args):
+    from infclip.config import check_overrides
+
+    check_overrides(args, ("experiment", "hydra", "loss", "eval_task"))
+
+
+def test_an_unknown_model_name_suggests_the_nearest_open_clip_names(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "train.py"), "model.name=ViT-B-33", f"run_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "did you mean ViT-B-32" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

@@ -251,7 +251,7 @@ def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callabl
     sources = resolve_sources(cfg, shards, num_samples)
     total = total_samples(cfg, sources, num_samples)
     urls = [u for s in sources for u in s.urls]
-    workers = max(cfg.workers, 0)
+    workers = _fit_workers(cfg, urls, world_size, max(cfg.workers, 0))
     _check_layout(cfg, sources, urls, world_size, workers)
     epoch_batches = total // (world_size * cfg.loader_batch)
     if epoch_batches == 0:
@@ -264,6 +264,17 @@ def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callabl
                       caption_key=cfg.caption_key, json_caption_key=cfg.json_caption_key)
     # No pinning here: the trainer copies loader batches into its own (pinned) step buffer.
     return TrainData(spec, transform, tokenizer, workers, total, pin_memory=False)
+
+
+def _fit_workers(cfg: DataConfig, urls: list[str], world_size: int, workers: int) -> int:
+    """Epoch mode reads each shard in one worker: with fewer shards than world x workers, use
+    as many workers per rank as there are shards for each (saying so), not refuse the run."""
+    if cfg.resampled or workers <= 1 or len(urls) >= world_size * workers:
+        return workers
+    fit = max(1, len(urls) // world_size)
+    print(f"data: {len(urls)} shard(s) for {world_size} rank(s) x data.workers={workers} in epoch mode: "
+          f"using {fit} worker(s) per rank (more, smaller shards or data.resampled=true use them all)", flush=True)
+    return fit
 
 
 def _check_layout(cfg: DataConfig, sources: list[Source], urls: list[str], world_size: int,

@@ -51,6 +51,7 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
     if cfg.precision.tf32 and info.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    preflight(cfg)  # paths before the model: a wrong shard or eval root fails in seconds
     built = build_model(cfg.model, device=info.device)
     if cfg.task == "simclr":  # image tower + projection head; the two views fill both slots
         from infclip.train.simclr import wrap_model
@@ -176,9 +177,31 @@ def _synthetic(cfg: Any, info: DistInfo):
     return ds.train_shards, ds.num_train, eval_cfg
 
 
+def preflight(cfg: Any) -> None:
+    """Check the data sources (spec, files, sample counts) and the eval datasets that exist
+    before training, without a model: what ``build`` would find wrong later, found first."""
+    from infclip.data.pipeline import resolve_sources
+
+    if cfg.data.kind == "wds":
+        resolve_sources(cfg.data)
+    check_tasks(_eval_config(cfg))
+
+
 def _eval_config(cfg: Any) -> Any:
-    """The eval section as a plain EvalConfig dataclass (what infclip.eval consumes)."""
-    return OmegaConf.to_object(cfg.eval) if OmegaConf.is_config(cfg.eval) else copy.deepcopy(cfg.eval)
+    """The eval section as a plain EvalConfig dataclass (what infclip.eval consumes). With
+    data.kind=wds the embedded dataset's ``synthetic:`` tasks (the quickstart preset's) have
+    nothing to evaluate: they are left out, with one line."""
+    ev = OmegaConf.to_object(cfg.eval) if OmegaConf.is_config(cfg.eval) else copy.deepcopy(cfg.eval)
+    if cfg.data.kind != "synthetic":
+        kept = [t for t in ev.tasks if not str(t.root).startswith("synthetic:")]
+        if len(kept) < len(ev.tasks) and not getattr(_eval_config, "_said", False):
+            _eval_config._said = True
+            print(f"eval: {len(ev.tasks) - len(kept)} task(s) of the embedded synthetic dataset skipped "
+                  "(data.kind=wds); " + ("evaluating the others" if kept else
+                  "no eval runs: add your own with eval.tasks (docs/eval.md), e.g. a held-out folder"),
+                  flush=True)
+        ev.tasks = kept
+    return ev
 
 
 def _loader_batch(cfg: Any, info: DistInfo) -> int:

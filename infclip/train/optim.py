@@ -77,7 +77,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, total_steps: int
     """``cfg`` is a ScheduleConfig; stepping once per optimizer step."""
     warmup = cfg.warmup_steps or math.ceil(cfg.warmup_fraction * total_steps)
     cooldown = cfg.cooldown_steps or math.ceil(cfg.cooldown_fraction * total_steps)
-    if warmup + cooldown > total_steps:
+    if cfg.kind == "const-cooldown" and warmup + cooldown > total_steps:
         raise ValueError(f"warm-up ({warmup}) and cooldown ({cooldown}) steps exceed train.steps={total_steps}: "
                          "shorten schedule.warmup_* or schedule.cooldown_*")
     return torch.optim.lr_scheduler.LambdaLR(

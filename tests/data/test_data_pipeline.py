@@ -87,12 +87,15 @@ def test_equal_batch_counts_across_ranks_with_uneven_shards(shards, tmp_path):
     assert counts == [9, 9]
 
 
-def test_not_enough_shards_for_ranks_times_workers(shards, tmp_path):
+def test_fewer_shards_than_ranks_times_workers_use_fewer_workers_and_say_so(shards, tmp_path, capsys):
     shards([4, 4, 4])
     spec = str(tmp_path / "shards" / "{00000..00002}.tar")
-    with pytest.raises(DataError, match="at least world_size x data.workers = 2 x 2 = 4 shards"):
-        _build(spec, world=2, workers=2)
-    assert _build(spec, world=2, workers=2, resampled=True).epoch_batches == 1
+    data = _build(spec, world=2, workers=2)
+    assert data.workers == 1 and "using 1 worker(s) per rank" in capsys.readouterr().out
+    assert _build(spec, world=2, workers=2, resampled=True).workers == 2
+    shards([4])  # one shard for two ranks: no worker layout reads it in epoch mode
+    with pytest.raises(DataError, match="at least world_size x data.workers = 2 x 1 = 2 shards"):
+        _build(str(tmp_path / "shards" / "00000.tar"), world=2, workers=2)
 
 
 def test_resampled_mode_is_deterministic_per_seed_and_rank(shards, tmp_path):

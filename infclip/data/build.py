@@ -8,6 +8,12 @@ Inputs:
 Images are copied byte for byte (jpg/png/webp), or re-encoded as JPEG with the shorter side
 resized to ``resize`` pixels. Failures (missing file, undecodable image, empty caption) are
 skipped and counted, never fatal; ``build_stats.json`` records them next to ``sizes.json``.
+
+Invariant of a folder scan: every file is written, or counted under a skip reason, or is a
+``.txt`` caption. Hidden names (``.DS_Store``, ``..jpg``, macOS's ``._x.jpg``) count as
+``hidden_file``, other types (``.gif``, ``notes.md``) as ``unknown_extension``, a caption
+that is not UTF-8 as ``caption_not_utf8``, one that cannot be read (a folder named
+``x.txt``, no permission) as ``caption_unreadable``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing import Pool
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 from PIL import Image
 
@@ -37,6 +43,15 @@ class BuildOptions:
     quality: int = 95  # JPEG quality when re-encoding
     verify: bool = True  # decode every image once (catches corrupt files before training does)
     workers: int = 1  # processes reading/re-encoding images
+
+
+@dataclass(frozen=True)
+class Skip:
+    """The caption field of a row that is no sample: it is counted under ``reason``."""
+    reason: str
+
+
+Caption = Union[str, Skip]  # a row's caption field
 
 
 @dataclass
@@ -81,29 +96,52 @@ def _parquet_rows(path: str, image_col: str, caption_col: str) -> list[tuple[str
     return list(zip(map(str, table[image_col]), (c or "" for c in table[caption_col])))
 
 
-def scan_folder(folder: str) -> list[tuple[str, str]]:
-    """(image path, caption) for every image with a sidecar ``.txt`` (missing sidecar: caption "")."""
-    rows = []
+def scan_folder(folder: str) -> list[tuple[str, Caption]]:
+    """(path, caption) for every file but ``.txt`` captions: an image's caption is its sidecar
+    ``.txt`` (none: ""), a file that is no sample has a ``Skip`` (counted, never dropped)."""
+    rows: list[tuple[str, Caption]] = []
     for parent, dirs, names in os.walk(folder):
         dirs.sort()
         for name in sorted(names):
-            stem, ext = os.path.splitext(name)
-            if ext.lower().lstrip(".") not in IMAGE_EXTS:
-                continue
-            side = os.path.join(parent, stem + ".txt")
-            caption = open(side, encoding="utf-8").read() if os.path.exists(side) else ""
-            rows.append((os.path.join(parent, name), caption))
+            if not name.endswith(".txt"):
+                rows.append((os.path.join(parent, name), _folder_caption(parent, name)))
     return rows
+
+
+def _folder_caption(parent: str, name: str) -> Caption:
+    """The sidecar caption of ``parent/name``, or why that file is not a sample."""
+    if name.startswith("."):  # hidden: .DS_Store, ..jpg, ._x.jpg (AppleDouble, not an image)
+        return Skip("hidden_file")
+    stem, ext = os.path.splitext(name)
+    if ext.lower().lstrip(".") not in IMAGE_EXTS:
+        return Skip("unknown_extension")
+    side = os.path.join(parent, stem + ".txt")
+    return read_caption(side) if os.path.lexists(side) else ""
+
+
+def read_caption(path: str) -> Caption:
+    """The UTF-8 text of a sidecar caption, or a ``Skip`` saying why it cannot be used."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:  # a folder named x.txt, no permission, a dangling link
+        return Skip("caption_unreadable")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return Skip("caption_not_utf8")
 
 
 # -- per image --------------------------------------------------------------------------------
 
 
-def load_image(item: tuple[str, str, BuildOptions]) -> tuple[str, Optional[bytes], str, dict]:
+def load_image(item: tuple[str, Caption, BuildOptions]) -> tuple[str, Optional[bytes], str, dict]:
     """(status, payload, ext, meta) for one (path, caption); status "ok" or a skip reason."""
     path, caption, opts = item
     ext = os.path.splitext(path)[1].lower().lstrip(".")
     ext = "jpg" if ext == "jpeg" else ext
+    if isinstance(caption, Skip):
+        return caption.reason, None, ext, {}
     if not caption.strip():
         return "empty_caption", None, ext, {}
     if ext not in IMAGE_EXTS:
@@ -141,7 +179,7 @@ def _reencode(img: Image.Image, side: int, quality: int) -> tuple[bytes, Image.I
 # -- driver -----------------------------------------------------------------------------------
 
 
-def _loaded(rows: list[tuple[str, str]], opts: BuildOptions) -> Iterator[tuple[tuple[str, str], tuple]]:
+def _loaded(rows: list[tuple[str, Caption]], opts: BuildOptions) -> Iterator[tuple[tuple[str, str], tuple]]:
     items = [(p, c, opts) for p, c in rows]
     if opts.workers <= 1:
         for row, item in zip(rows, items):
@@ -151,7 +189,7 @@ def _loaded(rows: list[tuple[str, str]], opts: BuildOptions) -> Iterator[tuple[t
         yield from zip(rows, pool.imap(load_image, items, chunksize=16))
 
 
-def build_shards(rows: list[tuple[str, str]], opts: BuildOptions, progress: bool = True) -> BuildReport:
+def build_shards(rows: list[tuple[str, Caption]], opts: BuildOptions, progress: bool = True) -> BuildReport:
     """Write ``rows`` as shards into ``opts.out_dir``; returns what was written and skipped."""
     from tqdm import tqdm
 
@@ -179,7 +217,7 @@ def _write_report(out_dir: str, report: BuildReport, total: int) -> None:
 
 
 def rows_from(source: str, image_col: str = "filepath", caption_col: str = "caption",
-              image_root: Optional[str] = None) -> list[tuple[str, str]]:
+              image_root: Optional[str] = None) -> list[tuple[str, Caption]]:
     """Rows from a table file or an image folder."""
     if os.path.isdir(source):
         return scan_folder(source)
@@ -189,6 +227,7 @@ def rows_from(source: str, image_col: str = "filepath", caption_col: str = "capt
 
 
 def summarize(report: BuildReport, out_dir: str) -> str:
+    """One line: what was written, and every skipped sample by reason."""
     skipped = ", ".join(f"{k}={v}" for k, v in sorted(report.skipped.items())) or "none"
     return (f"wrote {report.written} samples in {report.shards} shards to {out_dir} "
             f"({report.seconds:.1f}s); skipped: {skipped}")

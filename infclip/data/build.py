@@ -12,8 +12,13 @@ skipped and counted, never fatal; ``build_stats.json`` records them next to ``si
 Invariant of a folder scan: every file is written, or counted under a skip reason, or is a
 ``.txt`` caption. Hidden names (``.DS_Store``, ``..jpg``, macOS's ``._x.jpg``) count as
 ``hidden_file``, other types (``.gif``, ``notes.md``) as ``unknown_extension``, a caption
-that is not UTF-8 as ``caption_not_utf8``, one that cannot be read (a folder named
-``x.txt``, no permission) as ``caption_unreadable``.
+that is not UTF-8 as ``caption_not_utf8``, one that cannot be read as
+``caption_unreadable`` (no permission), ``caption_not_regular_file`` (a folder named
+``x.txt``, a FIFO), ``caption_missing`` (a dangling link) or ``caption_too_large``.
+
+Only regular files are read (symlinks resolved), never more than a cap: a FIFO, socket or
+device (``/dev/zero`` behind a link) counts as ``not_regular_file`` without a blocking open
+or an unbounded read; an image above ``max_image_bytes`` as ``image_too_large``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import csv
 import io
 import json
 import os
+import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,6 +49,7 @@ class BuildOptions:
     quality: int = 95  # JPEG quality when re-encoding
     verify: bool = True  # decode every image once (catches corrupt files before training does)
     workers: int = 1  # processes reading/re-encoding images
+    max_image_bytes: int = 64 * 2**20  # larger image files are skipped (no photo needs more; bounds memory)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,17 @@ class Skip:
 
 
 Caption = Union[str, Skip]  # a row's caption field
+
+
+MAX_CAPTION_BYTES = 2**20  # a sidecar caption above this is skipped (captions are a few hundred bytes)
+
+
+class Unreadable(Exception):
+    """A file that ``read_regular`` refused; ``reason`` is its skip reason."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass
@@ -122,14 +140,45 @@ def _folder_caption(parent: str, name: str) -> Caption:
 def read_caption(path: str) -> Caption:
     """The UTF-8 text of a sidecar caption, or a ``Skip`` saying why it cannot be used."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:  # a folder named x.txt, no permission, a dangling link
-        return Skip("caption_unreadable")
+        data = read_regular(path, MAX_CAPTION_BYTES)
+    except Unreadable as e:
+        return Skip(f"caption_{e.reason}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         return Skip("caption_not_utf8")
+
+
+def read_regular(path: str, max_bytes: int) -> bytes:
+    """The bytes of the regular file at ``path`` (links resolved); raises ``Unreadable``.
+
+    Never blocks and never reads without bound: ``os.stat`` refuses anything but a regular
+    file before it is opened (a FIFO's open would block, a device's may act); the open is
+    non-blocking and re-checked with ``fstat`` (the path may be swapped in between); at most
+    ``max_bytes + 1`` bytes are read (a file may grow). Reasons: ``missing``,
+    ``unreadable`` (no permission, a link loop), ``not_regular_file``, ``too_large``.
+    """
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise Unreadable("not_regular_file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise Unreadable("missing") from None
+    except OSError:
+        raise Unreadable("unreadable") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable("not_regular_file")
+        if st.st_size > max_bytes:
+            raise Unreadable("too_large")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError:
+            raise Unreadable("unreadable") from None
+    if len(data) > max_bytes:
+        raise Unreadable("too_large")
+    return data
 
 
 # -- per image --------------------------------------------------------------------------------
@@ -147,10 +196,9 @@ def load_image(item: tuple[str, Caption, BuildOptions]) -> tuple[str, Optional[b
     if ext not in IMAGE_EXTS:
         return "unknown_extension", None, ext, {}
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return "missing_image", None, ext, {}
+        data = read_regular(path, opts.max_image_bytes)
+    except Unreadable as e:
+        return f"{e.reason}_image" if e.reason in ("missing", "unreadable") else f"image_{e.reason}", None, ext, {}
     if not (opts.verify or opts.resize):
         return "ok", data, ext, {}
     try:

@@ -22,14 +22,15 @@ register_configs()
 
 def user_errors() -> tuple[type, ...]:
     """Errors whose message is the whole story: bad config or data, a busy run_dir, a refused
-    resume, a run stopped for non-finite weights or loss."""
+    resume, a run stopped for non-finite weights or loss, a checkpoint that did not fit on its disk."""
     from infclip.config import ConfigError
     from infclip.data.shards import DataError
     from infclip.eval.config import EvalConfigError
+    from infclip.train.checkpoint import DiskFull
     from infclip.train.guard import NonFiniteError
     from infclip.train.rundir import RunDirBusy, RunDirUnusable
 
-    return ConfigError, DataError, EvalConfigError, RunDirBusy, RunDirUnusable, NonFiniteError
+    return ConfigError, DataError, EvalConfigError, RunDirBusy, RunDirUnusable, NonFiniteError, DiskFull
 
 
 def paragraph(err: BaseException) -> str:

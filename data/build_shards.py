@@ -36,10 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quality", type=int, default=95, help="JPEG quality when re-encoding")
     p.add_argument("--no-verify", action="store_true", help="do not decode images (faster, trusts the input)")
     p.add_argument("--workers", type=int, default=1, help="processes reading / re-encoding images")
+    p.add_argument("--max-image-mb", type=float, default=64,
+                   help="skip (and count) image files larger than this; bounds each worker's memory")
     a = p.parse_args(argv)
     opts = BuildOptions(out_dir=a.out, shard_size=a.shard_size,
                         max_shard_bytes=int(a.max_shard_mb * 2**20) if a.max_shard_mb else None,
-                        resize=a.resize, quality=a.quality, verify=not a.no_verify, workers=a.workers)
+                        resize=a.resize, quality=a.quality, verify=not a.no_verify, workers=a.workers,
+                        max_image_bytes=int(a.max_image_mb * 2**20))
     rows = rows_from(a.input, a.image_col, a.caption_col, a.image_root)
     report = build_shards(rows, opts)
     print(summarize(report, a.out))

@@ -79,18 +79,29 @@ def verify_loaded_files(folder: Path) -> Optional[str]:
 def newest_intact(root: Path, warn: Callable[[str], None]) -> Optional[Path]:
     """Newest ``step_N`` folder of ``root`` whose loaded files verify. Each newer one that
     does not is named in one ``warn`` line; one whose bytes changed is set aside as
-    ``step_N.damaged`` (one whose files vanished, e.g. pruned meanwhile, is only skipped)."""
+    ``step_N.damaged``. One whose files vanished (pruned meanwhile by a training writing into
+    the run folder) is only skipped, and the folder is listed again: the checkpoint that
+    replaced it is newer, and the older ones may have been pruned too."""
     from infclip.manifest import set_aside, vanished
 
-    steps = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / "model.pt").is_file()]
-    for step in sorted(steps, key=lambda p: int(p.name[5:]), reverse=True):
+    tried: set[str] = set()
+    while True:
+        steps = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and p.name not in tried
+                 and (p / "model.pt").is_file()]
+        if not steps:
+            return None
+        step = max(steps, key=lambda p: int(p.name[5:]))
         problem = verify_loaded_files(step)
         if problem is None:
             return step
-        aside = None if vanished(problem) else set_aside(step)
+        tried.add(step.name)
+        if vanished(problem):
+            warn(f"warning: checkpoint {step} was removed while it was verified ({problem}; pruned by a "
+                 "training in that run folder?): using the newest remaining intact one")
+            continue
+        aside = set_aside(step)
         moved = f"; moved aside to {aside.name}" if aside else ""
         warn(f"warning: skipping damaged checkpoint {step}: {problem}{moved}, falling back to the previous one")
-    return None
 
 
 # -- the files ---------------------------------------------------------------------------------

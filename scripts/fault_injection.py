@@ -1,7 +1,9 @@
 """Fault injection over the real trainer on CPU: kill -9 at random moments (mid-checkpoint
 included), damaged checkpoints (a tampered safetensors too), a concurrent start, NaN weights
 and gradients, a collapsed model in the eval command, bad values and weights, half-empty data,
-Ctrl-C, a frozen or killed loader worker, signals in the final eval. Prints a table: case -> outcome.
+Ctrl-C, a frozen or killed loader worker, signals in the final eval, the shard builder on
+hostile folders (bad captions, a FIFO, /dev/zero), the eval command racing checkpoint pruning,
+a full disk (a tmpfs; root only). Prints a table: case -> outcome.
 
     python scripts/fault_injection.py                 # every case (~5-10 min on 2 CPU cores)
     python scripts/fault_injection.py --cases kill9 corrupt --seed 3 --keep /tmp/fi
@@ -473,6 +475,119 @@ def case_double_sigint(ctx: Ctx) -> tuple[bool, str]:
             f"resumed from {resumed_from(second.stdout)}; {detail}")
 
 
+
+def _build_shards(src: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "data" / "build_shards.py"), str(src), "--out", str(out), "--workers", "2"]
+    return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+
+
+def case_build_bad_captions(ctx: Ctx) -> tuple[bool, str]:
+    """A caption that is not UTF-8, a folder named x.txt, a .gif, a ..jpg: counted, not fatal."""
+    src = ctx.fresh("build-bad-captions")
+    src.mkdir()
+    _jpeg(src / "good.jpg", b"fine")
+    _jpeg(src / "latin1.jpg", "caf\xe9".encode("latin-1"))
+    _jpeg(src / "dir.jpg")
+    (src / "dir.txt").mkdir()
+    _jpeg(src / "anim.gif", b"a gif")
+    _jpeg(src / "..jpg", b"hidden")
+    proc = _build_shards(src, src.with_suffix(".out"))
+    stats = src.with_suffix(".out") / "build_stats.json"
+    skipped = json.loads(stats.read_text())["skipped"] if stats.is_file() else {}
+    want = {"caption_not_utf8": 1, "caption_not_regular_file": 1, "unknown_extension": 1, "hidden_file": 1}
+    return (proc.returncode == 0 and skipped == want and "Traceback" not in proc.stderr,
+            f"exit {proc.returncode}; {proc.stdout.splitlines()[0][:40] if proc.stdout else ''}...; counted {skipped}")
+
+
+def case_build_fifo(ctx: Ctx) -> tuple[bool, str]:
+    """A FIFO image, a FIFO caption and /dev/zero behind a link: counted, never read."""
+    src = ctx.fresh("build-fifo")
+    src.mkdir()
+    _jpeg(src / "good.jpg", b"fine")
+    os.mkfifo(src / "pipe.jpg")
+    (src / "pipe.txt").write_text("a FIFO")
+    _jpeg(src / "fifo-caption.jpg")
+    os.mkfifo(src / "fifo-caption.txt")
+    os.symlink("/dev/zero", src / "zero.jpg")
+    (src / "zero.txt").write_text("/dev/zero")
+    t0 = time.monotonic()
+    try:
+        proc = _build_shards(src, src.with_suffix(".out"))
+    except subprocess.TimeoutExpired:
+        return False, "hung for 120 s"
+    took = time.monotonic() - t0
+    stats = src.with_suffix(".out") / "build_stats.json"
+    skipped = json.loads(stats.read_text())["skipped"] if stats.is_file() else {}
+    want = {"image_not_regular_file": 2, "caption_not_regular_file": 1}
+    return (proc.returncode == 0 and skipped == want,
+            f"exit {proc.returncode} in {took:.1f} s; counted {skipped}")
+
+
+def _jpeg(path: Path, caption: Optional[bytes] = None) -> None:
+    """A small valid JPEG at ``path`` (+ its sidecar caption bytes)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, format="JPEG")
+    path.write_bytes(buf.getvalue())
+    if caption is not None:
+        path.with_suffix(".txt").write_bytes(caption)
+
+
+def case_eval_while_pruning(ctx: Ctx) -> tuple[bool, str]:
+    """The eval command on a run folder while it trains with keep_last=1, a checkpoint every step."""
+    run_dir = ctx.fresh("eval-while-pruning")
+    proc = start(ctx.cmd(run_dir, "steps=400", "eval.tasks=[]", "checkpoint.every_n_steps=1",
+                         "checkpoint.keep_last=1"), run_dir.with_suffix(".log"))
+    wait_until(proc, lambda: len(checkpoints(run_dir)) > 0)
+    results, fell_back = [], 0
+    for i in range(6):
+        out = run_dir.with_name(f"{run_dir.name}-eval{i}.json")
+        ev = run(eval_cmd(ctx, run_dir, f"output={out}", "tasks=[synthetic_zeroshot]", "eval.batch_size=64"))
+        fell_back += ev.stderr.count("was removed while it was")
+        results.append((ev.returncode, out.is_file(), "Traceback" in ev.stderr))
+    training = proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=300)
+    in_cwd = (ROOT / "eval_results.json").exists()
+    ok = all(r == (0, True, False) for r in results) and training and not in_cwd
+    return ok, (f"6 evals while training: exits {[r[0] for r in results]}, results written {sum(r[1] for r in results)}"
+                f"; fell back to a newer checkpoint {fell_back} time(s); still training: {training}; "
+                f"eval_results.json in the cwd: {in_cwd}")
+
+
+def case_disk_full(ctx: Ctx) -> tuple[bool, str]:
+    """run_dir on a tmpfs with room for 2.5 checkpoints: the third save does not fit."""
+    if os.geteuid() != 0:
+        return True, "skipped: a full disk needs a tmpfs mount, which needs root"
+    step = ctx.ref_dir / "checkpoints" / "step_00000003"
+    size = sum(f.stat().st_size for f in step.rglob("*") if f.is_file())
+    disk = ctx.fresh("disk-full")
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(2.5 * size) + (1 << 20)}", "tmpfs",
+                              str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        return True, f"skipped: cannot mount a tmpfs here ({mounted.stderr.strip()[:80]})"
+    try:
+        run_dir = disk / "run"
+        first = run(ctx.cmd(run_dir, *COMMON))
+        left = [p.name for p in (run_dir / "checkpoints").glob(".step_*")]
+        from infclip.train.checkpoint import verify_checkpoint
+
+        kept = {p: verify_checkpoint(run_dir / "checkpoints" / p, 1) for p in checkpoints(run_dir)}
+        subprocess.run(["mount", "-o", f"remount,size={int(8 * size)}", str(disk)], check=True)
+        second = run(ctx.cmd(run_dir, *COMMON))
+        ok, detail = compare(ctx, run_dir)
+        para = one_paragraph(first) and "checkpoint.keep_last + 1" in first.stderr
+        return (ok and para and not left and all(v is None for v in kept.values()) and second.returncode == 0,
+                f"exit {first.returncode}, one paragraph: {para} ('{first.stderr[:70]}...'); temp folders left: "
+                f"{left or 'none'}; intact: {sorted(kept)}; room again, resumed: exit {second.returncode}; {detail}")
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "kill9 at a random moment (1)": case_kill9,
     "kill9 at a random moment (2)": case_kill9,
@@ -504,6 +619,10 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "resume with another model.name": case_refused_resume,
     "half of the shards empty": case_half_empty,
     "sigterm during the final eval": case_sigterm_final_eval,
+    "build_shards: bad captions, .gif, ..jpg": case_build_bad_captions,
+    "build_shards: a FIFO and /dev/zero in the input": case_build_fifo,
+    "eval command while training prunes (keep_last=1)": case_eval_while_pruning,
+    "disk full (tmpfs) while a checkpoint is written": case_disk_full,
 }
 
 

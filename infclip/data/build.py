@@ -8,6 +8,17 @@ Inputs:
 Images are copied byte for byte (jpg/png/webp), or re-encoded as JPEG with the shorter side
 resized to ``resize`` pixels. Failures (missing file, undecodable image, empty caption) are
 skipped and counted, never fatal; ``build_stats.json`` records them next to ``sizes.json``.
+
+Invariant of a folder scan: every file is written, or counted under a skip reason, or is a
+``.txt`` caption. Hidden names (``.DS_Store``, ``..jpg``, macOS's ``._x.jpg``) count as
+``hidden_file``, other types (``.gif``, ``notes.md``) as ``unknown_extension``, a caption
+that is not UTF-8 as ``caption_not_utf8``, one that cannot be read as
+``caption_unreadable`` (no permission), ``caption_not_regular_file`` (a folder named
+``x.txt``, a FIFO), ``caption_missing`` (a dangling link) or ``caption_too_large``.
+
+Only regular files are read (symlinks resolved), never more than a cap: a FIFO, socket or
+device (``/dev/zero`` behind a link) counts as ``not_regular_file`` without a blocking open
+or an unbounded read; an image above ``max_image_bytes`` as ``image_too_large``.
 """
 
 from __future__ import annotations
@@ -16,11 +27,12 @@ import csv
 import io
 import json
 import os
+import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing import Pool
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 from PIL import Image
 
@@ -37,6 +49,27 @@ class BuildOptions:
     quality: int = 95  # JPEG quality when re-encoding
     verify: bool = True  # decode every image once (catches corrupt files before training does)
     workers: int = 1  # processes reading/re-encoding images
+    max_image_bytes: int = 64 * 2**20  # larger image files are skipped (no photo needs more; bounds memory)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """The caption field of a row that is no sample: it is counted under ``reason``."""
+    reason: str
+
+
+Caption = Union[str, Skip]  # a row's caption field
+
+
+MAX_CAPTION_BYTES = 2**20  # a sidecar caption above this is skipped (captions are a few hundred bytes)
+
+
+class Unreadable(Exception):
+    """A file that ``read_regular`` refused; ``reason`` is its skip reason."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass
@@ -81,38 +114,91 @@ def _parquet_rows(path: str, image_col: str, caption_col: str) -> list[tuple[str
     return list(zip(map(str, table[image_col]), (c or "" for c in table[caption_col])))
 
 
-def scan_folder(folder: str) -> list[tuple[str, str]]:
-    """(image path, caption) for every image with a sidecar ``.txt`` (missing sidecar: caption "")."""
-    rows = []
+def scan_folder(folder: str) -> list[tuple[str, Caption]]:
+    """(path, caption) for every file but ``.txt`` captions: an image's caption is its sidecar
+    ``.txt`` (none: ""), a file that is no sample has a ``Skip`` (counted, never dropped)."""
+    rows: list[tuple[str, Caption]] = []
     for parent, dirs, names in os.walk(folder):
         dirs.sort()
         for name in sorted(names):
-            stem, ext = os.path.splitext(name)
-            if ext.lower().lstrip(".") not in IMAGE_EXTS:
-                continue
-            side = os.path.join(parent, stem + ".txt")
-            caption = open(side, encoding="utf-8").read() if os.path.exists(side) else ""
-            rows.append((os.path.join(parent, name), caption))
+            if not name.endswith(".txt"):
+                rows.append((os.path.join(parent, name), _folder_caption(parent, name)))
     return rows
+
+
+def _folder_caption(parent: str, name: str) -> Caption:
+    """The sidecar caption of ``parent/name``, or why that file is not a sample."""
+    if name.startswith("."):  # hidden: .DS_Store, ..jpg, ._x.jpg (AppleDouble, not an image)
+        return Skip("hidden_file")
+    stem, ext = os.path.splitext(name)
+    if ext.lower().lstrip(".") not in IMAGE_EXTS:
+        return Skip("unknown_extension")
+    side = os.path.join(parent, stem + ".txt")
+    return read_caption(side) if os.path.lexists(side) else ""
+
+
+def read_caption(path: str) -> Caption:
+    """The UTF-8 text of a sidecar caption, or a ``Skip`` saying why it cannot be used."""
+    try:
+        data = read_regular(path, MAX_CAPTION_BYTES)
+    except Unreadable as e:
+        return Skip(f"caption_{e.reason}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return Skip("caption_not_utf8")
+
+
+def read_regular(path: str, max_bytes: int) -> bytes:
+    """The bytes of the regular file at ``path`` (links resolved); raises ``Unreadable``.
+
+    Never blocks and never reads without bound: ``os.stat`` refuses anything but a regular
+    file before it is opened (a FIFO's open would block, a device's may act); the open is
+    non-blocking and re-checked with ``fstat`` (the path may be swapped in between); at most
+    ``max_bytes + 1`` bytes are read (a file may grow). Reasons: ``missing``,
+    ``unreadable`` (no permission, a link loop), ``not_regular_file``, ``too_large``.
+    """
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise Unreadable("not_regular_file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise Unreadable("missing") from None
+    except OSError:
+        raise Unreadable("unreadable") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Unreadable("not_regular_file")
+        if st.st_size > max_bytes:
+            raise Unreadable("too_large")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError:
+            raise Unreadable("unreadable") from None
+    if len(data) > max_bytes:
+        raise Unreadable("too_large")
+    return data
 
 
 # -- per image --------------------------------------------------------------------------------
 
 
-def load_image(item: tuple[str, str, BuildOptions]) -> tuple[str, Optional[bytes], str, dict]:
+def load_image(item: tuple[str, Caption, BuildOptions]) -> tuple[str, Optional[bytes], str, dict]:
     """(status, payload, ext, meta) for one (path, caption); status "ok" or a skip reason."""
     path, caption, opts = item
     ext = os.path.splitext(path)[1].lower().lstrip(".")
     ext = "jpg" if ext == "jpeg" else ext
+    if isinstance(caption, Skip):
+        return caption.reason, None, ext, {}
     if not caption.strip():
         return "empty_caption", None, ext, {}
     if ext not in IMAGE_EXTS:
         return "unknown_extension", None, ext, {}
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return "missing_image", None, ext, {}
+        data = read_regular(path, opts.max_image_bytes)
+    except Unreadable as e:
+        return f"{e.reason}_image" if e.reason in ("missing", "unreadable") else f"image_{e.reason}", None, ext, {}
     if not (opts.verify or opts.resize):
         return "ok", data, ext, {}
     try:
@@ -141,7 +227,7 @@ def _reencode(img: Image.Image, side: int, quality: int) -> tuple[bytes, Image.I
 # -- driver -----------------------------------------------------------------------------------
 
 
-def _loaded(rows: list[tuple[str, str]], opts: BuildOptions) -> Iterator[tuple[tuple[str, str], tuple]]:
+def _loaded(rows: list[tuple[str, Caption]], opts: BuildOptions) -> Iterator[tuple[tuple[str, str], tuple]]:
     items = [(p, c, opts) for p, c in rows]
     if opts.workers <= 1:
         for row, item in zip(rows, items):
@@ -151,7 +237,7 @@ def _loaded(rows: list[tuple[str, str]], opts: BuildOptions) -> Iterator[tuple[t
         yield from zip(rows, pool.imap(load_image, items, chunksize=16))
 
 
-def build_shards(rows: list[tuple[str, str]], opts: BuildOptions, progress: bool = True) -> BuildReport:
+def build_shards(rows: list[tuple[str, Caption]], opts: BuildOptions, progress: bool = True) -> BuildReport:
     """Write ``rows`` as shards into ``opts.out_dir``; returns what was written and skipped."""
     from tqdm import tqdm
 
@@ -179,7 +265,7 @@ def _write_report(out_dir: str, report: BuildReport, total: int) -> None:
 
 
 def rows_from(source: str, image_col: str = "filepath", caption_col: str = "caption",
-              image_root: Optional[str] = None) -> list[tuple[str, str]]:
+              image_root: Optional[str] = None) -> list[tuple[str, Caption]]:
     """Rows from a table file or an image folder."""
     if os.path.isdir(source):
         return scan_folder(source)
@@ -189,6 +275,7 @@ def rows_from(source: str, image_col: str = "filepath", caption_col: str = "capt
 
 
 def summarize(report: BuildReport, out_dir: str) -> str:
+    """One line: what was written, and every skipped sample by reason."""
     skipped = ", ".join(f"{k}={v}" for k, v in sorted(report.skipped.items())) or "none"
     return (f"wrote {report.written} samples in {report.shards} shards to {out_dir} "
             f"({report.seconds:.1f}s); skipped: {skipped}")

@@ -43,8 +43,7 @@ def evaluate(cfg: DictConfig) -> dict:
     dist_info = cli.init_distributed(cfg.device)
     tasks, suites = cli.plan_tasks(cfg)
     ecfg = cli._eval_config(cfg, tasks)
-    pretrained = cli.resolve_checkpoint(cfg.checkpoint)
-    model, tokenizer, preprocess = cli.build(cfg, dist_info.device, pretrained)
+    pretrained, (model, tokenizer, preprocess) = cli.load_checkpoint(cfg, dist_info.device)
     try:
         metrics = run_evals(
             model, tokenizer, preprocess, ecfg, step=0, final=True, device=dist_info.device,

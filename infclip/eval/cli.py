@@ -18,6 +18,7 @@ checkpoint's own architecture. Prints a table on rank 0 and writes a JSON result
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -91,6 +92,48 @@ def _verified_model(path: Path) -> str:
         raise EvalConfigError(f"checkpoint {path.parent} is damaged: {problem}; give an intact step folder "
                               "or the run folder (its newest intact checkpoint is used)")
     return str(path)
+
+
+_READ_TRIES = 3  # a run folder's checkpoint pruned while read: this many choices of the newest
+
+
+def load_checkpoint(cfg: DictConfig, device: torch.device) -> tuple[Optional[str], tuple]:
+    """(resolved checkpoint, (model, tokenizer, val preprocess)) of ``cfg.checkpoint``.
+
+    When ``checkpoint`` names a run (or checkpoints) folder and the checkpoint chosen in it
+    vanishes while it is read (a training writing there pruned it: ``checkpoint.keep_last``),
+    the newest remaining intact one is chosen and read instead, with one warning line; a
+    named step folder or file that vanishes is an error. When this returns the model is in
+    memory: nothing later reads the checkpoint's files (only its path names the outputs).
+    """
+    for attempt in range(1, _READ_TRIES + 1):
+        pretrained = resolve_checkpoint(cfg.checkpoint)
+        try:
+            return pretrained, build(cfg, device, pretrained)
+        except EvalConfigError:
+            if attempt == _READ_TRIES or not (_vanished(pretrained) and _picks_newest(cfg.checkpoint)):
+                raise
+        print(f"warning: checkpoint {Path(pretrained).parent} was removed while it was read (pruned by a "
+              "training in that run folder?): evaluating the newest remaining intact checkpoint instead",
+              file=sys.stderr, flush=True)
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _vanished(pretrained: Optional[str]) -> bool:
+    """True when ``pretrained`` was a local file (a path, not a tag) and is gone now."""
+    return pretrained is not None and _is_local(pretrained) and not os.path.isfile(pretrained)
+
+
+def _is_local(pretrained: str) -> bool:
+    """A resolved checkpoint is a local path (it may have vanished since) or an open_clip tag
+    (no path separator, as open_clip names them)."""
+    return os.sep in pretrained or os.path.exists(pretrained)
+
+
+def _picks_newest(spec: str) -> bool:
+    """``checkpoint`` names a folder whose newest checkpoint is chosen (not one step folder)."""
+    path = Path(spec).expanduser()
+    return path.is_dir() and not _STEP_DIR.match(path.name)
 
 
 def resolve_checkpoint(spec: str) -> Optional[str]:
@@ -289,7 +332,13 @@ def build(cfg: DictConfig, device: torch.device, pretrained: Optional[str]):
     from infclip.model import build_model, register_config_file
 
     requested = register_config_file(cfg.model_config_file) if cfg.model_config_file else cfg.model
-    arch = checkpoint_architecture(pretrained)
+    try:
+        arch = checkpoint_architecture(pretrained)
+    except OSError as e:  # its files vanished between a check and the read (pruned meanwhile)
+        raise EvalConfigError(_load_failure(str(pretrained), requested or "its own", e)) from e
+    if _vanished(pretrained):  # a path that is gone, not an open_clip tag
+        gone = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), pretrained)
+        raise EvalConfigError(_load_failure(str(pretrained), requested or "its own", gone))
     if requested is not None and not _same_architecture(requested, arch):
         raise EvalConfigError(f"model={requested!r} but checkpoint {pretrained} is a {arch.name!r} model; "
                               f"drop model= (the checkpoint's own architecture is used) or set model={arch.name}")
@@ -362,9 +411,15 @@ def nonfinite_warnings(metrics: dict[str, float]) -> list[str]:
 
 
 def default_output(pretrained: Optional[str]) -> str:
-    if pretrained and os.path.isfile(pretrained):
-        return str(Path(pretrained).parent / "eval.json")
-    return "eval_results.json"
+    """``<checkpoint folder>/eval.json``; for a step folder pruned after it was read,
+    ``<run>/eval_step_N.json`` (never the current directory, never a re-created step folder);
+    ``eval_results.json`` here for an open_clip tag or a random init."""
+    if not pretrained or not _is_local(pretrained):
+        return "eval_results.json"
+    folder, run = Path(pretrained).parent, run_folder(pretrained)
+    if run is not None and not folder.is_dir():
+        return str(run / f"eval_{folder.name}.json")
+    return str(folder / "eval.json")
 
 
 def write_results(path: str, cfg: DictConfig, pretrained: Optional[str], ecfg: EvalConfig,
@@ -387,8 +442,9 @@ def checkpoint_step(pretrained: Optional[str]) -> Optional[int]:
 
 
 def run_folder(pretrained: Optional[str]) -> Optional[Path]:
-    """The run folder of a ``<run>/checkpoints/step_N/model.pt`` checkpoint (None otherwise)."""
-    if not pretrained or not os.path.isfile(pretrained):
+    """The run folder of a ``<run>/checkpoints/step_N/model.pt`` checkpoint (None otherwise),
+    from the path alone: the step folder may have been pruned since it was read."""
+    if not pretrained or not _is_local(pretrained):
         return None
     folder = Path(pretrained).parent
     return folder.parent.parent if folder.parent.name == "checkpoints" else None

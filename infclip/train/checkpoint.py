@@ -17,12 +17,19 @@ A published folder that was damaged later (a truncated or overwritten file) fail
 verification: resume skips it with a one-line warning, moves it aside as
 ``step_N.damaged`` (never deleted) and falls back to the newest intact one.
 
+A full disk (``ENOSPC``/``EDQUOT``, or torch's zip writer failing on a short write) raises
+``DiskFull``, one paragraph naming the disk and the room needed, after the temporary folder
+is removed; nothing is pruned before a publish, so the previous checkpoints are intact.
+Before a save rank 0 compares the free space with the expected size (the newest
+checkpoint's, else the states' tensor bytes) and raises ``DiskFull`` before writing.
+
 Every file loads with ``torch.load(..., weights_only=True)``: the states hold only tensors and
 plain Python values (the numpy RNG key is stored as a tensor).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -36,6 +43,10 @@ import torch
 from infclip.manifest import MANIFEST, verify, write_manifest  # noqa: F401 (re-exported)
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+class DiskFull(Exception):
+    """A checkpoint did not fit on its disk (the message is the whole story: a user error)."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -113,12 +124,51 @@ class Checkpointer:
         self.rejected: dict[str, str] = {}  # checkpoint name -> why latest_loadable skipped it
 
     def save(self, step: int, model_state: dict, train_state: dict, rank_state: dict) -> Path:
+        """Writes and publishes checkpoint ``step`` (all ranks). On a full disk: ``DiskFull``
+        after the temporary folder is removed; the published checkpoints are untouched."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".step_{step:08d}.tmp"
-        self._together(lambda: _fresh_dir(tmp), rank0_only=True)
-        self._together(lambda: _save(rank_state, tmp / f"rank_{self.rank:05d}.pt"), rank0_only=False)
-        self._together(lambda: self._publish(tmp, final, model_state, train_state), rank0_only=True)
+        need = self._expected_bytes(model_state, train_state)
+        try:
+            self._together(lambda: self._check_room(final.name, need), rank0_only=True)
+            self._together(lambda: _fresh_dir(tmp), rank0_only=True)
+            self._together(lambda: _save(rank_state, tmp / f"rank_{self.rank:05d}.pt"), rank0_only=False)
+            self._together(lambda: self._publish(tmp, final, model_state, train_state), rank0_only=True)
+        except DiskFull:
+            raise
+        except Exception as e:
+            if not _disk_full(e, self.root, need):
+                raise
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise DiskFull(self._no_room(final.name, need, "the write failed")) from e
         return final
+
+    def _expected_bytes(self, model_state: dict, train_state: dict) -> int:
+        """Bytes the next checkpoint takes: the newest one's, else the states' tensors (the
+        model twice when open_clip's safetensors copy is written too)."""
+        done = list_checkpoints(self.root.parent)
+        if done:
+            return sum(f.stat().st_size for f in done[-1].rglob("*") if f.is_file())
+        copies = 2 if self.on_publish is not None else 1
+        return copies * _tensor_bytes(model_state) + _tensor_bytes(train_state)
+
+    def _check_room(self, name: str, need: int) -> None:
+        """Rank 0, before anything is written: refuse when ``need`` bytes cannot fit."""
+        if _free_bytes(self.root) < need:
+            raise DiskFull(self._no_room(name, need, "not enough free space to start it"))
+
+    def _no_room(self, name: str, need: int, what: str) -> str:
+        """The paragraph of ``DiskFull``: the disk, the room a checkpoint needs, the fix."""
+        usage = shutil.disk_usage(_existing(self.root))
+        kept = [p.name for p in list_checkpoints(self.root.parent)]
+        return (f"no room for checkpoint {name} on the disk holding {self.root} (mount point "
+                f"{_mount_point(self.root)}: {_mb(usage.free)} free of {_mb(usage.total)}): {what}. A checkpoint "
+                f"needs about {_mb(need)}, and checkpoint.keep_last + 1 = {self.keep_last + 1} of them must fit "
+                f"(the new one is written before the oldest is pruned): {_mb((self.keep_last + 1) * need)}. "
+                f"No unfinished temporary folder was left; the previous checkpoints are intact "
+                f"({', '.join(kept) or 'none yet'}). Free space on that disk, lower checkpoint.keep_last, or "
+                "set run_dir on a larger disk, then start again: resume=auto continues from the newest checkpoint")
 
     def _together(self, fn: Callable[[], Any], rank0_only: bool) -> None:
         err: Optional[BaseException] = None
@@ -203,6 +253,50 @@ class Checkpointer:
             final = old.with_name(old.name[1:-4])
             if not final.exists():
                 os.replace(old, final)
+
+
+def _disk_full(err: BaseException, root: Path, need: int) -> bool:
+    """``err`` (or its cause) is ENOSPC/EDQUOT; or torch's zip writer failed on a short write
+    (``unexpected pos``, ``file write failed``) while the disk has less than ``need`` free."""
+    for e in (err, err.__cause__, err.__context__):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+    text = str(err)
+    return ("unexpected pos" in text or "write failed" in text) and _free_bytes(root) < need
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested state (dicts, lists, tuples)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor (the checkpoints folder may not exist yet)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(_existing(path)).free
+
+
+def _mount_point(path: Path) -> str:
+    path = _existing(path).resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return str(path)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
 
 
 def needed_files(world_size: int) -> tuple[str, ...]:

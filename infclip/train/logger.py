@@ -9,6 +9,7 @@ run reuses the stored run id.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -77,10 +78,25 @@ class MetricsLogger:
             else:
                 kept.append(line)
         if dropped:
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, self.path)
+            self._rewrite("".join(line + "\n" for line in kept))
         return dropped
+
+    def _rewrite(self, text: str) -> None:
+        """metrics.jsonl becomes ``text`` (never longer than it was): atomically through a
+        copy, or, when the disk has no room for a copy, in place (no new blocks needed)."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, self.path)
+            return
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+        print(f"warning: no room for a copy of {self.path} on its disk: rewritten in place", flush=True)
+        with open(self.path, "r+") as f:
+            f.write(text)
+            f.truncate()
 
     def _append(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as f:

@@ -44,6 +44,9 @@ def evaluate(cfg: DictConfig) -> dict:
     tasks, suites = cli.plan_tasks(cfg)
     ecfg = cli._eval_config(cfg, tasks)
     pretrained, (model, tokenizer, preprocess) = cli.load_checkpoint(cfg, dist_info.device)
+    if dist_info.rank == 0:  # what is evaluated, before the numbers
+        print(f"eval: checkpoint {pretrained or cfg.checkpoint}; tasks {[t.name for t in tasks]} "
+              f"(from {cli.task_source(cfg)})", flush=True)
     try:
         metrics = run_evals(
             model, tokenizer, preprocess, ecfg, step=0, final=True, device=dist_info.device,
@@ -74,7 +77,7 @@ def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, worl
     run, step = cli.run_folder(pretrained), cli.checkpoint_step(pretrained)
     if cfg.log_to_run and run is not None:
         cli.log_to_run(run, step, metrics, cfg)
-        print(f"metrics appended to {run / 'metrics.jsonl'}")
+        print(f"metrics appended to {run / cli.EVAL_LOG}")
     mode = cli.wandb_mode(cfg, run)
     if mode != "disabled":
         cli.log_wandb(mode, cfg, run, step, metrics, suites)

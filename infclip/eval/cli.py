@@ -13,7 +13,7 @@ trainer's key ``eval.tasks``: the same list) mixes preset names (``configs/eval_
 (:mod:`infclip.eval.suites`) and inline task dicts (fields of EvalTaskConfig);
 ``task.<name>.<field>=value`` overrides one field of a task. ``model`` defaults to the
 checkpoint's own architecture. Prints a table on rank 0 and writes a JSON result file
-(``output``), the run's metrics.jsonl and wandb.
+(``output``), the run's eval.jsonl and wandb.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class EvalCommandConfig:
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast for the encoders)
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     output: Optional[str] = None  # JSON results; None: <checkpoint folder>/eval.json or ./eval_results.json
-    log_to_run: bool = True  # append the metrics to <run>/metrics.jsonl when the checkpoint is in a run folder
+    log_to_run: bool = True  # append the metrics to <run>/eval.jsonl when the checkpoint is in a run folder
     # "online" | "offline" | "disabled"; None: the run's logging.wandb_mode, else disabled
     wandb_mode: Optional[str] = None
     wandb_project: str = "infclip"
@@ -209,7 +209,49 @@ def _task_entries(cfg: DictConfig) -> tuple[str, list[Any]]:
         return "tasks", list(cfg.tasks)
     if given_eval:
         return "eval.tasks", list(cfg.eval.tasks)
+    run = _run_of(cfg.checkpoint)
+    if run is not None:
+        return f"{run / 'config.yaml'} eval.tasks", _run_tasks(run)
     return "tasks", list(DEFAULT_TASKS)
+
+
+def task_source(cfg: DictConfig) -> str:
+    """Where the evaluated task list came from (for the command's first line)."""
+    key = _task_entries(cfg)[0]
+    return "the default presets" if key == "tasks" and cfg.tasks is None else key
+
+
+def _run_of(checkpoint: Optional[str]) -> Optional[Path]:
+    """The training run folder ``checkpoint`` names (the folder or one of its step folders /
+    files) when it holds the run's config.yaml, else None."""
+    if not checkpoint or not _is_local(str(checkpoint)):
+        return None
+    path = Path(str(checkpoint)).expanduser()
+    for cand in (path, path.parent.parent, path.parent.parent.parent):
+        if (cand / "config.yaml").is_file() and (cand / "checkpoints").is_dir():
+            return cand
+    return None
+
+
+def _run_tasks(run: Path) -> list[Any]:
+    """The run's own eval.tasks (what the trainer evaluated), ``synthetic:`` roots resolved
+    the way the trainer resolved them (the run's own synthetic dataset)."""
+    run_cfg = OmegaConf.load(run / "config.yaml")
+    tasks = OmegaConf.to_container(run_cfg.get("eval", {}).get("tasks", []), resolve=True) or []
+    if not tasks:
+        raise EvalConfigError(f"the run {run} evaluated no tasks (eval.tasks=[] in its config.yaml): name the "
+                              "tasks to evaluate with tasks=[...] (presets, suites or inline dicts; docs/eval.md)")
+    if any(str(t.get("root", "")).startswith("synthetic:") for t in tasks):
+        from infclip.data.config import DataConfig
+        from infclip.data.synthetic import ensure_synthetic
+
+        data = run_cfg.get("data", {})
+        keys = ("synthetic_root", "synthetic_train", "synthetic_eval", "synthetic_image_size", "synthetic_seed")
+        root = ensure_synthetic(DataConfig(**{k: data[k] for k in keys if k in data})).root
+        for t in tasks:
+            if str(t.get("root", "")).startswith("synthetic:"):
+                t["root"] = str(Path(root) / "eval" / str(t["root"]).split(":", 1)[1])
+    return tasks
 
 
 def plan_tasks(cfg: DictConfig) -> tuple[list[EvalTaskConfig], list[SuitePlan]]:
@@ -450,12 +492,17 @@ def run_folder(pretrained: Optional[str]) -> Optional[Path]:
     return folder.parent.parent if folder.parent.name == "checkpoints" else None
 
 
+EVAL_LOG = "eval.jsonl"  # the eval command's records in a run folder (the training curve stays its own)
+
+
 def log_to_run(run: Path, step: Optional[int], metrics: dict[str, float], cfg: DictConfig) -> None:
-    """Append one record to the run's metrics.jsonl (the trainer's format, marked as this command's)."""
+    """Append one record to the run's eval.jsonl (the trainer's record format, marked as this
+    command's); the training curve in metrics.jsonl is never written by the eval command."""
     import time
 
-    record = {"step": step, "time": time.time(), "event": "eval_command", "checkpoint": cfg.checkpoint, **metrics}
-    with open(run / "metrics.jsonl", "a") as f:
+    record = {"step": step, "time": time.time(), "event": "eval_command", "source": "eval",
+              "checkpoint": cfg.checkpoint, **metrics}
+    with open(run / EVAL_LOG, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 

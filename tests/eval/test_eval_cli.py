@@ -101,3 +101,26 @@ def _micro_cfg():
 
     cfg = open_clip.get_model_config("infclip-micro")
     return {"embed_dim": cfg["embed_dim"], "vision_cfg": cfg["vision_cfg"], "text_cfg": cfg["text_cfg"]}
+
+
+def test_a_run_folder_is_evaluated_on_its_own_tasks_by_default(tmp_path, synthetic, micro):
+    """No tasks=: the run's own eval.tasks (its config.yaml), not the synthetic presets."""
+    from omegaconf import OmegaConf
+
+    from infclip.eval.cli import plan_tasks, task_source
+
+    run = tmp_path / "run"
+    _save(run, 3, micro[0])
+    zs = synthetic.eval_tasks()[0]
+    mine = {"name": "mine", "kind": "zeroshot", "root": zs.root, "format": zs.format, "split": zs.split}
+    OmegaConf.save({"eval": {"tasks": [mine]}}, run / "config.yaml")
+    for checkpoint in (run, run / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003" / "model.pt"):
+        cfg = _compose([f"checkpoint={checkpoint}"])
+        tasks, _ = plan_tasks(cfg)
+        assert [(t.name, t.root) for t in tasks] == [("mine", zs.root)]
+        assert task_source(cfg) == f"{run / 'config.yaml'} eval.tasks"
+    assert [t.name for t in plan_tasks(_compose([f"checkpoint={run}", "tasks=[synthetic_zeroshot]",
+                                                 f"synthetic_root={synthetic.root}"]))[0]] == ["synthetic_zeroshot"]
+    OmegaConf.save({"eval": {"tasks": []}}, run / "config.yaml")
+    with pytest.raises(EvalConfigError, match="evaluated no tasks"):
+        plan_tasks(_compose([f"checkpoint={run}"]))

@@ -42,7 +42,7 @@ def test_the_three_ways_to_evaluate_your_own_data_run_as_written(digits, tmp_pat
         assert re.search(rf"^{task}\s+{metric}\s", proc.stdout, flags=re.M), proc.stdout
     step = tmp_path / "runs" / "quickstart" / "checkpoints" / digits.checkpoint.name
     assert json.loads((step / "eval.json").read_text())["metrics"]["eval/my_captions/num_images"] == 360
-    lines = (tmp_path / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
+    lines = (tmp_path / "runs" / "quickstart" / "eval.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert [r["event"] for r in records] == ["eval_command"] * 3
     assert records[0]["eval/my_images/top1"] > 0.2 and records[1]["eval/my_wds/top1"] > 0.2  # chance: 0.1

@@ -85,7 +85,7 @@ def test_a_checkpoint_pruned_after_it_was_read_reports_beside_its_run_not_here(
     _evaluate(run_dir, synthetic)
     assert json.loads((run_dir / "eval_step_00000002.json").read_text())["step"] == 2
     assert not (tmp_path / "eval_results.json").exists() and not (steps / "step_00000002").exists()
-    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if r.get("event") == "eval_command"] == [2]
 
 

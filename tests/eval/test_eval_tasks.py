@@ -226,7 +226,7 @@ def test_the_suite_command_prints_the_table_and_writes_run_metrics(tmp_path, mic
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("skipping") == 4 and "1 of 5 datasets found" in proc.stdout
     assert "imagenet-a" in proc.stdout and "average" in proc.stdout
-    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    record = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 7 and record["event"] == "eval_command"
     assert record["eval/imagenet_robustness/average"] == record["eval/imagenet-a/top1"]
     assert list((run / "wandb").glob("offline-run-*")), "the run's wandb mode (offline) was not used"

@@ -182,11 +182,30 @@ def preflight(cfg: Any) -> None:
     before training, without a model: what ``build`` would find wrong later, found first."""
     from infclip.data.pipeline import resolve_sources
 
+    _check_image_size(cfg)
     if cfg.data.kind == "wds":
         resolve_sources(cfg.data)
     ev = _eval_config(cfg)
     ev.tasks = [t for t in ev.tasks if not str(t.root).startswith("synthetic:")]  # generated with the data
     check_tasks(ev)
+
+
+def _check_image_size(cfg: Any) -> None:
+    """data.image_size must be the side the model takes: open_clip's ViTs have a fixed grid of
+    position embeddings (a 32-px input on a 48-px model failed deep in the forward)."""
+    import open_clip
+
+    if cfg.data.image_size is None or cfg.model.config_file:
+        return
+    from infclip.config import ConfigError
+
+    model_cfg = open_clip.get_model_config(cfg.model.name) or {}
+    side = model_cfg.get("vision_cfg", {}).get("image_size")
+    side = side[0] if isinstance(side, (list, tuple)) else side
+    if side is not None and model_cfg.get("vision_cfg", {}).get("patch_size") and cfg.data.image_size != side:
+        raise ConfigError(f"data.image_size={cfg.data.image_size} but model.name={cfg.model.name} takes {side}-px "
+                          f"images (a ViT's position embeddings fix its input side): drop data.image_size "
+                          f"(it defaults to the model's), or set data.image_size={side}")
 
 
 def _eval_config(cfg: Any) -> Any:

@@ -178,3 +178,15 @@ def test_an_unknown_model_name_suggests_the_nearest_open_clip_names(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2 and "did you mean ViT-B-32" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_an_image_size_the_model_cannot_take_is_refused_before_the_model(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "train.py"), "data.image_size=32", f"run_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "data.image_size=32 but model.name=infclip-tiny takes 48-px images" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

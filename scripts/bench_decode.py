@@ -25,6 +25,7 @@ from PIL import Image
 from infclip.data.config import DataConfig
 from infclip.data.jpeg import JpegDecoder, JpegPacker, PackedJpegs, unpack_header
 from infclip.data.pipeline import build_train_data
+from infclip.kernels.resize import resized_crop, resized_crop_reference
 
 
 def packed_rows(spec: str, size: int, micro: int) -> PackedJpegs:
@@ -75,7 +76,7 @@ def matmul_load(seconds: float) -> float:
     while time.perf_counter() - t0 < seconds:
         for _ in range(4):
             a @ a
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()  # this stream only: a device-wide sync would wait for the decoder
         n += 4
     return 2 * 8192**3 * n / (time.perf_counter() - t0) / 1e12
 
@@ -98,6 +99,38 @@ def overlap(dec: JpegDecoder, rows: torch.Tensor, seconds: float) -> tuple[float
     stop.set()
     th.join()
     return tflops, count[0] / count[1]
+
+
+def host_phases(dec: JpegDecoder, rows: PackedJpegs, repeats: int) -> str:
+    """Host seconds per micro-batch of each phase of a decode (median; thread CPU time in
+    brackets: what holds the GIL unless the library releases it)."""
+    from infclip.data.jpeg_backends import _nvimgcodec
+
+    nv = _nvimgcodec()
+    phases: dict[str, list] = {}
+
+    def tick(name, fn):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        r = fn()
+        phases.setdefault(name, []).append((time.perf_counter() - t0, time.thread_time() - c0))
+        return r
+
+    for _ in range(repeats):
+        datas = tick("payloads", rows.payloads)
+        if nv is not None and dec.backend.name == "hardware":
+            streams = tick("CodeStream x n", lambda: [nv.CodeStream(d) for d in datas])
+            del streams
+        images = tick("backend.decode", lambda: dec.backend.decode(datas, dec._stream))
+        with torch.cuda.stream(dec._stream):
+            tick("resize launch", lambda: resized_crop(images, rows.index[:, 1:5], dec.size))
+            tick("reference resize of 256", lambda: resized_crop_reference(images[:256], rows.index[:256, 1:5], dec.size))
+        tick("stream sync", dec._stream.synchronize)
+    cells = []
+    for name, v in phases.items():
+        wall = sorted(x[0] for x in v)[len(v) // 2] * 1e3
+        cpu = sorted(x[1] for x in v)[len(v) // 2] * 1e3
+        cells.append(f"{name} {wall:.1f} ms [{cpu:.1f}]")
+    return ", ".join(cells)
 
 
 def main() -> None:
@@ -133,6 +166,7 @@ def main() -> None:
         rate = a.micro / timed(lambda: dec(rows), a.repeats)
         datas = rows.payloads()
         engine_only = a.micro / timed(lambda: dec.backend.decode(datas, dec._stream), a.repeats)
+        print(f"  host phases per micro-batch ({dec.backend.name}): {host_phases(dec, rows, a.repeats)}", flush=True)
         tflops, beside = overlap(dec, rows, a.overlap_s)
         table.append(f"| {dec.backend.name} | {rate:,.0f} ({engine_only:,.0f}) | {beside:,.0f} | {tflops:.0f} ({alone:.0f}) | "
                      f"{d.max():.0f} / {d.mean():.3f}, {100 * (d > 1).float().mean():.2f} % |")

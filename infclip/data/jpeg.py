@@ -5,9 +5,10 @@ With ``data.decode=cpu`` each loader worker decodes a JPEG, crops and resizes it
 LAION's 256-512 px. With ``data.decode=device`` a worker only parses the JPEG header and draws
 the *same* crop box from the *same* RNG stream the CPU path would use
 (``RandomResizedCrop.get_params``), then packs header + bytes into a fixed-width uint8 row
-(:class:`JpegPacker`). The trainer's :class:`JpegDecoder` decodes a micro-batch of rows with
-nvJPEG (``torchvision.io.decode_jpeg(..., device="cuda")``), crops and resizes every image with
-PIL's antialiased bicubic filter as two batched matmuls, rounds to 8-bit levels and normalizes.
+(:class:`JpegPacker`). The trainer's :class:`JpegDecoder` decodes a micro-batch with the GPU's
+JPEG engines (or nvJPEG, see :mod:`infclip.data.jpeg_backends`), then crops and resizes every
+image with PIL's antialiased bicubic filter in one Triton launch that reads each decoded image
+through its pointer (:mod:`infclip.kernels.resize`), rounds to 8-bit levels and normalizes.
 It runs for each micro-batch in both passes of the gradient cache; decoding and resizing are
 deterministic, so the replay sees the pixels the cache pass saw.
 
@@ -42,6 +43,8 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 from torchvision.transforms import RandomResizedCrop
+
+from infclip.kernels.resize import bicubic_weights, resized_crop, resized_crop_reference  # noqa: F401 (re-export)
 
 HEADER_INTS = 8
 HEADER = 4 * HEADER_INTS  # bytes
@@ -181,33 +184,6 @@ def unpack_header(rows) -> Tensor:
     return head.view(torch.int32)
 
 
-def bicubic_weights(start: Tensor, length: Tensor, out: int, size: int) -> Tensor:
-    """PIL's antialiased bicubic resampling as a matrix, per image: (B, out, size) float32 on the
-    device of ``start``.
-
-    Row i of image n holds the weights of input pixels ``[start_n, start_n + length_n)`` for
-    output pixel i when ``length_n`` input pixels map onto ``out`` (crop then resize, as
-    torchvision's ``resized_crop`` on a PIL image): PIL's kernel (a = -0.5) stretched by the
-    downscale factor (antialiasing), each row normalized to sum 1. Columns outside the crop,
-    and at or past ``size``, are 0. (``F.interpolate(mode="bicubic", antialias=True)`` has the
-    same filter but takes one crop size per call: 1,024 launches per micro-batch of mixed
-    crops, where these matrices make it two batched matmuls.)
-    """
-    start, length = start.float(), length.float()
-    dev = start.device
-    scale = (length / out)[:, None, None]  # input pixels per output pixel
-    support = scale.clamp(min=1.0)
-    center = start[:, None, None] + (torch.arange(out, dtype=torch.float32, device=dev)[None, :, None] + 0.5) * scale
-    j = torch.arange(size, dtype=torch.float32, device=dev)[None, None, :]
-    x = ((j + 0.5 - center) / support).abs()
-    a = -0.5
-    w = torch.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
-                    torch.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, torch.zeros_like(x)))
-    inside = (j >= start[:, None, None]) & (j < (start + length)[:, None, None])
-    w = w * inside
-    return w / w.sum(-1, keepdim=True).clamp(min=1e-12)
-
-
 class JpegDecoder(nn.Module):
     """Device side: packed JPEGs (host, :class:`PackedJpegs`) -> normalized float
     images (B, 3, S, S) on ``device``, equal to the CPU path's ``Normalizer(train_transform(img))``
@@ -219,7 +195,8 @@ class JpegDecoder(nn.Module):
     gradient cache (rows the stager marks with :meth:`mark_reread`): a kept micro-batch is
     decoded once per step, the rest again in the replay. Invariant: a row's pixels are the
     same whichever pass decodes them (deterministic decode and resize, autocast off).
-    ``chunk``: images resized together (bounds the padded canvas: chunk x 3 x H x W).
+    ``chunk``: images resized together on a CPU device (bounds the reference's padded canvas:
+    chunk x 3 x H x W floats); on CUDA the kernel takes a whole micro-batch at once.
 
     A sample no decoder can read (the device backend, then PIL on the host) is *dropped*:
     its slot holds zeros, :attr:`last_dropped` marks it for the engine (which leaves it out of
@@ -260,6 +237,7 @@ class JpegDecoder(nn.Module):
         self._inflight: dict = {}  # key -> threading.Event of a decode-ahead in progress
         self._ahead_pool: Optional[ThreadPoolExecutor] = None
         self.ahead_decoded = 0  # micro-batches decoded ahead (during the previous step's replay)
+        self._hold: dict[int, list] = {}  # thread -> its last decoded images (read by pointer)
 
     def describe(self) -> str:
         """The startup line's decoder part."""
@@ -430,14 +408,17 @@ class JpegDecoder(nn.Module):
         header = unpack_header(rows).tolist()
         datas = rows.payloads()
         images, dropped = self._decode(datas, header)
-        # Compute in float32 on the CPU, fp16 on the GPU (exact for 0..255; ~1e-3 relative
-        # weights, fp32 accumulation): the result is rounded to 8-bit levels anyway.
-        dtype = torch.float16 if self.device.type == "cuda" else torch.float32
-        out = torch.empty((len(datas), 3, self.size, self.size), dtype=torch.uint8, device=self.device)
-        boxes = torch.tensor([h[1:5] for h in header], dtype=torch.int64).reshape(-1, 4)
-        for a in range(0, len(datas), self.chunk):
-            b = min(a + self.chunk, len(datas))
-            out[a:b] = self._resized_crop(images[a:b], boxes[a:b], dtype)
+        # The decoded images stay referenced until this thread's next decode, which first
+        # synchronizes the stream: the resize kernel reads them by pointer, after we return.
+        self._hold[threading.get_ident()] = images
+        boxes = rows.index[:, 1:5]
+        if self.device.type == "cuda":  # one launch, each image read through its own pointer
+            out = resized_crop(images, boxes, self.size)
+        else:  # the plain PyTorch statement of the same math, a chunk of images at a time
+            out = torch.empty((len(datas), 3, self.size, self.size), dtype=torch.uint8, device=self.device)
+            for a in range(0, len(datas), self.chunk):
+                out[a:a + self.chunk] = resized_crop_reference(images[a:a + self.chunk], boxes[a:a + self.chunk],
+                                                               self.size)
         if dropped is not None:
             out[dropped.to(self.device)] = 0
         return out, dropped
@@ -465,31 +446,3 @@ class JpegDecoder(nn.Module):
             warnings.warn(f"data.decode=device: {int(dropped.sum())} sample(s) of a micro-batch could not be "
                           f"decoded and are left out of the loss ({sum(self.drops.values())} so far)", stacklevel=2)
         return images, (dropped if dropped.any() else None)
-
-    def _resized_crop(self, images: list[Tensor], boxes: Tensor, dtype: torch.dtype) -> Tensor:
-        """Crop box (top, left, h, w) of each (H, W, 3) image resized to S x S: (n, 3, S, S)
-        uint8, rounded and clamped like PIL's uint8 output.
-
-        The images are copied as they come (interleaved rows, contiguous) into one uint8
-        canvas, which one copy turns into planar ``dtype``; the two passes are then batched
-        matmuls over W and H (an interleaved canvas would leave a 3-wide inner dimension)."""
-        shapes = {tuple(im.shape) for im in images}
-        if len(shapes) == 1:
-            canvas = torch.stack(images)
-        else:  # pad to the largest image of the chunk; zero columns get zero weight
-            hmax = max(s[0] for s in shapes)
-            wmax = max(s[1] for s in shapes)
-            canvas = torch.zeros((len(images), hmax, wmax, 3), dtype=torch.uint8, device=self.device)
-            # one multi-tensor copy (the per-image loop in C++): a Python loop of 1,024 copies
-            # held the GIL for ~20 ms per micro-batch, which the training thread waited on
-            torch._foreach_copy_([c[:im.shape[0], :im.shape[1]] for c, im in zip(canvas.unbind(0), images)],
-                                 images)
-        n, h_in, w_in, _ = canvas.shape
-        planar = torch.empty((n, 3, h_in, w_in), dtype=dtype, device=self.device)
-        planar.copy_(canvas.permute(0, 3, 1, 2))  # layout and dtype in one copy
-        top, left, h, w = boxes.to(self.device).unbind(1)
-        ry = bicubic_weights(top, h, self.size, h_in).to(dtype)  # (n, S, H)
-        rx = bicubic_weights(left, w, self.size, w_in).to(dtype)  # (n, S, W)
-        tmp = torch.matmul(planar, rx.transpose(1, 2)[:, None])  # horizontal pass: (n, 3, H, S)
-        out = torch.matmul(ry[:, None], tmp)  # vertical pass: (n, 3, S, S)
-        return out.float().round_().clamp_(0, 255).to(torch.uint8)

@@ -16,7 +16,7 @@
 #   decode - scripts/bench_decode.py at both sides (hardware, cuda, nvjpeg)
 #   loader - scripts/bench_data.py-style loader-alone rates for decode=cpu and device (14 workers)
 #   train  - scripts/bench_trainer.py RUNS on the SIDE-px shards
-# Knobs: N256 N512 DECODE_SIDES SIDE RUNS STEPS WORKERS PHOTOS PHOTO_SCRIPT (a folder holding
+# Knobs: N256 N512 SHARD_SIDES DECODE_SIDES SIDE RUNS STEPS WORKERS PHOTOS PHOTO_SCRIPT (a folder holding
 #        data/write_photo_shards.py and its infclip, when not this checkout) TRAIN_S
 set -o pipefail
 PARTS="${PARTS:-setup,shards,decode}"
@@ -33,7 +33,7 @@ fi
 } | tee -a $OUT/env.txt
 if has shards; then
   ps="${PHOTO_SCRIPT:-.}"
-  for side in 256 512; do
+  for side in ${SHARD_SIDES:-256 512}; do
     n=$([[ $side == 256 ]] && echo "${N256:-32768}" || echo "${N512:-16384}")
     [[ -f /tmp/photos$side/sizes.json ]] && continue
     (cd "$ps" && PYTHONPATH=. timeout 300 $PY data/write_photo_shards.py --photos "${PHOTOS:-.gpu/photo_src}" \

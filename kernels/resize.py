@@ -11,8 +11,9 @@ pixels ``j`` in ``[s, s + L)`` (and ``< N``) with weights
 The horizontal pass runs first and is rounded to 8-bit levels, as PIL's two-pass resampler
 does; the vertical pass is rounded (half up) and clamped to ``0..255``.
 
-Inputs: a list of ``(H_n, W_n, 3)`` uint8 images (interleaved RGB, the decoders' layout; any
-row pitch, unit channel stride, pixel stride 3) on one device, each of its own size, and
+Inputs: a list of ``(H_n, W_n, 3)`` uint8 images (any strides: interleaved RGB as nvImageCodec
+returns it, with or without row padding, or planar views as nvJPEG's) on one device, each of
+its own size, and
 ``boxes`` int64 ``(n, 4)``. Output: uint8 ``(n, 3, S, S)``.
 
 :func:`resized_crop_reference` is the plain PyTorch statement of the math (two batched matmuls
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-META = 8  # per-image int64 index: [pointer, top, left, h, w, H, W, row pitch (bytes)]
+META = 10  # per-image int64 index: [pointer, top, left, h, w, H, W, row, pixel and channel strides]
 BY = 16  # output rows per program: 16 x 256 columns x 3 channels of fp32 accumulators
 
 
@@ -94,7 +95,7 @@ def _cubic(x):
 def _resized_crop_kernel(meta, out, S, BY: tl.constexpr, BX: tl.constexpr):
     n = tl.program_id(0)
     yb = tl.program_id(1)
-    m = meta + n * 8
+    m = meta + n * 10
     base = tl.load(m).to(tl.pointer_type(tl.uint8))
     top = tl.load(m + 1)
     left = tl.load(m + 2)
@@ -103,6 +104,8 @@ def _resized_crop_kernel(meta, out, S, BY: tl.constexpr, BX: tl.constexpr):
     H = tl.load(m + 5)
     W = tl.load(m + 6)
     pitch = tl.load(m + 7)
+    px_stride = tl.load(m + 8)
+    ch_stride = tl.load(m + 9)
     sy = h.to(tl.float32) / S
     sx = w.to(tl.float32) / S
     supy = tl.maximum(sy, 1.0)
@@ -143,10 +146,10 @@ def _resized_crop_kernel(meta, out, S, BY: tl.constexpr, BX: tl.constexpr):
             j = x0 + k
             ok = xok & (j < xend)
             wx = tl.where(ok, _cubic(tl.abs(j.to(tl.float32) + 0.5 - cx) / supx), 0.0)
-            px = row + j * 3
+            px = row + j * px_stride
             hr += wx * tl.load(px, mask=ok, other=0).to(tl.float32)
-            hg += wx * tl.load(px + 1, mask=ok, other=0).to(tl.float32)
-            hb += wx * tl.load(px + 2, mask=ok, other=0).to(tl.float32)
+            hg += wx * tl.load(px + ch_stride, mask=ok, other=0).to(tl.float32)
+            hb += wx * tl.load(px + 2 * ch_stride, mask=ok, other=0).to(tl.float32)
         hr = tl.minimum(tl.maximum(tl.floor(hr / wxsum + 0.5), 0.0), 255.0)
         hg = tl.minimum(tl.maximum(tl.floor(hg / wxsum + 0.5), 0.0), 255.0)
         hb = tl.minimum(tl.maximum(tl.floor(hb / wxsum + 0.5), 0.0), 255.0)
@@ -168,14 +171,13 @@ def _resized_crop_kernel(meta, out, S, BY: tl.constexpr, BX: tl.constexpr):
 
 
 def crop_index(images: Sequence[Tensor], boxes: Tensor) -> Tensor:
-    """int64 (n, 8) host index ``[pointer, top, left, h, w, H, W, pitch]`` of ``images``
-    (each (H, W, 3) uint8 with unit channel stride and pixel stride 3), checked."""
+    """int64 (n, 10) host index ``[pointer, top, left, h, w, H, W, row stride, pixel stride,
+    channel stride]`` of ``images`` (each (H, W, 3) uint8, any strides), checked."""
     for im in images:
-        if im.dtype != torch.uint8 or im.dim() != 3 or im.shape[2] != 3 or im.stride(2) != 1 or im.stride(1) != 3:
-            raise ValueError(f"resized_crop takes (H, W, 3) uint8 images with interleaved pixels, got "
-                             f"{im.dtype} {tuple(im.shape)} strides {im.stride()}")
-    geo = torch.tensor([(im.data_ptr(), im.shape[0], im.shape[1], im.stride(0)) for im in images],
-                       dtype=torch.int64).reshape(-1, 4)
+        if im.dtype != torch.uint8 or im.dim() != 3 or im.shape[2] != 3:
+            raise ValueError(f"resized_crop takes (H, W, 3) uint8 images, got {im.dtype} {tuple(im.shape)}")
+    geo = torch.tensor([(im.data_ptr(), im.shape[0], im.shape[1], *im.stride()) for im in images],
+                       dtype=torch.int64).reshape(-1, 6)
     boxes = boxes.to(torch.int64).cpu()
     top, left, h, w = boxes.unbind(1)
     if ((top < 0) | (left < 0) | (h < 1) | (w < 1) | (top + h > geo[:, 1]) | (left + w > geo[:, 2])).any():

@@ -133,6 +133,47 @@ def host_phases(dec: JpegDecoder, rows: PackedJpegs, repeats: int) -> str:
     return ", ".join(cells)
 
 
+def gil_share(dec: JpegDecoder, rows: PackedJpegs, seconds: float = 1.5) -> float:
+    """Pure-Python loop iterations/s of the main thread while the decoder decodes in a thread,
+    against the same loop alone: 1.0 when decoding holds the GIL never, ~0.5 when it holds it
+    as much as it can (what a training thread sharing the process would get)."""
+    def spin(stop):
+        n, t0 = 0, time.perf_counter()
+        while not stop():
+            n += 1
+        return n / (time.perf_counter() - t0)
+
+    t_end = time.perf_counter() + seconds
+    alone = spin(lambda: time.perf_counter() > t_end)
+    done = threading.Event()
+    th = threading.Thread(target=lambda: [dec._decode_on_stream(lambda: rows) for _ in range(1000) if not done.is_set()])
+    th.start()
+    t_end = time.perf_counter() + seconds
+    beside = spin(lambda: time.perf_counter() > t_end)
+    done.set()
+    th.join()
+    return beside / alone
+
+
+def bench_one(a, rows: PackedJpegs, ref: torch.Tensor, alone: float, name: str, threads: int) -> str:
+    """One table row: decoder ``name`` with ``threads`` decoder instances."""
+    try:
+        dec = JpegDecoder(a.image_size, device="cuda", backend=name, decode_threads=threads)
+    except RuntimeError as e:
+        return f"| {name} | unavailable: {e} | | | | |"
+    out = dec(rows)  # warm-up (handles, kernels)
+    levels = ((out[:a.parity_n] - dec.normalizer.shift) / dec.normalizer.scale).round().cpu()
+    d = (levels - ref).abs()
+    rate = a.micro / timed(lambda: dec(rows), a.repeats)
+    datas = rows.payloads()
+    engine_only = a.micro / timed(lambda: dec.backend.decode(datas, dec._stream), a.repeats)
+    print(f"  host phases per micro-batch ({name}, {threads}): {host_phases(dec, rows, a.repeats)}", flush=True)
+    share = gil_share(dec, rows)
+    tflops, beside = overlap(dec, rows, a.overlap_s)
+    return (f"| {dec.backend.name} x{threads} | {rate:,.0f} ({engine_only:,.0f}) | {beside:,.0f} | {tflops:.0f} ({alone:.0f}) "
+            f"| {share:.2f} | {d.max():.0f} / {d.mean():.3f}, {100 * (d > 1).float().mean():.2f} % |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", required=True, help="brace spec of JPEG shards (img2dataset layout)")
@@ -142,6 +183,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--overlap-s", type=float, default=4.0)
     p.add_argument("--parity-n", type=int, default=128)
+    p.add_argument("--threads", default="1,2", help="data.decode_threads values (nvImageCodec backends)")
     a = p.parse_args()
     rows = packed_rows(a.shards, a.image_size, a.micro)
     head = unpack_header(rows)
@@ -151,26 +193,14 @@ def main() -> None:
     ref = cpu_reference(rows, a.image_size, a.parity_n)
     alone = matmul_load(a.overlap_s)
     print(f"matmul alone: {alone:.0f} TFLOP/s", flush=True)
-    table = ["| decoder | images/s alone (decode only, no resize) | images/s beside matmuls | matmul TFLOP/s beside (alone) "
-             "| parity vs CPU: max / mean levels, > 1 level |", "|---|---|---|---|---|"]
+    table = ["| decoder x decoder instances | images/s alone (decode only, no resize) | images/s beside matmuls "
+             "| matmul TFLOP/s beside (alone) | Python thread's rate beside the decoder | parity vs CPU: max / mean levels, > 1 level |",
+             "|---|---|---|---|---|---|"]
     for name in a.backends.split(","):
-        try:
-            dec = JpegDecoder(a.image_size, device="cuda", backend=name)
-        except RuntimeError as e:
-            table.append(f"| {name} | unavailable: {e} | | | |")
-            print(table[-1], flush=True)
-            continue
-        out = dec(rows)  # warm-up (handles, cuBLAS)
-        levels = ((out[:a.parity_n] - dec.normalizer.shift) / dec.normalizer.scale).round().cpu()
-        d = (levels - ref).abs()
-        rate = a.micro / timed(lambda: dec(rows), a.repeats)
-        datas = rows.payloads()
-        engine_only = a.micro / timed(lambda: dec.backend.decode(datas, dec._stream), a.repeats)
-        print(f"  host phases per micro-batch ({dec.backend.name}): {host_phases(dec, rows, a.repeats)}", flush=True)
-        tflops, beside = overlap(dec, rows, a.overlap_s)
-        table.append(f"| {dec.backend.name} | {rate:,.0f} ({engine_only:,.0f}) | {beside:,.0f} | {tflops:.0f} ({alone:.0f}) | "
-                     f"{d.max():.0f} / {d.mean():.3f}, {100 * (d > 1).float().mean():.2f} % |")
-        print(table[-1], flush=True)
+        for threads in [int(t) for t in a.threads.split(",")] if name in ("hardware", "cuda") else [1]:
+            row = bench_one(a, rows, ref, alone, name, threads)
+            table.append(row)
+            print(row, flush=True)
     print("\n".join(table))
 
 

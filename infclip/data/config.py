@@ -44,6 +44,10 @@ class DataConfig:
     # "hardware" (NVJPG engines via nvImageCodec: no SM time), "cuda" (nvImageCodec on the SMs),
     # "nvjpeg" (torchvision's nvJPEG on the SMs).
     device_decoder: str = "auto"
+    # nvImageCodec decoder instances (own CUDA stream and host thread each) that decode parts
+    # of a micro-batch at once: beside the towers a single decode chain waits on the busy SMs
+    # between its stages (docs/data.md, "Decoding on the GPU").
+    decode_threads: int = 2
     # GB of device memory for decoded uint8 pixels kept from the gradient cache's first pass
     # for its replay (each kept sample is decoded once per step instead of twice; 3*S*S bytes
     # each). None: 40 % of the device memory free once the model is built. 0: decode twice.
@@ -79,6 +83,8 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.decode must be 'auto', 'cpu' or 'device', got {cfg.decode!r}")
     if cfg.device_decoder not in ("auto", "hardware", "cuda", "nvjpeg"):
         raise ValueError(f"data.device_decoder must be auto, hardware, cuda or nvjpeg, got {cfg.device_decoder!r}")
+    if cfg.decode_threads < 1:
+        raise ValueError(f"data.decode_threads must be >= 1 (decoder instances), got {cfg.decode_threads}")
     if cfg.decoded_keep_gb is not None and cfg.decoded_keep_gb < 0:
         raise ValueError(f"data.decoded_keep_gb must be >= 0 (0: decode in both passes) or null (auto), "
                          f"got {cfg.decoded_keep_gb}")

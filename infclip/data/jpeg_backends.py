@@ -29,6 +29,7 @@ import os
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -48,6 +49,7 @@ class Backend:
     name: str
     on_sms: bool  # decoding occupies the GPU's SMs (competes with the towers)
     decode_fn: Callable[[Sequence[Bytes], Optional[torch.cuda.Stream]], list]
+    threads: int = 1  # decoder instances decoding parts of a batch at once
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def decode(self, datas: Sequence[Bytes], stream=None) -> list[Optional[Tensor]]:
@@ -92,9 +94,15 @@ def _nvimgcodec():
     return nvimgcodec
 
 
-def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True) -> Backend:
+def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, threads: int = 1) -> Backend:
     """nvImageCodec decoder restricted to ``kind``: hardware (+ CUDA for what NVJPG refuses,
-    when ``fallback``), cuda, or cpu (libjpeg-turbo)."""
+    when ``fallback``), cuda, or cpu (libjpeg-turbo).
+
+    ``threads`` > 1 (GPU kinds): that many decoder instances, each on a CUDA stream of its
+    own, decode contiguous parts of a batch at once (the calling thread takes the first part).
+    A decode call is a chain of host parsing, engine submissions and small SM kernels with
+    waits between them; while the towers fill the SMs each wait grows, and parallel chains
+    keep the engines busy through them."""
     nv = _nvimgcodec()
     if nv is None:
         raise RuntimeError("nvImageCodec is not installed (pip install 'infclip[hwdecode]', "
@@ -102,19 +110,38 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True) 
     kinds = {"hardware": [nv.BackendKind.HW_GPU_ONLY] + ([nv.BackendKind.GPU_ONLY] if fallback else []),
              "cuda": [nv.BackendKind.GPU_ONLY], "cpu": [nv.BackendKind.CPU_ONLY]}[kind]
     dev_id = nv.NVIMGCODEC_DEVICE_CPU_ONLY if kind == "cpu" else (device.index or 0)
+    threads = 1 if kind == "cpu" or device.type != "cuda" else max(1, int(threads))
     with _quiet_optional_codecs():
-        dec = nv.Decoder(device_id=dev_id, backends=[nv.Backend(k) for k in kinds],
-                         options=":fancy_upsampling=1")
+        decs = [nv.Decoder(device_id=dev_id, backends=[nv.Backend(k) for k in kinds], options=":fancy_upsampling=1")
+                for _ in range(threads)]
     params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB,
                              allow_any_depth=False, sample_format=nv.SampleFormat.I_RGB)
+    side = [torch.cuda.Stream(device, priority=-1) for _ in range(threads - 1)]
+    pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="nvimgcodec") if threads > 1 else None
+
+    def part(dec, datas: Sequence[Bytes], handle: int) -> list:
+        return dec.decode([nv.CodeStream(d) for d in datas], params=params, cuda_stream=handle)
 
     def decode(datas: Sequence[Bytes], stream) -> list:
-        streams = [nv.CodeStream(d) for d in datas]
         handle = 0 if stream is None else stream.cuda_stream
-        outs = dec.decode(streams, params=params, cuda_stream=handle)
+        n = len(datas)
+        if pool is None or stream is None or n < 2 * threads:
+            outs = part(decs[0], datas, handle)
+        else:
+            cuts = [n * i // threads for i in range(threads + 1)]
+            for s in side:  # their output memory may reuse blocks the caller's stream freed
+                s.wait_stream(stream)
+            futs = [pool.submit(part, decs[i], datas[cuts[i]:cuts[i + 1]], side[i - 1].cuda_stream)
+                    for i in range(1, threads)]
+            outs = part(decs[0], datas[:cuts[1]], handle)
+            for f in futs:
+                outs += f.result()
+            for s in side:  # the caller's stream reads what they decoded
+                stream.wait_stream(s)
         return [None if o is None else _as_tensor(o, device) for o in outs]
 
-    return Backend(kind if kind != "cpu" else "cpu-nvimgcodec", on_sms=kind == "cuda", decode_fn=decode)
+    return Backend(kind if kind != "cpu" else "cpu-nvimgcodec", on_sms=kind == "cuda", decode_fn=decode,
+                   threads=threads)
 
 
 def _as_tensor(img, device: torch.device) -> Tensor:
@@ -157,13 +184,13 @@ def _pil_backend(device: torch.device) -> Backend:
     return Backend("cpu-pil", on_sms=False, decode_fn=lambda datas, stream: [pil_decode(d) for d in datas])
 
 
-def _build(name: str, device: torch.device) -> Backend:
+def _build(name: str, device: torch.device, threads: int = 1) -> Backend:
     if name in ("hardware", "cuda"):
         if device.type != "cuda":
             raise RuntimeError("needs a CUDA training device")
         if name == "hardware":  # the engines alone must decode the probe (else CUDA would, silently)
             _probe(_nvimgcodec_backend(name, device, fallback=False), device)
-        return _nvimgcodec_backend(name, device)
+        return _nvimgcodec_backend(name, device, threads=threads)
     if name == "nvjpeg":
         if device.type != "cuda":
             raise RuntimeError("needs a CUDA training device")
@@ -210,12 +237,14 @@ class Selection:
         why = "; ".join(f"{n}: {r}" for n, r in self.skipped)
         where = "GPU JPEG engines" if self.backend.name == "hardware" else (
             "GPU SMs" if self.backend.on_sms else "CPU")
-        return f"{self.backend.name} ({where})" + (f" [not taken: {why}]" if why else "")
+        par = f", {self.backend.threads} decoders in parallel" if self.backend.threads > 1 else ""
+        return f"{self.backend.name} ({where}{par})" + (f" [not taken: {why}]" if why else "")
 
 
-def select_backend(device: torch.device | str, preference: str = "auto") -> Selection:
+def select_backend(device: torch.device | str, preference: str = "auto", threads: int = 1) -> Selection:
     """The fastest working backend for ``device`` (``preference`` "auto"), or exactly the one
-    named. Raises RuntimeError naming every failure when none works."""
+    named; nvImageCodec backends with ``threads`` decoder instances. Raises RuntimeError naming
+    every failure when none works."""
     device = torch.device(device)
     names = ORDER if preference == "auto" else (preference,)
     if preference not in ("auto", *ORDER):
@@ -226,7 +255,7 @@ def select_backend(device: torch.device | str, preference: str = "auto") -> Sele
             continue  # not applicable on a CPU device: not worth a line
         try:
             with _quiet_optional_codecs():  # nvImageCodec loads its codec libraries lazily
-                backend = _build(name, device)
+                backend = _build(name, device, threads)
                 _probe(backend, device)
             return Selection(backend, skipped)
         except Exception as e:  # a missing library, no engine on this GPU, a bad driver ...

@@ -112,7 +112,7 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
 
         transform = JpegPacker(size, cfg.data.jpeg_max_bytes, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
         normalizer = JpegDecoder(size, built.mean, built.std, device=info.device, backend=cfg.data.device_decoder,
-                                 keep_bytes=_keep_bytes(cfg, info.device))
+                                 keep_bytes=_keep_bytes(cfg, info.device), decode_threads=cfg.data.decode_threads)
         why = f"{why}; decoder {normalizer.describe()}"
     else:
         transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio),

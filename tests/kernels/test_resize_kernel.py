@@ -52,11 +52,13 @@ def test_kernel_matches_the_reference_on_mixed_sizes_and_boxes(size):
     assert torch.equal(got[4], got[4][:, :1, :1].expand(3, size, size))  # one pixel -> a flat image
 
 
-def test_kernel_reads_images_with_a_row_pitch():
-    """Decoders may pad rows (pitch > 3 W): views into wider buffers give the same pixels."""
+def test_kernel_reads_images_with_any_strides():
+    """Decoders may pad rows (pitch > 3 W) or return planar images seen as (H, W, 3): views
+    give the same pixels as contiguous copies."""
     full = [smooth_image(20, 40, 1).to(DEV), smooth_image(18, 30, 2).to(DEV)]
-    views = [full[0][:, :25], full[1][:, 3:29]]  # pitch 120 and 90 bytes, widths 25 and 26
-    boxes = torch.tensor([[2, 1, 15, 20], [0, 5, 18, 21]])
+    planar = smooth_image(18, 26, 3).to(DEV).permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    views = [full[0][:, :25], full[1][:, 3:29], planar]  # pitch 120 and 90 bytes; planar (CHW) strides
+    boxes = torch.tensor([[2, 1, 15, 20], [0, 5, 18, 21], [1, 2, 16, 20]])
     contiguous = [v.contiguous() for v in views]
     assert torch.equal(resized_crop(views, boxes, 11), resized_crop(contiguous, boxes, 11))
 
@@ -85,9 +87,9 @@ def test_uniform_image_stays_uniform_under_any_box():
 
 
 def test_bad_layout_and_boxes_are_refused():
-    planar = torch.zeros((3, 10, 10), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="interleaved"):
-        crop_index([planar], torch.tensor([[0, 0, 3, 3]]))
+    chw = torch.zeros((3, 10, 10), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"\(H, W, 3\)"):
+        crop_index([chw], torch.tensor([[0, 0, 3, 3]]))
     with pytest.raises(ValueError, match="outside"):
         crop_index([torch.zeros((10, 10, 3), dtype=torch.uint8)], torch.tensor([[5, 0, 6, 3]]))
     assert resized_crop([], torch.zeros((0, 4), dtype=torch.int64), 8).shape == (0, 3, 8, 8)

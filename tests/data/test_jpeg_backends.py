@@ -54,7 +54,7 @@ def test_a_backend_that_decodes_wrongly_is_skipped_and_named(monkeypatch):
     with pytest.raises(RuntimeError, match="levels away from PIL"):
         select_backend("cpu", "cpu")  # the cpu choice tries nvImageCodec first: broken here, then PIL
     # auto on a CPU device goes on to PIL, as the cpu choice's own fallback
-    monkeypatch.setattr(jpeg_backends, "_build", lambda name, device: broken if name != "cpu"
+    monkeypatch.setattr(jpeg_backends, "_build", lambda name, device, threads=1: broken if name != "cpu"
                         else jpeg_backends._pil_backend(device))
     assert select_backend("cpu").backend.name == "cpu-pil"
 

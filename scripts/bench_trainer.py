@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT", ".bench"), help="trainer.json / trainer.md")
     p.add_argument("--logs", default="/tmp/bench_trainer_logs", help="one log per run")
     p.add_argument("--extra", default="", help="extra overrides for our runs (space-separated)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval (s) in our trainer's process (GIL hand-over latency between "
+                        "the training and decoding threads; Python's default is 0.005)")
     p.add_argument("--openclip-data", default="wds", choices=("wds", "synthetic"),
                    help="open_clip reads the same shards through its webdataset loader, or its synthetic data")
     return p.parse_args(argv)
@@ -120,7 +123,8 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     run_dir = Path("/tmp") / f"bench_{kind}_{global_batch}"
     subprocess.run(["rm", "-rf", str(run_dir)])
     train = f"sys.argv = sys.argv[1:]; runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')"
-    cmd = [sys.executable, "-c", _PEAKS + "import runpy; " + train, str(ROOT / "train.py"), f"experiment={'lit_b16_cc12m' if lit else 'vit_b32_laion'}",
+    switch = "" if a.switch_interval is None else f"sys.setswitchinterval({a.switch_interval}); "
+    cmd = [sys.executable, "-c", _PEAKS + switch + "import runpy; " + train, str(ROOT / "train.py"), f"experiment={'lit_b16_cc12m' if lit else 'vit_b32_laion'}",
            f"data.shards='{spec}'", "data.resampled=true", f"data.workers={a.workers}", "data.loader_batch=256",
            f"batch.global_size={global_batch}", f"batch.micro_size={a.micro}", "memory.offload=true",
            f"steps={steps}", "schedule.warmup_fraction=0", "logging.every_n_steps=1", "logging.progress=false",

@@ -231,6 +231,7 @@ class JpegDecoder(nn.Module):
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pending: list[Future] = []
         self._lock = threading.Lock()
+        self._decode_lock = threading.Lock()
         self.keep_bytes = keep_bytes
         self._reread: set = set()  # keys of rows that will be read again this step
         self._kept: dict = {}  # key -> (uint8 images, dropped mask, event, step generation)
@@ -370,7 +371,10 @@ class JpegDecoder(nn.Module):
                 out, dropped = self._decode_resize(rows)
             done = None
         else:
-            with torch.cuda.stream(self._stream), torch.autocast("cuda", enabled=False):
+            # One decode + resize at a time (the prefetch and decode-ahead threads share the
+            # decoders): the resize that reads a decode's images is enqueued before the next
+            # decode, which reuses their buffers, is (stream order keeps the rest).
+            with self._decode_lock, torch.cuda.stream(self._stream), torch.autocast("cuda", enabled=False):
                 self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
                 out, dropped = self._decode_resize(rows)
                 done = torch.cuda.Event()

@@ -119,21 +119,31 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, 
     side = [torch.cuda.Stream(device, priority=-1) for _ in range(threads - 1)]
     pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="nvimgcodec") if threads > 1 else None
 
-    def part(dec, datas: Sequence[Bytes], handle: int) -> list:
-        return dec.decode([nv.CodeStream(d) for d in datas], params=params, cuda_stream=handle)
+    reuse: list[list] = [[] for _ in decs]  # each instance's last output images (their buffers are reused)
+
+    def part(i: int, datas: Sequence[Bytes], handle: int) -> list:
+        # Decoding into the previous call's images saves a device allocation and free per
+        # image. The caller guarantees stream order: what read them was enqueued on the
+        # stream this decode (or its side stream, which waits for it) runs after.
+        prev = reuse[i]
+        images = prev[:len(datas)] if len(prev) >= len(datas) else None
+        outs = decs[i].decode([nv.CodeStream(d) for d in datas], images=images, params=params, cuda_stream=handle)
+        if all(o is not None for o in outs) and len(outs) >= len(prev):
+            reuse[i] = list(outs)
+        return outs
 
     def decode(datas: Sequence[Bytes], stream) -> list:
         handle = 0 if stream is None else stream.cuda_stream
         n = len(datas)
         if pool is None or stream is None or n < 2 * threads:
-            outs = part(decs[0], datas, handle)
+            outs = part(0, datas, handle)
         else:
             cuts = [n * i // threads for i in range(threads + 1)]
             for s in side:  # their output memory may reuse blocks the caller's stream freed
                 s.wait_stream(stream)
-            futs = [pool.submit(part, decs[i], datas[cuts[i]:cuts[i + 1]], side[i - 1].cuda_stream)
+            futs = [pool.submit(part, i, datas[cuts[i]:cuts[i + 1]], side[i - 1].cuda_stream)
                     for i in range(1, threads)]
-            outs = part(decs[0], datas[:cuts[1]], handle)
+            outs = part(0, datas[:cuts[1]], handle)
             for f in futs:
                 outs += f.result()
             for s in side:  # the caller's stream reads what they decoded

@@ -30,6 +30,7 @@ in :attr:`JpegDecoder.failures` (a warning names the count).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 import threading
@@ -184,6 +185,15 @@ def unpack_header(rows) -> Tensor:
     return head.view(torch.int32)
 
 
+def _autocast_off(device_type: str):
+    """autocast disabled for ``device_type``, touching autocast state only where it is on: a
+    decode thread (autocast off, as every new thread) must never enter or leave autocast
+    (its global cast cache is cleared under a mutex while holding the GIL)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class JpegDecoder(nn.Module):
     """Device side: packed JPEGs (host, :class:`PackedJpegs`) -> normalized float
     images (B, 3, S, S) on ``device``, equal to the CPU path's ``Normalizer(train_transform(img))``
@@ -194,7 +204,7 @@ class JpegDecoder(nn.Module):
     ``keep_bytes``: device memory for decoded uint8 pixels kept between the two passes of the
     gradient cache (rows the stager marks with :meth:`mark_reread`): a kept micro-batch is
     decoded once per step, the rest again in the replay. Invariant: a row's pixels are the
-    same whichever pass decodes them (deterministic decode and resize, autocast off).
+    same whichever pass decodes them (deterministic decode and resize, no autocast).
     ``decode_threads``: nvImageCodec decoder instances decoding parts of a micro-batch at once
     (``data.decode_threads``).
     ``chunk``: images resized together on a CPU device (bounds the reference's padded canvas:
@@ -367,14 +377,18 @@ class JpegDecoder(nn.Module):
         """(uint8 images, dropped mask, event or None) of ``rows``, decoded now."""
         t0 = time.perf_counter()
         if self._stream is None:
-            with torch.autocast("cpu", enabled=False):
+            with _autocast_off("cpu"):  # the CPU reference's matmuls stay float32
                 out, dropped = self._decode_resize(rows)
             done = None
         else:
             # One decode + resize at a time (the prefetch and decode-ahead threads share the
             # decoders): the resize that reads a decode's images is enqueued before the next
-            # decode, which reuses their buffers, is (stream order keeps the rest).
-            with self._decode_lock, torch.cuda.stream(self._stream), torch.autocast("cuda", enabled=False):
+            # decode, which reuses their buffers, is (stream order keeps the rest). No autocast
+            # context here: nothing on this path is autocast-sensitive (a Triton kernel and
+            # uint8 copies), and entering/leaving autocast in a decode thread while the
+            # training thread compiles deadlocked (autocast's global cast-cache mutex vs the
+            # GIL: seen at 262,144 under model.compile).
+            with self._decode_lock, torch.cuda.stream(self._stream):
                 self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
                 out, dropped = self._decode_resize(rows)
                 done = torch.cuda.Event()

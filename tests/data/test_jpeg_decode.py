@@ -162,6 +162,29 @@ def test_autocast_does_not_change_the_pixels():
         assert torch.equal(decoder(rows), plain)
 
 
+def test_decode_threads_never_touch_autocast_state(monkeypatch):
+    """A decode in a thread of its own (prefetch, decode-ahead) must not enter or leave
+    autocast: its global cast cache is cleared under a mutex while holding the GIL, which
+    deadlocked against a training thread compiling under autocast. The main thread's decode
+    under autocast still switches it off (float32 reference matmuls)."""
+    import threading
+
+    from infclip.data import jpeg
+
+    calls = []
+    real = torch.autocast
+    monkeypatch.setattr(jpeg.torch, "autocast", lambda *a, **k: calls.append(threading.current_thread().name)
+                        or real(*a, **k))
+    rows = PackedJpegs.collate([JpegPacker(S)(photo(80, 60, seed=s)) for s in range(2)])
+    decoder = JpegDecoder(S)
+    decoder.prefetch(lambda: rows)
+    out = decoder(rows)  # decoded in the prefetch thread
+    assert decoder.decoded == 2 and calls == []
+    with real("cpu", dtype=torch.bfloat16):
+        again = decoder(rows)  # the main thread, autocast on
+    assert calls == [threading.current_thread().name] and torch.equal(again, out)
+
+
 def test_prefetched_decodes_are_picked_up_in_order_and_cancelled_cleanly():
     rows = [PackedJpegs.collate([JpegPacker(S)(photo(64 + 8 * k, 64, seed=k + i)) for i in range(2)]) for k in range(3)]
     decoder = JpegDecoder(S)

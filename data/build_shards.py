@@ -5,22 +5,32 @@
     # a folder of images with sidecar captions (a/001.jpg + a/001.txt)
     python data/build_shards.py /data/images --out /data/mine --resize 256 --workers 8
 
+    # hold out 500 pairs as a retrieval eval set (OUT/holdout: images/ + test.json)
+    python data/build_shards.py /data/images --out /data/mine --holdout 500
+
 Output: 00000.tar ... ({key}.jpg/.txt/.json), {shard}_stats.json, sizes.json, build_stats.json;
-train on it with  train.py data.kind=wds "data.shards='/data/mine/{00000..000NN}.tar'".
+train on it with  train.py data.kind=wds "data.shards='/data/mine/{00000..000NN}.tar'" (the
+script prints the command, with the held-out set as the run's eval task when there is one).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from infclip.data.build import BuildOptions, build_shards, rows_from, summarize
+import os
+
+from infclip.data.build import BuildOptions, build_shards, rows_from, split_holdout, summarize, write_holdout
 
 
-def train_hint(out: str, shards: int) -> str:
+def train_hint(out: str, shards: int, holdout: str | None = None) -> str:
     """The command that trains on the shards, safe to paste into a shell: double quotes for
-    the shell (which would expand the braces), single quotes for Hydra (which rejects them bare)."""
+    the shell (which would expand the braces), single quotes for Hydra (which rejects them bare).
+    With a held-out folder, it is the run's eval task (retrieval, flat layout)."""
     spec = f"{out}/{{00000..{shards - 1:05d}}}.tar" if shards > 1 else f"{out}/00000.tar"
-    return f"python train.py data.kind=wds \"data.shards='{spec}'\""
+    hint = f"python train.py data.kind=wds \"data.shards='{spec}'\""
+    if holdout:
+        hint += f" \"eval.tasks=[{{name: holdout, kind: retrieval, format: flat, root: '{holdout}'}}]\""
+    return hint
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -38,17 +48,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=1, help="processes reading / re-encoding images")
     p.add_argument("--max-image-mb", type=float, default=64,
                    help="skip (and count) image files larger than this; bounds each worker's memory")
+    p.add_argument("--holdout", type=int, default=0,
+                   help="image-caption pairs kept out of the shards and written to OUT/holdout as a retrieval eval set")
+    p.add_argument("--seed", type=int, default=0, help="which rows --holdout takes")
     a = p.parse_args(argv)
     opts = BuildOptions(out_dir=a.out, shard_size=a.shard_size,
                         max_shard_bytes=int(a.max_shard_mb * 2**20) if a.max_shard_mb else None,
                         resize=a.resize, quality=a.quality, verify=not a.no_verify, workers=a.workers,
                         max_image_bytes=int(a.max_image_mb * 2**20))
     rows = rows_from(a.input, a.image_col, a.caption_col, a.image_root)
+    holdout = None
+    if a.holdout:
+        try:
+            rows, held = split_holdout(rows, a.holdout, a.seed)
+        except ValueError as e:
+            p.error(str(e))
+        holdout = os.path.join(a.out, "holdout")
+        os.makedirs(a.out, exist_ok=True)
+        print(summarize(write_holdout(held, opts, holdout), holdout).replace(" in 0 shards", "").replace(
+            "wrote", "held out"))
     report = build_shards(rows, opts)
     print(summarize(report, a.out))
     n = report.shards
     if n:
-        print(f"train with: {train_hint(a.out, n)}")
+        print(f"train with: {train_hint(a.out, n, holdout)}")
 
 
 if __name__ == "__main__":

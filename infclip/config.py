@@ -311,7 +311,8 @@ def check_overrides(args: list[str], groups: tuple[str, ...] = ()) -> None:
 
     Checks plain ``key=value`` overrides only (``+``/``~``/``hydra.`` ones are Hydra's): the key
     must be a path through :class:`TrainConfig`'s fields (anything below a list or dict field
-    is left to the composed config's check), and a brace-expanded value must be quoted.
+    is left to the composed config's check), and a brace-expanded value must be quoted (a value
+    that is a Hydra list or dict, ``[{name: a}]``, is not a brace expansion).
     """
     for arg in args:
         if "=" not in arg or arg[0] in "-+~":
@@ -321,7 +322,7 @@ def check_overrides(args: list[str], groups: tuple[str, ...] = ()) -> None:
             continue
         if not _schema_path_ok(key.split("."), TrainConfig):
             raise ConfigError(_unknown_key_message(key, _parent_kind(key.split(".")), TrainConfig))
-        if "{" in value and value[:1] not in ("'", '"'):
+        if "{" in value and value[:1] not in ("'", '"', "[", "{"):  # lists / dicts are Hydra's own syntax
             raise ConfigError(
                 f"{key}={value}: a brace-expanded spec must be quoted for Hydra, in both quotes: "
                 f"\"{key}='{value}'\" (double for the shell, single for Hydra)")

@@ -27,6 +27,7 @@ import csv
 import io
 import json
 import os
+import random
 import stat
 import time
 from collections import Counter
@@ -254,6 +255,41 @@ def build_shards(rows: list[tuple[str, Caption]], opts: BuildOptions, progress: 
                 bar.set_postfix(written=report.written, skipped=sum(report.skipped.values()))
     report.shards, report.seconds = writer.stats.num_shards, time.time() - t0
     _write_report(opts.out_dir, report, len(rows))
+    return report
+
+
+def split_holdout(rows: list[tuple[str, Caption]], n: int, seed: int = 0) -> tuple[list, list]:
+    """(train rows, held-out rows): ``n`` rows drawn without replacement by a seeded
+    permutation; both keep the input order. Invariant: disjoint, and together all rows."""
+    if n < 0 or n >= len(rows):
+        raise ValueError(f"--holdout {n}: must be >= 0 and less than the {len(rows)} input rows")
+    held = set(random.Random(seed).sample(range(len(rows)), n))
+    return ([r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held])
+
+
+def write_holdout(rows: list[tuple[str, Caption]], opts: BuildOptions, out_dir: str) -> BuildReport:
+    """Held-out image-caption pairs as a retrieval folder in the ``flat`` layout
+    (docs/eval.md): ``out_dir/images/<key>.<ext>`` and ``out_dir/test.json`` =
+    ``[{"image": "images/<key>.<ext>", "caption": [caption]}, ...]``. Images go through the
+    shards' own checks and re-encoding; skipped rows are counted like the shards'. The JSON is
+    written last, atomically: a folder without it is no eval set."""
+    report, t0 = BuildReport(), time.time()
+    os.makedirs(os.path.join(out_dir, "images"), exist_ok=True)
+    entries = []
+    for (path, caption), (status, data, ext, _) in _loaded(rows, opts):
+        if status != "ok":
+            report.skipped[status] += 1
+            continue
+        name = f"images/{report.written:09d}.{ext}"
+        with open(os.path.join(out_dir, name), "wb") as f:
+            f.write(data)
+        entries.append({"image": name, "caption": [caption.strip()], "url": path})
+        report.written += 1
+    tmp = os.path.join(out_dir, "test.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(entries, f, indent=0)
+    os.replace(tmp, os.path.join(out_dir, "test.json"))
+    report.seconds = time.time() - t0
     return report
 
 

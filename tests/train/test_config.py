@@ -162,7 +162,8 @@ def test_command_line_typos_get_our_paragraph_and_exit_2_before_hydra(args, matc
 
 
 @pytest.mark.parametrize("args", [["experiment=quickstart", "steps=3"], ["+x=1"], ["hydra.run.dir=/tmp/x"],
-                                  ["eval.tasks=[]"], ["data.sources=[]"], ["~logging"]])
+                                  ["eval.tasks=[]"], ["data.sources=[]"], ["~logging"],
+                                  ["eval.tasks=[{name: h, kind: retrieval, format: flat, root: '/x/h'}]"]])
 def test_valid_or_hydra_own_overrides_pass_the_command_line_check(args):
     from infclip.config import check_overrides
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 15's GPU call (device machine, run from a copy of the repo at .gpu15 beside ../.whl):
+# The loss kernels' GPU checks and benchmarks (issue 15; device machine, run from a copy of the repo at .gpu15 beside ../.whl):
 # everything still open in one script, each part capped by its own timeout, results in $OUT
 # (8 files: tests.txt, kernels.txt, bench.txt, bench_loss.csv, train.txt, metrics_vanilla.jsonl,
 # metrics_triton.jsonl, loss_curves.png).
-#   bash scripts/gpu_issue15.sh <commit>                  # all parts, ~9 min
-#   PARTS=tests,kernels bash scripts/gpu_issue15.sh <commit>   # a subset
+#   bash scripts/gpu_loss_checks.sh <commit>                  # all parts, ~9 min
+#   PARTS=tests,kernels bash scripts/gpu_loss_checks.sh <commit>   # a subset
 # Parts:
 #   tests   - the exactness tests on the real kernels (item 1; TRITON_TUNE off: first configs)
 #   kernels - per-kernel timings, variants (ws / tma / configs / strip heights), SASS check (items 2-3)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import open_clip
 import pytest
 import torch
 from test_config import _compose
@@ -76,6 +77,12 @@ def test_a_run_at_model_image_size_trains_and_its_checkpoint_opens_in_open_clip_
     torch.manual_seed(0)
     with torch.no_grad():
         assert torch.equal(ours.eval().encode_image(torch.rand(2, 3, 48, 48)), theirs["emb"])
+    # python -m infclip.export rebuilding the files from model.pt + the run's config.yaml
+    from infclip.export import export
+
+    again = export(folder, tmp_path / "exported", model="infclip-micro")
+    assert json.loads((again / "open_clip_config.json").read_text())["model_cfg"]["vision_cfg"]["image_size"] == 48
+    assert open_clip.create_model_and_transforms("local-dir:" + str(again))[0].visual.image_size == (48, 48)
 
 
 def test_data_and_model_image_size_that_disagree_are_refused_naming_both():
@@ -110,3 +117,11 @@ def _train_py() -> str:
     from test_train_cli import ROOT
 
     return str(ROOT / "train.py")
+
+
+def test_resuming_at_another_model_image_size_is_refused(tmp_path):
+    from infclip.train.resume import ResumeError, _refuse_fixed_changes
+
+    with pytest.raises(ResumeError, match=r"model.image_size=48: it was written with model.image_size=None"):
+        _refuse_fixed_changes({"model": {"image_size": None}}, {"model": {"image_size": 48}}, tmp_path)
+    _refuse_fixed_changes({"model": {"patch_dropout": 0.0}}, {"model": {"patch_dropout": 0.5}}, tmp_path)

@@ -401,7 +401,8 @@ def _validate_model(cfg: Any) -> None:
     m = cfg.model
     if not 0 <= m.patch_dropout < 1:
         raise ConfigError(f"model.patch_dropout={m.patch_dropout} must be in [0, 1) (the fraction of image patches "
-                          "dropped in training; FLIP uses 0.5 or 0.75): set e.g. model.patch_dropout=0.5, or 0 for none")
+                          "dropped in training; FLIP uses 0.5 or 0.75): set e.g. model.patch_dropout=0.5, "
+                          "or 0 for none")
     if m.patch_dropout > 0 and m.lock_image:
         raise ConfigError(f"model.patch_dropout={m.patch_dropout} with model.lock_image=true: the locked image trunk "
                           "(patch dropout included) runs in eval mode, so no patch would be dropped; set "

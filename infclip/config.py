@@ -38,6 +38,14 @@ class ModelConfig:
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
     init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)
     max_logit_scale: float = 4.605170185988092  # clamp: ln 100, as in CLIP
+    # FLIP patch dropout (open_clip's PatchDropout, ViT image towers): fraction in [0, 1) of the
+    # image patches dropped per sample in training, never in eval. 0: off (overrides any value in
+    # the model's JSON config). The gradient cache replays each micro-batch under its cache-pass
+    # RNG state, so both passes keep the same patches.
+    patch_dropout: float = 0.0
+    # input side in pixels (open_clip's force_image_size); None: the model config's own. Pretrained
+    # ViT position embeddings are interpolated to it; transforms and checkpoints follow it.
+    image_size: Optional[int] = None
 
 
 @dataclass
@@ -234,6 +242,7 @@ def validate(cfg: Any, world_size: int) -> None:
     _validate_numbers(cfg)
     _validate_schedule(cfg.schedule, cfg.steps)
     _validate_loss(cfg)
+    _validate_model(cfg)
     if cfg.data.kind == "wds" and not (cfg.data.shards or cfg.data.sources):
         raise ConfigError("data.kind=wds needs data.shards=/path/{00000..00099}.tar (or data.sources)")
     if cfg.task == "simclr" and (cfg.loss.kind != "nt_xent" or cfg.model.lock_image or cfg.model.lock_text
@@ -385,6 +394,27 @@ def _unknown_key_message(key: str, kind: type, schema: type) -> str:
     hint = f"did you mean {near[0]}?" if near else "see the schema (python train.py --cfg job lists every key)"
     return (f"unknown config key {key!r}: {kind.__name__} has no field {key.rsplit('.', 1)[-1]!r} "
             f"(a '+' override adds keys the schema does not know, and they would be ignored); {hint}")
+
+
+def _validate_model(cfg: Any) -> None:
+    """model.patch_dropout in [0, 1) on a tower that trains; model.image_size > 0 or null; it and
+    data.image_size agree when both are set (the crops must be the side the model is built at)."""
+    m = cfg.model
+    if not 0 <= m.patch_dropout < 1:
+        raise ConfigError(f"model.patch_dropout={m.patch_dropout} must be in [0, 1) (the fraction of image patches "
+                          "dropped in training; FLIP uses 0.5 or 0.75): set e.g. model.patch_dropout=0.5, "
+                          "or 0 for none")
+    if m.patch_dropout > 0 and m.lock_image:
+        raise ConfigError(f"model.patch_dropout={m.patch_dropout} with model.lock_image=true: the locked image trunk "
+                          "(patch dropout included) runs in eval mode, so no patch would be dropped; set "
+                          "model.patch_dropout=0 or model.lock_image=false")
+    if m.image_size is not None and m.image_size <= 0:
+        raise ConfigError(f"model.image_size must be > 0 pixels (or null for the model's own), got {m.image_size}")
+    d = cfg.data.image_size
+    if m.image_size is not None and d is not None and d != m.image_size:
+        raise ConfigError(f"data.image_size={d} but model.image_size={m.image_size}: the model is built for "
+                          f"{m.image_size}-px inputs and the crops must have that side; drop data.image_size "
+                          f"(it follows model.image_size) or set both to the same value")
 
 
 def _validate_loss(cfg: Any) -> None:

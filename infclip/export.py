@@ -107,11 +107,15 @@ def newest_intact(root: Path, warn: Callable[[str], None]) -> Optional[Path]:
 # -- the files ---------------------------------------------------------------------------------
 
 
-def model_config(name: str, init_logit_bias: Optional[float] = None) -> dict:
+def model_config(name: str, init_logit_bias: Optional[float] = None, image_size: Optional[int] = None) -> dict:
     """The open_clip model config of a registered model name (+ constructor kwargs we pass).
 
     ``name`` must be known to open_clip (a built-in, or registered by ``infclip.model``);
     ``hf-hub:`` names use the config open_clip cached when the model was built.
+    ``image_size`` (model.image_size) replaces ``vision_cfg.image_size``: the weights' position
+    embeddings have that grid. model.patch_dropout is never recorded: it is a training-time
+    regularizer (a no-op in eval), and recording it would turn it on for whoever fine-tunes
+    the export with open_clip.
     """
     import open_clip
 
@@ -126,6 +130,8 @@ def model_config(name: str, init_logit_bias: Optional[float] = None) -> dict:
                           "or set checkpoint.open_clip_export=false")
     if init_logit_bias is not None:  # a constructor argument: the weights hold logit_bias
         cfg["init_logit_bias"] = init_logit_bias
+    if image_size is not None:  # open_clip's force_image_size: the config the weights were built with
+        cfg["vision_cfg"] = {**cfg.get("vision_cfg", {}), "image_size": image_size}
     return cfg
 
 
@@ -183,7 +189,8 @@ def checkpoint_writer(built: Any, model_cfg: Any, enabled: bool = True) -> Optio
     if not enabled or not isinstance(built.model, (open_clip.CLIP, open_clip.CustomTextCLIP)):
         return None
     name = built.name
-    cfg = model_config(name, getattr(model_cfg, "init_logit_bias", None))  # fails at startup, not at a save
+    cfg = model_config(name, getattr(model_cfg, "init_logit_bias", None),  # fails at startup, not at a save
+                       getattr(model_cfg, "image_size", None))
     preprocess = preprocess_config(built.model)
 
     def write(folder: Path, model_state: dict) -> None:
@@ -244,7 +251,7 @@ def export(ckpt: Path, out: Path, model: Optional[str] = None) -> Path:
 
     section = _run_model_config(ckpt, model)
     mcfg = ModelConfig(name=section["name"], config_file=section.get("config_file"),
-                       init_logit_bias=section.get("init_logit_bias"))
+                       init_logit_bias=section.get("init_logit_bias"), image_size=section.get("image_size"))
     built = build_model(mcfg)  # random init: only its config and preprocessing are used
     preprocess = preprocess_config(built.model)
     tag = section.get("pretrained")
@@ -255,7 +262,8 @@ def export(ckpt: Path, out: Path, model: Optional[str] = None) -> Path:
     if missing:
         raise ExportError(f"{ckpt}/model.pt does not fit model {built.name!r} (keys differ, e.g. "
                           f"{sorted(missing)[:3]}); pass the architecture it was trained with: --model NAME")
-    write_open_clip_files(out, state, model_config(built.name, mcfg.init_logit_bias), preprocess, built.name,
+    write_open_clip_files(out, state, model_config(built.name, mcfg.init_logit_bias, mcfg.image_size), preprocess,
+                          built.name,
                           built.tokenizer)
     return out
 

@@ -78,7 +78,9 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
     _check_name(name)
     _check_pretrained(cfg.pretrained, "model.pretrained")
     _check_pretrained(cfg.image_pretrained, "model.image_pretrained")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"force_patch_dropout": cfg.patch_dropout}  # 0.0 overrides a JSON config's value
+    if cfg.image_size is not None:  # open_clip interpolates pretrained position embeddings to it
+        kwargs["force_image_size"] = cfg.image_size
     if cfg.init_logit_bias is not None:
         kwargs["init_logit_bias"] = cfg.init_logit_bias
     try:
@@ -91,6 +93,7 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
                          f"({_first_line(e)}); give an open_clip tag of that model "
                          f"({open_clip.list_pretrained_tags_by_model(name) or 'it has none'}) or a checkpoint "
                          "file of the same architecture") from e
+    _check_patch_dropout(model, cfg.patch_dropout, name)
     if cfg.image_pretrained:
         load_image_tower(model, cfg.image_pretrained, name)
     if cfg.init_logit_scale is not None:
@@ -102,6 +105,19 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
     size = pp["size"] if isinstance(pp["size"], int) else pp["size"][0]
     return BuiltModel(model, open_clip.get_tokenizer(name), size, tuple(pp["mean"]), tuple(pp["std"]), preprocess_val,
                       name)
+
+
+def _check_patch_dropout(model: torch.nn.Module, prob: float, name: str) -> None:
+    """model.patch_dropout > 0 needs an image tower with open_clip's PatchDropout (a ViT); a timm
+    or other tower would silently ignore it."""
+    if prob == 0:
+        return
+    from open_clip.transformer import PatchDropout
+
+    if not any(isinstance(m, PatchDropout) and m.prob == prob for m in model.visual.modules()):
+        raise ModelError(f"model.patch_dropout={prob}: the image tower of model.name={name!r} "
+                         f"({type(model.visual).__name__}) has no open_clip PatchDropout, so no patch would be "
+                         "dropped; use an open_clip ViT (e.g. ViT-B-16) or set model.patch_dropout=0")
 
 
 def _first_line(e: BaseException) -> str:

@@ -334,6 +334,7 @@ class Architecture:
     name: Optional[str] = None  # model name recorded with it
     model_cfg: Optional[dict] = None  # open_clip model config (open_clip_config.json)
     local_dir: Optional[Path] = None  # a folder open_clip loads as local-dir:
+    image_size: Optional[int] = None  # the run's model.image_size (config.yaml; None: the config's own)
 
 
 def checkpoint_architecture(pretrained: Optional[str]) -> Architecture:
@@ -350,7 +351,7 @@ def checkpoint_architecture(pretrained: Optional[str]) -> Architecture:
     if folder.parent.name == "checkpoints" and run_cfg.is_file():
         model = OmegaConf.load(run_cfg).get("model", {})
         name = Path(model.config_file).stem if model.get("config_file") else model.get("name")
-        return Architecture(name)
+        return Architecture(name, image_size=model.get("image_size"))
     return Architecture()
 
 
@@ -397,8 +398,8 @@ def build(cfg: DictConfig, device: torch.device, pretrained: Optional[str]):
             spec = f"local-dir:{arch.local_dir}"
             model, _, preprocess = open_clip.create_model_and_transforms(spec, device=device)
             return model, open_clip.get_tokenizer(spec), preprocess
-        built = build_model(ModelConfig(name=name, config_file=cfg.model_config_file, pretrained=pretrained),
-                            device=device)
+        built = build_model(ModelConfig(name=name, config_file=cfg.model_config_file, pretrained=pretrained,
+                                        image_size=arch.image_size), device=device)
     except Exception as e:  # a load failure: wrong architecture, a refused pickle, a vanished file
         if pretrained is None:
             raise

@@ -191,21 +191,31 @@ def preflight(cfg: Any) -> None:
 
 
 def _check_image_size(cfg: Any) -> None:
-    """data.image_size must be the side the model takes: open_clip's ViTs have a fixed grid of
-    position embeddings (a 32-px input on a 48-px model failed deep in the forward)."""
+    """The crops have the side the model is built at: open_clip's ViTs have a fixed grid of
+    position embeddings (a 32-px input on a 48-px model failed deep in the forward), so
+    data.image_size must equal the model config's side unless model.image_size rebuilds the
+    model at another one (config.validate refuses the two keys disagreeing), and a ViT's
+    model.image_size must be a whole number of patches."""
     import open_clip
 
-    if cfg.data.image_size is None or cfg.model.config_file:
-        return
     from infclip.config import ConfigError
 
-    model_cfg = open_clip.get_model_config(cfg.model.name) or {}
-    side = model_cfg.get("vision_cfg", {}).get("image_size")
+    if cfg.model.config_file:
+        return
+    vision = (open_clip.get_model_config(cfg.model.name) or {}).get("vision_cfg", {})
+    side, patch = vision.get("image_size"), vision.get("patch_size")
     side = side[0] if isinstance(side, (list, tuple)) else side
-    if side is not None and model_cfg.get("vision_cfg", {}).get("patch_size") and cfg.data.image_size != side:
+    want = cfg.model.image_size
+    if want is not None and patch and want % patch:
+        raise ConfigError(f"model.image_size={want} is not a multiple of model.name={cfg.model.name}'s {patch}-px "
+                          f"patches; set model.image_size={want // patch * patch or patch} or "
+                          f"{(want // patch + 1) * patch}")
+    if want is None and cfg.data.image_size is not None and side is not None and patch \
+            and cfg.data.image_size != side:
         raise ConfigError(f"data.image_size={cfg.data.image_size} but model.name={cfg.model.name} takes {side}-px "
                           f"images (a ViT's position embeddings fix its input side): drop data.image_size "
-                          f"(it defaults to the model's), or set data.image_size={side}")
+                          f"(it defaults to the model's), set data.image_size={side}, or build the model at "
+                          f"that side with model.image_size={cfg.data.image_size}")
 
 
 def _eval_config(cfg: Any) -> Any:

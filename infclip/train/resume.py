@@ -24,6 +24,7 @@ from infclip.train.engine import unwrap
 FIXED_ON_RESUME = {
     "model.name": "the saved weights are of that architecture",
     "model.config_file": "the saved weights are of that architecture",
+    "model.image_size": "the saved position embeddings have that grid",
     "model.lock_image": "the optimizer state covers exactly the trainable parameters",
     "model.lock_image_unlocked_groups": "the optimizer state covers exactly the trainable parameters",
     "model.lock_text": "the optimizer state covers exactly the trainable parameters",

@@ -114,6 +114,10 @@ class CheckpointConfig:
     # also write open_clip's format (open_clip_config.json + open_clip_model.safetensors) into each
     # checkpoint folder, so open_clip / clip_benchmark load it as local-dir:<folder>; doubles weight bytes
     open_clip_export: bool = True
+    # fsspec URL (s3://bucket/run, gs://..., file:///path, memory://run) each published checkpoint is
+    # mirrored to, as <remote>/checkpoints/step_XXXXXXXX/ (manifest last); None: local only. Rank 0
+    # uploads after the local publish; a failed upload warns and training goes on (local is the truth)
+    remote: Optional[str] = None
 
 
 @dataclass
@@ -123,6 +127,9 @@ class LoggingConfig:
     wandb_mode: str = "offline"  # "online" | "offline" | "disabled" (never prompts)
     wandb_project: str = "infclip"
     wandb_entity: Optional[str] = None
+    # rank 0 also writes the logged scalars (the numbers of metrics.jsonl) as TensorBoard event
+    # files into <run_dir>/tensorboard/ (needs `pip install tensorboard`)
+    tensorboard: bool = False
 
 
 @dataclass
@@ -139,6 +146,9 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     steps: int = 100  # optimizer steps to train
+    # alternative to steps: steps = ceil(epochs * samples per epoch / batch.global_size), from the
+    # dataset's size (data.synthetic_train; data.num_samples or the shards' counts for wds)
+    epochs: Optional[int] = None
     seed: int = 0
     name: str = "run"  # run name; the run directory is <runs_root>/<name>
     runs_root: str = "runs"

@@ -183,11 +183,24 @@ def preflight(cfg: Any) -> None:
     from infclip.data.pipeline import resolve_sources
 
     _check_image_size(cfg)
+    _check_tensorboard(cfg)
     if cfg.data.kind == "wds":
         resolve_sources(cfg.data)
     ev = _eval_config(cfg)
     ev.tasks = [t for t in ev.tasks if not str(t.root).startswith("synthetic:")]  # generated with the data
     check_tasks(ev)
+
+
+def _check_tensorboard(cfg: Any) -> None:
+    """logging.tensorboard=true needs the tensorboard package (torch's SummaryWriter imports it)."""
+    import importlib.util
+
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        from infclip.config import ConfigError
+
+        raise ConfigError("logging.tensorboard=true but the tensorboard package is not installed (torch's "
+                          "SummaryWriter writes through it): pip install tensorboard, or set "
+                          "logging.tensorboard=false (metrics.jsonl and wandb hold the same numbers)")
 
 
 def _check_image_size(cfg: Any) -> None:

@@ -242,6 +242,7 @@ def validate(cfg: Any, world_size: int) -> None:
     _validate_optimizer(cfg.optim.name)
     _validate_batch(cfg.batch, world_size)
     _validate_numbers(cfg)
+    _validate_epochs(cfg)
     _validate_schedule(cfg.schedule, cfg.steps)
     _validate_loss(cfg)
     if cfg.data.kind == "wds" and not (cfg.data.shards or cfg.data.sources):
@@ -279,6 +280,26 @@ def _validate_numbers(cfg: Any) -> None:
     for key in ("optim.beta1", "optim.beta2"):  # Adam's moment decays (AdaFactor: momentum, decay cap)
         if not 0 <= _get(cfg, key) < 1:
             raise ConfigError(f"{key} must be in [0, 1), got {_get(cfg, key)} (typical: beta1=0.9, beta2=0.95..0.999)")
+
+
+def _validate_epochs(cfg: Any) -> None:
+    if cfg.epochs is not None and cfg.epochs <= 0:
+        raise ConfigError(f"epochs must be > 0 (or null to train for steps), got {cfg.epochs}")
+
+
+def check_run_length(cfg: Any, overrides: list[str]) -> None:
+    """``epochs`` replaces ``steps`` (a preset's steps included); ``steps=N`` given beside it on
+    the command line is ambiguous and refused, naming both keys and the fix."""
+    given = any(o.split("=", 1)[0].lstrip("+~") == "steps" for o in overrides if "=" in o)
+    if cfg.epochs is not None and given:
+        raise ConfigError(f"both steps={cfg.steps} and epochs={cfg.epochs} are set; the run length is one or "
+                          f"the other (epochs derives steps from the dataset size): drop steps=... to train "
+                          f"{cfg.epochs} epoch(s), or drop epochs=... to train {cfg.steps} steps")
+
+
+def steps_for_epochs(epochs: int, num_samples: int, global_batch: int) -> int:
+    """Optimizer steps that see ``epochs`` passes over ``num_samples`` (the last one partial)."""
+    return math.ceil(epochs * num_samples / global_batch)
 
 
 def _leaves(node: Any, prefix: str = "") -> Any:

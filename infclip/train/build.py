@@ -177,6 +177,38 @@ def _synthetic(cfg: Any, info: DistInfo):
     return ds.train_shards, ds.num_train, eval_cfg
 
 
+def apply_epochs(cfg: Any, info: DistInfo) -> None:
+    """With ``epochs`` set, ``cfg.steps`` becomes ceil(epochs x samples per epoch / global
+    batch), said in one line by rank 0, and the schedule is checked against it; without it
+    the config is untouched. Every rank derives the same number from the same counts."""
+    if cfg.epochs is None:
+        return
+    from infclip.config import _validate_schedule, steps_for_epochs
+
+    samples = _epoch_samples(cfg)
+    cfg.steps = steps_for_epochs(cfg.epochs, samples, cfg.batch.global_size)
+    _validate_schedule(cfg.schedule, cfg.steps)
+    if info.is_main:
+        print(f"epochs={cfg.epochs}: {samples} samples per epoch / batch.global_size={cfg.batch.global_size} "
+              f"-> steps={cfg.steps}", flush=True)
+
+
+def _epoch_samples(cfg: Any) -> int:
+    """Samples per epoch: the synthetic set's size, or data.num_samples / the shards' counts."""
+    if cfg.data.kind == "synthetic":
+        return cfg.data.synthetic_train
+    from infclip.config import ConfigError
+    from infclip.data.pipeline import resolve_sources, total_samples
+    from infclip.data.shards import DataError
+
+    sources = resolve_sources(cfg.data)  # a missing shard is a DataError of its own
+    try:
+        return total_samples(cfg.data, sources, None)
+    except DataError as e:
+        raise ConfigError(f"epochs={cfg.epochs} needs the dataset size, which is not known: {e}. Or train "
+                          f"for a number of steps instead (epochs=null steps=N)") from None
+
+
 def preflight(cfg: Any) -> None:
     """Check the data sources (spec, files, sample counts) and the eval datasets that exist
     before training, without a model: what ``build`` would find wrong later, found first."""

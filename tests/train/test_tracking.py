@@ -52,3 +52,40 @@ def test_tensorboard_missing_is_refused_before_the_model(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a))
     with pytest.raises(ConfigError, match=r"logging.tensorboard=true.*pip install tensorboard"):
         preflight(cfg)
+
+
+def test_epochs_derive_steps_from_the_dataset_size(tmp_path):
+    run_dir = tmp_path / "run"
+    # 256 synthetic samples, 96 per step: ceil(256 / 96) = 3 steps for one epoch
+    proc = run_train(tmp_path, f"run_dir={run_dir}", "epochs=1", "eval.tasks=[]", "batch.global_size=96")
+    assert "epochs=1: 256 samples per epoch / batch.global_size=96 -> steps=3" in proc.stdout
+    assert sorted(losses(run_dir)) == [1, 2, 3]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000003"]
+
+
+def test_epochs_and_steps_together_are_refused(tmp_path):
+    err = _refused(tmp_path, "steps=5", "epochs=2")
+    assert "both steps=5 and epochs=2" in err and "drop steps=" in err
+    assert not (tmp_path / "refused").exists()
+
+
+def test_epochs_without_a_known_dataset_size_are_refused(tmp_path):
+    import tarfile
+
+    from omegaconf import OmegaConf
+
+    from infclip.config import ConfigError, TrainConfig
+    from infclip.train.build import apply_epochs
+    from infclip.train.distributed import DistInfo
+
+    for i in range(2):  # shards without sizes.json or *_stats.json: their size is unknown
+        with tarfile.open(tmp_path / f"{i:05d}.tar", "w"):
+            pass
+    cfg = OmegaConf.structured(TrainConfig)
+    cfg.epochs, cfg.data.kind, cfg.data.shards = 2, "wds", str(tmp_path / "{00000..00001}.tar")
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=__import__("torch").device("cpu"))
+    with pytest.raises(ConfigError, match=r"epochs=2 needs the dataset size.*data.num_samples.*epochs=null"):
+        apply_epochs(cfg, info)
+    cfg.data.num_samples = 1000  # known: ceil(2 * 1000 / 256) = 8
+    apply_epochs(cfg, info)
+    assert cfg.steps == 8

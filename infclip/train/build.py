@@ -79,6 +79,10 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
     logger = MetricsLogger(
         run_dir, cfg.logging, info.is_main, cfg.steps, OmegaConf.to_container(cfg, resolve=True)
     )
+    if cfg.checkpoint.remote and info.is_main:  # rank 0 uploads and downloads
+        from infclip.train.remote import RemoteCheckpoints
+
+        checkpointer.remote = RemoteCheckpoints(cfg.checkpoint.remote, cfg.checkpoint.keep_last, warn=logger.write)
     guard = WeightGuard([p for g in optimizer.param_groups for p in g["params"]],
                         abort=lambda: "an optimizer update made the weights non-finite (NaN/inf)")
     return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir,
@@ -216,6 +220,7 @@ def preflight(cfg: Any) -> None:
 
     _check_image_size(cfg)
     _check_tensorboard(cfg)
+    _check_remote(cfg)
     if cfg.data.kind == "wds":
         resolve_sources(cfg.data)
     ev = _eval_config(cfg)
@@ -233,6 +238,22 @@ def _check_tensorboard(cfg: Any) -> None:
         raise ConfigError("logging.tensorboard=true but the tensorboard package is not installed (torch's "
                           "SummaryWriter writes through it): pip install tensorboard, or set "
                           "logging.tensorboard=false (metrics.jsonl and wandb hold the same numbers)")
+
+
+def _check_remote(cfg: Any) -> None:
+    """checkpoint.remote must be a URL fsspec can open (its protocol's package installed)."""
+    if not cfg.checkpoint.remote:
+        return
+    import fsspec
+
+    from infclip.config import ConfigError
+
+    try:
+        fsspec.core.url_to_fs(cfg.checkpoint.remote)
+    except Exception as e:  # ImportError (s3fs, gcsfs missing), ValueError (unknown protocol)
+        raise ConfigError(f"checkpoint.remote={cfg.checkpoint.remote!r}: fsspec cannot open it ({type(e).__name__}: "
+                          f"{str(e).strip()[:200]}); install the file system's package (s3fs for s3://, gcsfs "
+                          "for gs://, adlfs for az://), fix the URL, or set checkpoint.remote=null") from None
 
 
 def _check_image_size(cfg: Any) -> None:

@@ -163,6 +163,8 @@ def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
     if cfg.resume != "auto":
         return _explicit_checkpoint(Path(cfg.resume).expanduser(), info.world_size)
     path = parts.checkpointer.latest_loadable(info.world_size, warn=parts.logger.write)
+    if path is None and parts.checkpointer.remote is not None:
+        path = _from_remote(parts, info.world_size)
     if path is None and existing:
         why = "; ".join(f"{name}: {reason}" for name, reason in parts.checkpointer.rejected.items())
         raise ResumeError(
@@ -170,6 +172,18 @@ def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
             "Resume with the number of ranks they were written with, point resume= at an intact "
             "checkpoint elsewhere, or choose a new run_dir."
         )
+    return path
+
+
+def _from_remote(parts: Any, world_size: int) -> Optional[Path]:
+    """No intact local checkpoint: the newest remote one that verifies, downloaded into this
+    run's checkpoints folder (rank 0), with one line saying so; None when the remote has none."""
+    remote = parts.checkpointer.remote
+    parts.checkpointer.root.mkdir(parents=True, exist_ok=True)
+    path = remote.fetch_latest(parts.checkpointer.root, world_size)
+    if path is not None:
+        parts.logger.write(f"resume: no intact checkpoint in {parts.checkpointer.root}; downloaded {path.name} "
+                           f"from {remote.url} (verified against its manifest)")
     return path
 
 

@@ -89,7 +89,7 @@ class RemoteCheckpoints:
         """Remote ``step_*`` folder names, oldest first ([] when there is no folder yet)."""
         try:
             entries = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing uploaded there yet
             return []
         names = [posixpath.basename(str(e).rstrip("/")) for e in entries]
         return sorted((n for n in names if _STEP_RE.match(n)), key=lambda n: int(n[5:]))

@@ -124,3 +124,16 @@ def test_an_unwritable_remote_warns_and_training_goes_on(tmp_path):
     assert "warning: could not mirror step_00000002" in proc.stdout
     assert sorted(losses(run_dir)) == [1, 2]
     assert ckpt.verify_checkpoint(run_dir / "checkpoints" / "step_00000002", 1) is None
+
+
+def test_a_remote_that_cannot_be_read_at_start_is_refused(tmp_path, memory_url, monkeypatch):
+    from infclip.train.resume import ResumeError, _remote_names
+
+    remote = RemoteCheckpoints(memory_url, 2)
+
+    def denied(*args, **kwargs):
+        raise PermissionError("no credentials")
+
+    monkeypatch.setattr(remote.fs, "ls", denied)
+    with pytest.raises(ResumeError, match=r"checkpoint.remote=.*cannot be read.*no credentials.*checkpoint.remote=null"):
+        _remote_names(remote)

@@ -38,6 +38,7 @@ class RemoteCheckpoints:
         self.root = posixpath.join(root, "checkpoints")
 
     def _remote(self, name: str, rel: str = "") -> str:
+        """The remote path of checkpoint ``name`` (or of its file ``rel``)."""
         return posixpath.join(self.root, name, rel) if rel else posixpath.join(self.root, name)
 
     # -------------------------------------------------------------------- upload
@@ -121,6 +122,7 @@ class RemoteCheckpoints:
         return None
 
     def _download(self, name: str, dest: Path) -> None:
+        """Every file of remote ``name`` into the fresh local folder ``dest`` (unverified)."""
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
         base = self._remote(name)

@@ -3,7 +3,6 @@ pruned as locally, and fetched back (verified) when the run folder has none."""
 
 import shutil
 import uuid
-from pathlib import Path
 
 import fsspec
 import pytest

@@ -122,6 +122,10 @@ class CheckpointConfig:
     # also write open_clip's format (open_clip_config.json + open_clip_model.safetensors) into each
     # checkpoint folder, so open_clip / clip_benchmark load it as local-dir:<folder>; doubles weight bytes
     open_clip_export: bool = True
+    # fsspec URL (s3://bucket/run, gs://..., file:///path, memory://run) each published checkpoint is
+    # mirrored to, as <remote>/checkpoints/step_XXXXXXXX/ (manifest last); None: local only. Rank 0
+    # uploads after the local publish; a failed upload warns and training goes on (local is the truth)
+    remote: Optional[str] = None
 
 
 @dataclass
@@ -131,6 +135,9 @@ class LoggingConfig:
     wandb_mode: str = "offline"  # "online" | "offline" | "disabled" (never prompts)
     wandb_project: str = "infclip"
     wandb_entity: Optional[str] = None
+    # rank 0 also writes the logged scalars (the numbers of metrics.jsonl) as TensorBoard event
+    # files into <run_dir>/tensorboard/ (needs `pip install tensorboard`)
+    tensorboard: bool = False
 
 
 @dataclass
@@ -147,6 +154,9 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     steps: int = 100  # optimizer steps to train
+    # alternative to steps: steps = ceil(epochs * samples per epoch / batch.global_size), from the
+    # dataset's size (data.synthetic_train; data.num_samples or the shards' counts for wds)
+    epochs: Optional[int] = None
     seed: int = 0
     name: str = "run"  # run name; the run directory is <runs_root>/<name>
     runs_root: str = "runs"
@@ -240,6 +250,7 @@ def validate(cfg: Any, world_size: int) -> None:
     _validate_optimizer(cfg.optim.name)
     _validate_batch(cfg.batch, world_size)
     _validate_numbers(cfg)
+    _validate_epochs(cfg)
     _validate_schedule(cfg.schedule, cfg.steps)
     _validate_loss(cfg)
     _validate_model(cfg)
@@ -278,6 +289,26 @@ def _validate_numbers(cfg: Any) -> None:
     for key in ("optim.beta1", "optim.beta2"):  # Adam's moment decays (AdaFactor: momentum, decay cap)
         if not 0 <= _get(cfg, key) < 1:
             raise ConfigError(f"{key} must be in [0, 1), got {_get(cfg, key)} (typical: beta1=0.9, beta2=0.95..0.999)")
+
+
+def _validate_epochs(cfg: Any) -> None:
+    if cfg.epochs is not None and cfg.epochs <= 0:
+        raise ConfigError(f"epochs must be > 0 (or null to train for steps), got {cfg.epochs}")
+
+
+def check_run_length(cfg: Any, overrides: list[str]) -> None:
+    """``epochs`` replaces ``steps`` (a preset's steps included); ``steps=N`` given beside it on
+    the command line is ambiguous and refused, naming both keys and the fix."""
+    given = any(o.split("=", 1)[0].lstrip("+~") == "steps" for o in overrides if "=" in o)
+    if cfg.epochs is not None and given:
+        raise ConfigError(f"both steps={cfg.steps} and epochs={cfg.epochs} are set; the run length is one or "
+                          f"the other (epochs derives steps from the dataset size): drop steps=... to train "
+                          f"{cfg.epochs} epoch(s), or drop epochs=... to train {cfg.steps} steps")
+
+
+def steps_for_epochs(epochs: int, num_samples: int, global_batch: int) -> int:
+    """Optimizer steps that see ``epochs`` passes over ``num_samples`` (the last one partial)."""
+    return math.ceil(epochs * num_samples / global_batch)
 
 
 def _leaves(node: Any, prefix: str = "") -> Any:

@@ -79,6 +79,10 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
     logger = MetricsLogger(
         run_dir, cfg.logging, info.is_main, cfg.steps, OmegaConf.to_container(cfg, resolve=True)
     )
+    if cfg.checkpoint.remote and info.is_main:  # rank 0 uploads and downloads
+        from infclip.train.remote import RemoteCheckpoints
+
+        checkpointer.remote = RemoteCheckpoints(cfg.checkpoint.remote, cfg.checkpoint.keep_last, warn=logger.write)
     guard = WeightGuard([p for g in optimizer.param_groups for p in g["params"]],
                         abort=lambda: "an optimizer update made the weights non-finite (NaN/inf)")
     return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir,
@@ -177,17 +181,79 @@ def _synthetic(cfg: Any, info: DistInfo):
     return ds.train_shards, ds.num_train, eval_cfg
 
 
+def apply_epochs(cfg: Any, info: DistInfo) -> None:
+    """With ``epochs`` set, ``cfg.steps`` becomes ceil(epochs x samples per epoch / global
+    batch), said in one line by rank 0, and the schedule is checked against it; without it
+    the config is untouched. Every rank derives the same number from the same counts."""
+    if cfg.epochs is None:
+        return
+    from infclip.config import _validate_schedule, steps_for_epochs
+
+    samples = _epoch_samples(cfg)
+    cfg.steps = steps_for_epochs(cfg.epochs, samples, cfg.batch.global_size)
+    _validate_schedule(cfg.schedule, cfg.steps)
+    if info.is_main:
+        print(f"epochs={cfg.epochs}: {samples} samples per epoch / batch.global_size={cfg.batch.global_size} "
+              f"-> steps={cfg.steps}", flush=True)
+
+
+def _epoch_samples(cfg: Any) -> int:
+    """Samples per epoch: the synthetic set's size, or data.num_samples / the shards' counts."""
+    if cfg.data.kind == "synthetic":
+        return cfg.data.synthetic_train
+    from infclip.config import ConfigError
+    from infclip.data.pipeline import resolve_sources, total_samples
+    from infclip.data.shards import DataError
+
+    sources = resolve_sources(cfg.data)  # a missing shard is a DataError of its own
+    try:
+        return total_samples(cfg.data, sources, None)
+    except DataError as e:
+        raise ConfigError(f"epochs={cfg.epochs} needs the dataset size, which is not known: {e}. Or train "
+                          f"for a number of steps instead (epochs=null steps=N)") from None
+
+
 def preflight(cfg: Any) -> None:
     """Check the data sources (spec, files, sample counts) and the eval datasets that exist
     before training, without a model: what ``build`` would find wrong later, found first."""
     from infclip.data.pipeline import resolve_sources
 
     _check_image_size(cfg)
+    _check_tensorboard(cfg)
+    _check_remote(cfg)
     if cfg.data.kind == "wds":
         resolve_sources(cfg.data)
     ev = _eval_config(cfg)
     ev.tasks = [t for t in ev.tasks if not str(t.root).startswith("synthetic:")]  # generated with the data
     check_tasks(ev)
+
+
+def _check_tensorboard(cfg: Any) -> None:
+    """logging.tensorboard=true needs the tensorboard package (torch's SummaryWriter imports it)."""
+    import importlib.util
+
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        from infclip.config import ConfigError
+
+        raise ConfigError("logging.tensorboard=true but the tensorboard package is not installed (torch's "
+                          "SummaryWriter writes through it): pip install tensorboard, or set "
+                          "logging.tensorboard=false (metrics.jsonl and wandb hold the same numbers)")
+
+
+def _check_remote(cfg: Any) -> None:
+    """checkpoint.remote must be a URL fsspec can open (its protocol's package installed)."""
+    if not cfg.checkpoint.remote:
+        return
+    import fsspec
+
+    from infclip.config import ConfigError
+
+    try:
+        fsspec.core.url_to_fs(cfg.checkpoint.remote)
+    except Exception as e:  # ImportError (s3fs, gcsfs missing), ValueError (unknown protocol)
+        raise ConfigError(f"checkpoint.remote={cfg.checkpoint.remote!r}: fsspec cannot open it ({type(e).__name__}: "
+                          f"{str(e).strip()[:200]}); install the file system's package (s3fs for s3://, gcsfs "
+                          "for gs://, adlfs for az://), fix the URL, or set checkpoint.remote=null") from None
 
 
 def _check_image_size(cfg: Any) -> None:

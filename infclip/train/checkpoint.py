@@ -122,6 +122,9 @@ class Checkpointer:
         # written and it is published (e.g. export files); what they add is verified too
         self.publish_hooks: list[Callable[[Path], None]] = []
         self.rejected: dict[str, str] = {}  # checkpoint name -> why latest_loadable skipped it
+        # infclip.train.remote.RemoteCheckpoints (checkpoint.remote): rank 0 mirrors each published
+        # checkpoint there; its failures are warnings, never errors
+        self.remote: Any = None
 
     def save(self, step: int, model_state: dict, train_state: dict, rank_state: dict) -> Path:
         """Writes and publishes checkpoint ``step`` (all ranks). On a full disk: ``DiskFull``
@@ -142,6 +145,8 @@ class Checkpointer:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise DiskFull(self._no_room(final.name, need, "the write failed")) from e
+        if self.remote is not None and self.rank == 0:  # after the local publish: local is the truth
+            self.remote.mirror(final, self.protected)
         return final
 
     def _expected_bytes(self, model_state: dict, train_state: dict) -> int:

@@ -1,10 +1,11 @@
-"""Metrics sinks: terminal progress, a JSON-lines file in the run directory, wandb.
+"""Metrics sinks: terminal progress, a JSON-lines file in the run directory, wandb, TensorBoard.
 
 Only rank 0 writes, and nothing before ``start`` (a refused start leaves the run folder
 as it was). The JSON-lines file is appended (a resumed run continues it, after dropping the
 records of the steps it replays) and holds everything wandb gets, so nothing depends on
 wandb. wandb never prompts: its mode is online/offline/disabled from config, and a resumed
-run reuses the stored run id.
+run reuses the stored run id. TensorBoard (``logging.tensorboard``) gets the numbers wandb
+gets, under ``<run_dir>/tensorboard/``; a resumed run purges the replayed steps' events.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class MetricsLogger:
         self.run_dir, self.cfg, self.config_dict = run_dir, cfg, config_dict
         self._wandb = None
         self._wandb_started = False
+        self._tb = None  # SummaryWriter, opened by ``start`` when logging.tensorboard
         self._bar = None
         if not enabled:
             return
@@ -57,6 +59,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.drop_after(step)
+        if getattr(self.cfg, "tensorboard", False):
+            self._tb = _open_tensorboard(self.run_dir, step)
         self.log_run_info(info)
         if changes:
             self._append({"event": "config_change", "step": step, "time": time.time(), "changes": changes})
@@ -127,7 +131,10 @@ class MetricsLogger:
         self._ensure_wandb()
         self._append({"step": step, "time": time.time(), **metrics})
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+            self._wandb.log(_scalars(metrics), step=step)
+        if self._tb is not None:
+            for key, value in _scalars(metrics).items():
+                self._tb.add_scalar(key, value, global_step=step)
         if echo:
             shown = {k: v for k, v in metrics.items() if _shown(k)}
             self.write(f"step {step:>6}/{self.total}  " + "  ".join(_fmt(k, v) for k, v in shown.items()))
@@ -150,6 +157,8 @@ class MetricsLogger:
             self._bar.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()
 
 
 _TERMINAL_KEYS = ("loss", "lr", "logit_scale", "samples_per_s", "data_wait_pct", "loader_samples_per_s",
@@ -168,6 +177,19 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, torch.Tensor):
         return o.item()
     return str(o)
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a record (what wandb and TensorBoard get; nested summaries are not)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+
+
+def _open_tensorboard(run_dir: Path, step: int):
+    """A SummaryWriter on ``<run_dir>/tensorboard``; resuming at ``step`` > 0 purges the events
+    of later steps (a killed segment's, about to be replayed), as metrics.jsonl drops them."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=step + 1 if step else None)
 
 
 def _init_wandb(run_dir: Path, cfg: Any, config_dict: dict):

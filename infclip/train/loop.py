@@ -16,10 +16,10 @@ from typing import Any, Optional
 
 import torch
 
-from infclip.config import validate
+from infclip.config import check_run_length, validate
 from infclip.model import clamp_logit_scale
 from infclip.train import checkpoint as ckpt
-from infclip.train.build import Parts, build
+from infclip.train.build import Parts, apply_epochs, build
 from infclip.train.distributed import DistInfo, init_distributed, on_rank0, shutdown
 from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
@@ -55,6 +55,8 @@ def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
     info = init_distributed(cfg.device)
     try:
         validate(cfg, info.world_size)  # before any model or GPU work
+        check_run_length(cfg, overrides or [])
+        apply_epochs(cfg, info)  # epochs=N: steps from the dataset size
         run_dir = derive_run_dir(cfg)
         with run_dir_lock(run_dir, info):  # one training per run_dir (rank 0 holds the lock)
             return _start(cfg, info, run_dir, overrides or [])

@@ -160,10 +160,13 @@ def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
                 f"resume=none but {parts.run_dir}/checkpoints already holds {existing[-1].name}; "
                 "choose a new run_dir (or name), delete that folder, or use resume=auto to continue it"
             )
+        _refuse_used_remote(parts)
         return None
     if cfg.resume != "auto":
         return _explicit_checkpoint(Path(cfg.resume).expanduser(), info.world_size)
     path = parts.checkpointer.latest_loadable(info.world_size, warn=parts.logger.write)
+    if path is None and parts.checkpointer.remote is not None:
+        path = _from_remote(parts, info.world_size)
     if path is None and existing:
         why = "; ".join(f"{name}: {reason}" for name, reason in parts.checkpointer.rejected.items())
         raise ResumeError(
@@ -171,6 +174,43 @@ def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
             "Resume with the number of ranks they were written with, point resume= at an intact "
             "checkpoint elsewhere, or choose a new run_dir."
         )
+    return path
+
+
+def _remote_names(remote: Any) -> list[str]:
+    """The remote's complete checkpoints; a remote that cannot be read is refused (it may hold
+    this run's checkpoints: a fresh start would mix its own with them, and prune them)."""
+    try:
+        return remote.complete()
+    except Exception as e:
+        raise ResumeError(
+            f"checkpoint.remote={remote.url!r} cannot be read ({type(e).__name__}: {str(e).strip()[:200]}); "
+            "fix its access (credentials, network), or set checkpoint.remote=null to run without it"
+        ) from None
+
+
+def _refuse_used_remote(parts: Any) -> None:
+    """resume=none into a remote that already holds checkpoints is refused, as locally."""
+    remote = parts.checkpointer.remote
+    names = _remote_names(remote) if remote is not None else []
+    if names:
+        raise ResumeError(
+            f"resume=none but checkpoint.remote={remote.url!r} already holds {names[-1]}; choose another "
+            "checkpoint.remote (or run_dir and remote), delete those, or use resume=auto to continue it"
+        )
+
+
+def _from_remote(parts: Any, world_size: int) -> Optional[Path]:
+    """No intact local checkpoint: the newest remote one that verifies, downloaded into this
+    run's checkpoints folder (rank 0), with one line saying so; None when the remote has none."""
+    remote = parts.checkpointer.remote
+    if not _remote_names(remote):
+        return None
+    parts.checkpointer.root.mkdir(parents=True, exist_ok=True)
+    path = remote.fetch_latest(parts.checkpointer.root, world_size)
+    if path is not None:
+        parts.logger.write(f"resume: no intact checkpoint in {parts.checkpointer.root}; downloaded {path.name} "
+                           f"from {remote.url} (verified against its manifest)")
     return path
 
 

@@ -248,11 +248,12 @@ def build_shards(rows: list[tuple[str, Caption]], opts: BuildOptions, progress: 
         for (path, caption), (status, data, ext, meta) in bar:
             if status != "ok":
                 report.skipped[status] += 1
-                continue
-            writer.write(f"{report.written:09d}", data, caption.strip(), {"url": path, **meta}, ext=ext)
-            report.written += 1
-            if report.written % 1000 == 0:
-                bar.set_postfix(written=report.written, skipped=sum(report.skipped.values()))
+            else:
+                writer.write(f"{report.written:09d}", data, caption.strip(), {"url": path, **meta}, ext=ext)
+                report.written += 1
+            # the bar counts rows read; the postfix what was written and skipped (its last
+            # render, when the loop ends, shows the final numbers)
+            bar.set_postfix(written=report.written, skipped=sum(report.skipped.values()), refresh=False)
     report.shards, report.seconds = writer.stats.num_shards, time.time() - t0
     _write_report(opts.out_dir, report, len(rows))
     return report

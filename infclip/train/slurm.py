@@ -27,10 +27,22 @@ def requeue() -> bool:
     Called by rank 0 after the preemption checkpoint is complete. Requeueing terminates the
     job (SIGTERM, then SIGKILL after Slurm's KillWait) and puts it back in the queue; the
     next start finds the checkpoint with ``resume=auto``. ``INFCLIP_REQUEUE=0`` disables it.
+    Under ``scripts/slurm/train.sbatch`` (``INFCLIP_REQUEUE_FILE`` set) rank 0 only writes that
+    file and the batch script requeues after srun returns: a requeue from inside the job step
+    killed torchrun while it was still shutting down (a traceback and an srun error in the log).
     """
     job = job_id()
     if not job or os.environ.get("INFCLIP_REQUEUE", "1") == "0":
         return False
+    marker = os.environ.get("INFCLIP_REQUEUE_FILE")
+    if marker:  # scripts/slurm/train.sbatch requeues once srun (every rank, torchrun) has exited
+        tmp = f"{marker}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{job}\n")
+        os.replace(tmp, marker)
+        print(f"slurm: job {job} will be requeued by its batch script once every rank has exited; "
+              "it resumes from the last checkpoint", flush=True)
+        return True
     cmd = [os.environ.get("INFCLIP_SCONTROL", "scontrol"), "requeue", job]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

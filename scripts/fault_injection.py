@@ -588,6 +588,46 @@ def case_disk_full(ctx: Ctx) -> tuple[bool, str]:
         subprocess.run(["umount", str(disk)], check=False)
 
 
+def case_slurm_preemption(ctx: Ctx) -> tuple[bool, str]:
+    """A 2-rank CPU job on a real one-node Slurm cluster (scripts/slurm/local_cluster.sh),
+    Slurm's USR1 warning mid-run: checkpoint, requeue by the batch script, resume."""
+    state = ctx.fresh("slurm-state")
+    cluster = ROOT / "scripts" / "slurm" / "local_cluster.sh"
+    up = subprocess.run([str(cluster), "start", str(state)], capture_output=True, text=True, timeout=420)
+    if up.returncode != 0:
+        return True, f"skipped: no local Slurm cluster ({up.stderr.strip()[-100:]})"
+    slurm_env = env(SLURM_CONF=str(state / "slurm.conf"))
+    try:
+        run_dir, log = ctx.fresh("slurm-run"), ctx.fresh("slurm.log")
+        overrides = [o for o in ctx.cmd(run_dir, *COMMON)[2:]]
+        sub = subprocess.run(["sbatch", "--gpus-per-node=2", "--cpus-per-task=2", f"--output={log}",
+                              str(ROOT / "scripts" / "slurm" / "train.sbatch"), *overrides],
+                             cwd=ROOT, env=slurm_env, capture_output=True, text=True, timeout=60)
+        job = sub.stdout.split()[-1] if sub.returncode == 0 else None
+        if job is None:
+            return False, f"sbatch failed: {sub.stderr.strip()[:120]}"
+        queued = lambda: subprocess.run(["squeue", "-h", "-j", job], env=slurm_env, capture_output=True,  # noqa: E731
+                                        text=True).stdout.strip()
+        deadline = time.monotonic() + 300
+        while last_step(run_dir) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm_env, check=True)
+        deadline = time.monotonic() + 600
+        while queued() and time.monotonic() < deadline:
+            time.sleep(1)
+        text = log.read_text() if log.exists() else ""
+        got = losses(run_dir)
+        once = sorted(got) == list(range(1, STEPS + 1)) and all(len(v) == 1 for v in got.values())
+        clean = "Traceback" not in text and "srun: error" not in text
+        ok = once and clean and "requeueing job" in text and "resumed from" in text
+        return ok, (f"job {job}: USR1 after step 3; requeued: {'requeueing job' in text}; resumed: "
+                    f"{'resumed from' in text}; every step logged once: {once}; log free of tracebacks and "
+                    f"srun errors: {clean}")
+    finally:
+        subprocess.run(["scancel", "--user=root"], env=slurm_env, capture_output=True)
+        subprocess.run([str(cluster), "stop", str(state)], capture_output=True, timeout=60)
+
+
 CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "kill9 at a random moment (1)": case_kill9,
     "kill9 at a random moment (2)": case_kill9,
@@ -623,6 +663,7 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "build_shards: a FIFO and /dev/zero in the input": case_build_fifo,
     "eval command while training prunes (keep_last=1)": case_eval_while_pruning,
     "disk full (tmpfs) while a checkpoint is written": case_disk_full,
+    "Slurm USR1 warning on a real one-node cluster (2 ranks)": case_slurm_preemption,
 }
 
 

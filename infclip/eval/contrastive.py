@@ -73,5 +73,5 @@ def evaluate_contrastive(model, tokenizer: Callable, data: RetrievalData, on_dev
     scale, bias = model_logits(model)
     loss, count = batch_loss_mean(img, txt, batch, loss_fn or default_loss_fn(model), scale, bias, rt)
     out = recall_metrics(img, txt, data, chunk_size, rt)
-    out.update(loss=loss, loss_batches=float(count), loss_batch=float(batch), logit_scale=float(scale))
+    out.update(loss=loss, num_loss_batches=float(count), loss_batch_size=float(batch), logit_scale=float(scale))
     return out

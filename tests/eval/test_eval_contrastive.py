@@ -109,7 +109,7 @@ def test_loss_is_the_mean_over_full_batches_of_the_float64_loss(tmp_path, batch)
     scale = torch.tensor(7.0, dtype=torch.float64)
     want = torch.stack([clip_loss64(img[a:a + batch], txt[a:a + batch], scale)
                         for a in range(0, n - batch + 1, batch)]).mean()  # last partial batch dropped
-    assert out["eval/val/loss_batches"] == n // batch
+    assert out["eval/val/num_loss_batches"] == n // batch
     assert out["eval/val/loss"] == pytest.approx(float(want), rel=1e-5, abs=1e-6)
     assert out["eval/val/logit_scale"] == pytest.approx(7.0)
     assert out["eval/val/num_images"] == out["eval/val/num_texts"] == n
@@ -199,3 +199,33 @@ def test_bad_data_is_refused_at_startup(tmp_path):
     missing = EvalTaskConfig(name="v", kind="contrastive", root=str(tmp_path / "val" / "{00000..00005}.tar"), batch=2)
     with pytest.raises(DataError, match=r"eval.tasks\[0\].root.*00002.tar' does not exist"):
         check_tasks(EvalConfig(tasks=[missing]))
+
+
+def test_eval_command_reports_the_loss_as_a_number(tmp_path, micro):
+    """``python -m infclip.eval`` with an inline contrastive task: CLIP's loss (no logit bias),
+    equal to the in-process hook, printed as a loss (not a percentage)."""
+    import json
+    import subprocess
+    import sys
+
+    model, tokenizer, preprocess = micro
+    write_val_shards(tmp_path / "val", 12)
+    folder = tmp_path / "run" / "checkpoints" / "step_00000003"
+    folder.mkdir(parents=True)
+    torch.save(model.state_dict(), folder / "model.pt")
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "infclip.eval", f"checkpoint={tmp_path / 'run'}", "model=infclip-micro",
+           "eval.workers=0", f"output={out}",
+           f"tasks=[{{name: val, kind: contrastive, format: wds, root: '{tmp_path / 'val'}', batch: 5}}]"]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())["metrics"]
+    task = EvalTaskConfig(name="val", kind="contrastive", root=str(tmp_path / "val"), batch=5)
+    want = run_evals(model, tokenizer, preprocess, EvalConfig(tasks=[task], workers=0), step=0, final=True,
+                     device="cpu")
+    assert got["eval/val/loss"] == pytest.approx(want["eval/val/loss"], rel=1e-6)
+    assert got["eval/val/num_loss_batches"] == 2
+    line = next(ln for ln in proc.stdout.splitlines() if ln.split()[:2] == ["val", "loss"])
+    assert float(line.split()[2]) == pytest.approx(want["eval/val/loss"], abs=1e-4)

@@ -35,7 +35,7 @@ def test_val_loss_logged_at_requested_steps_and_matches_the_checkpoint(tmp_path)
     logged = {m["step"]: m for m in metrics(run_dir) if "eval/val/loss" in m}
     assert sorted(logged) == [2, 4]
     for m in logged.values():
-        assert m["eval/val/loss_batches"] == 2 and 0 < m["eval/val/loss"] < 20
+        assert m["eval/val/num_loss_batches"] == 2 and 0 < m["eval/val/loss"] < 20
         assert all(0 <= m[f"eval/val/{d}_r{k}"] <= 1 for d in ("i2t", "t2i") for k in (1, 5, 10))
     assert logged[2]["eval/val/loss"] != logged[4]["eval/val/loss"]  # the weights moved
 

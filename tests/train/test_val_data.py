@@ -2,8 +2,6 @@
 recall are logged at the requested steps, with the value the saved weights give."""
 
 import io
-import json
-import os
 
 import pytest
 import torch
@@ -72,7 +70,8 @@ def test_siglip_run_logs_its_own_loss(tmp_path):
         pretrained=str(run_dir / "checkpoints" / "step_00000002" / "model.pt"))
     cfg = EvalConfig(tasks=[EvalTaskConfig(name="val", kind="contrastive", root=root, batch=10)], workers=0)
     tok = open_clip.get_tokenizer("infclip-micro")
+    fns = {"siglip": siglip_loss, "clip": lambda i, t, s, b: clip_loss(i, t, s)}
     with_loss = {name: run_evals(model, tok, preprocess, cfg, step=2, final=True, device="cpu", loss_fn=fn)
-                 ["eval/val/loss"] for name, fn in (("siglip", siglip_loss), ("clip", lambda i, t, s, b: clip_loss(i, t, s)))}
+                 ["eval/val/loss"] for name, fn in fns.items()}
     assert with_loss["siglip"] == pytest.approx(logged[2], rel=1e-4)
     assert with_loss["clip"] != pytest.approx(logged[2], rel=1e-2)

@@ -427,12 +427,19 @@ def _load_failure(pretrained: str, name: str, e: BaseException) -> str:
             "was trained with (model=<name>), or another checkpoint if this file is damaged")
 
 
+RAW_METRICS = ("loss", "loss_batch_size", "logit_scale")  # contrastive tasks: not fractions, printed as they are
+
+
 def format_table(metrics: dict[str, float]) -> str:
-    """One row per task metric: value and chance level in percent."""
+    """One row per task metric: value and chance level in percent (a loss, batch size or logit
+    scale as it is)."""
     lines = [f"{'task':<24} {'metric':<24} {'value %':>9} {'chance %':>9}"]
     for key, value in metrics.items():
         _, task, name = key.split("/", 2)
         if name.endswith("_chance") or name.startswith("num_") or name == "seconds":
+            continue
+        if name in RAW_METRICS:
+            lines.append(f"{task:<24} {name:<24} {value:9.4f}")
             continue
         chance = metrics.get(f"{key}_chance")
         chance_text = f"{100 * chance:9.2f}" if chance is not None else ""

@@ -1,7 +1,9 @@
 """Evaluation configuration (owned by ``infclip.eval``; composed into train and eval configs).
 
 A task is *data only*: ImageNet, its variants, ObjectNet, the synthetic class split, COCO
-and Flickr30k are all presets (``configs/eval_task/*.yaml``) of the two task kinds below.
+and Flickr30k are all presets (``configs/eval_task/*.yaml``) of the task kinds below;
+``contrastive`` is open_clip's ``--val-data``: held-out training-format shards scored with the
+run's contrastive loss and retrieval recall.
 """
 
 from __future__ import annotations
@@ -10,14 +12,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-KINDS = ("zeroshot", "retrieval")
-FORMATS = {"zeroshot": ("wds", "imagefolder"), "retrieval": ("flat", "karpathy", "wds")}
+KINDS = ("zeroshot", "retrieval", "contrastive")
+FORMATS = {"zeroshot": ("wds", "imagefolder"), "retrieval": ("flat", "karpathy", "wds"), "contrastive": ("wds",)}
 MAX_AUTO_WORKERS = 8  # eval.workers=null: one per core available to this rank, at most this many
 
 
 @dataclass
 class EvalTaskConfig:
-    """One evaluation task: zero-shot classification or image-text retrieval.
+    """One evaluation task: zero-shot classification, image-text retrieval, or a held-out
+contrastive validation set (loss + retrieval).
 
     Paths by (kind, format):
       zeroshot/wds          root = clip_benchmark wds dir: classnames.txt,
@@ -32,10 +35,14 @@ class EvalTaskConfig:
                             are used; images at <root>/<filepath>/<filename>.
       retrieval/wds         root = clip_benchmark retrieval wds dir ({split}/*.tar holding
                             {key}.jpg|.png|.webp + {key}.txt with one caption per line).
+      contrastive/wds       root = shard spec in the training format (img2dataset / data.shards:
+                            "/data/val/{00000..00003}.tar" or a comma list) holding {key}.jpg + {key}.txt
+                            (one caption per sample); reports loss over batches of `batch` samples
+                            plus i2t/t2i R@1/5/10 over all samples (infclip.eval.contrastive).
     """
 
     name: str = ""  # label used in metric keys, e.g. "imagenet" -> eval/imagenet/top1
-    kind: str = "zeroshot"  # "zeroshot" | "retrieval"
+    kind: str = "zeroshot"  # "zeroshot" | "retrieval" | "contrastive"
     root: str = ""  # dataset root (see the table above)
     format: str = "wds"  # zeroshot: "wds" | "imagefolder"; retrieval: "flat" | "karpathy"
     split: str = "test"  # wds split folder / Karpathy split / flat JSON stem
@@ -50,6 +57,10 @@ class EvalTaskConfig:
     templates: Optional[str] = None
     every_n_steps: int = 0  # during training: run when step % n == 0 (0: only at the end)
     max_samples: Optional[int] = None  # evaluate N images only (ImageFolder: spread over classes; None: all)
+    # contrastive only (required there): samples per loss batch -- the training batch size whose
+    # loss is reported (eval.batch_size stays the encoder's batch). Trailing samples that do not
+    # fill a batch are left out of the loss (not of the recall).
+    batch: Optional[int] = None
 
 
 @dataclass
@@ -102,6 +113,24 @@ def validate_task(task: EvalTaskConfig, index: Optional[int] = None) -> None:
         raise EvalConfigError(f"{task_key(task, index, 'every_n_steps')} must be >= 0")
     if task.max_samples is not None and task.max_samples <= 0:
         raise EvalConfigError(f"{task_key(task, index, 'max_samples')} must be > 0 (or null for all)")
+    _validate_batch(task, index)
+
+
+def _validate_batch(task: EvalTaskConfig, index: Optional[int]) -> None:
+    key = task_key(task, index, "batch")
+    if task.kind != "contrastive":
+        if task.batch is not None:
+            raise EvalConfigError(f"{key}={task.batch} is only for kind=contrastive (the loss batch); "
+                                  f"remove it from this {task.kind} task (eval.batch_size sets the encoder batch)")
+        return
+    if task.batch is None:
+        raise EvalConfigError(f"{key} is required for kind=contrastive: the batch size whose contrastive loss "
+                              "is reported, e.g. batch=4096 (usually batch.global_size)")
+    if isinstance(task.batch, bool) or not isinstance(task.batch, int) or task.batch < 2:
+        raise EvalConfigError(f"{key}={task.batch!r} must be an integer >= 2 (a batch of one pair has no negatives)")
+    if task.max_samples is not None and task.max_samples < task.batch:
+        raise EvalConfigError(f"{task_key(task, index, 'max_samples')}={task.max_samples} is smaller than "
+                              f"{key}={task.batch}: no full loss batch; raise max_samples or lower batch")
 
 
 def resolve_workers(workers: Optional[int]) -> int:

@@ -21,7 +21,7 @@ import open_clip
 from PIL import Image
 from torch.utils.data import Dataset
 
-from infclip.data.shards import IMAGE_EXTS, split_name
+from infclip.data.shards import IMAGE_EXTS, expand, is_local, split_name
 from infclip.eval.config import EvalConfigError, EvalTaskConfig
 
 TarRef = tuple[str, int, int]  # (shard path, byte offset of the member's data, size)
@@ -387,3 +387,45 @@ def _retrieval_data(task: EvalTaskConfig, index: Optional[int], records: list, s
         txt2img.extend([i] * len(caps))
     refs = [p for p, _ in records]
     return RetrievalData(ImageList(refs, [-1] * len(refs), transform), captions, txt2img)
+
+
+# -- contrastive validation shards -------------------------------------------------------------
+
+
+def contrastive_shards(task: EvalTaskConfig, index: Optional[int] = None) -> list[str]:
+    """The local tar paths of a contrastive task: ``root`` is a training-format shard spec
+    (brace range, ``::`` or comma list) or a folder whose ``*.tar`` are taken in natural order."""
+    if os.path.isdir(task.root):
+        names = sorted((n for n in os.listdir(task.root) if n.endswith(".tar")), key=_natural_key)
+        paths = [os.path.join(task.root, n) for n in names]
+    else:
+        try:
+            paths = [u for part in task.root.split(",") if part.strip() for u in expand(part)]
+        except ValueError as e:
+            raise DataError(f"{_where(task, index, 'root')}={task.root!r}: {e}") from None
+    remote = [p for p in paths if not is_local(p)]
+    if remote:
+        raise DataError(f"{_where(task, index, 'root')}: {remote[0]!r} is not a local file; validation shards "
+                        "are read by byte offset -- copy them to local disk")
+    paths = [p[len("file://"):] if p.startswith("file://") else p for p in paths]
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if not paths or missing:
+        raise DataError(f"{_where(task, index, 'root')}={task.root!r}: "
+                        f"{'no .tar shard' if not paths else f'shard {missing[0]!r} does not exist'}; "
+                        "give the held-out shards as a brace spec, e.g. /data/val/{00000..00003}.tar")
+    return paths
+
+
+def load_contrastive(task: EvalTaskConfig, transform: Callable, index: Optional[int] = None) -> RetrievalData:
+    """Open held-out training-format shards: sample i = image i and its caption (``{key}.txt``,
+    the whole text as one caption, as training reads it), so ``txt2img`` is the identity."""
+    records: list = []
+    for path in contrastive_shards(task, index):
+        if task.max_samples is not None and len(records) >= task.max_samples:
+            break
+        records.extend((ref, [text.strip()]) for ref, text in scan_tar(path, "txt") if text.strip())
+    records = records[: task.max_samples]
+    if task.batch is not None and len(records) < task.batch:
+        raise DataError(f"{_where(task, index, 'batch')}={task.batch} but {task.root!r} holds {len(records)} "
+                        "image-caption samples: no full loss batch; lower batch or add shards")
+    return _retrieval_data(task, index, records, task.root, transform)

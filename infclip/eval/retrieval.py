@@ -69,11 +69,24 @@ def summarize(sums: Tensor, txt2img: list[int], num_images: int) -> dict[str, fl
 def evaluate_retrieval(model, tokenizer: Callable, data: RetrievalData, on_device: Optional[Callable],
                        batch_size: int, workers: int, chunk_size: int, rt: Runtime) -> dict[str, float]:
     """Retrieval metrics over all of ``data`` (sharded over the group; same result on every rank)."""
+    img, txt = embed_all(model, tokenizer, data, on_device, batch_size, workers, rt)
+    return recall_metrics(img, txt, data, chunk_size, rt)
+
+
+def embed_all(model, tokenizer: Callable, data: RetrievalData, on_device: Optional[Callable],
+              batch_size: int, workers: int, rt: Runtime) -> tuple[Tensor, Tensor]:
+    """Unit-norm fp32 embeddings of all N images and M captions, on every rank (each rank
+    encodes its strided share: one forward of each tower per sample over the group)."""
     n, m = len(data.images), len(data.captions)
     img_idx, txt_idx = shard(n, rt), shard(m, rt)
     img = encode_images(model, data.images, img_idx, on_device, batch_size, workers, rt)
     txt = encode_texts(model, tokenizer, [data.captions[j] for j in txt_idx], batch_size, rt)
-    img, txt = gather_strided(img, n, rt), gather_strided(txt, m, rt)
+    return gather_strided(img, n, rt), gather_strided(txt, m, rt)
+
+
+def recall_metrics(img: Tensor, txt: Tensor, data: RetrievalData, chunk_size: int, rt: Runtime) -> dict[str, float]:
+    """Recall metrics of the embeddings of ``data`` (from :func:`embed_all`)."""
+    n = len(data.images)
     txt2img = torch.tensor(data.txt2img, dtype=torch.int64, device=img.device)
     with fp32(rt):
         sums = all_reduce_sum(recall_sums(img, txt, txt2img, chunk_size, rt), rt)

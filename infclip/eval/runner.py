@@ -16,13 +16,15 @@ import torch
 from omegaconf import OmegaConf
 
 from infclip.eval.config import EvalConfig, EvalTaskConfig, resolve_workers, validate_eval
-from infclip.eval.data import load_retrieval, load_zeroshot
+from infclip.eval.contrastive import LossFn, evaluate_contrastive
+from infclip.eval.data import load_contrastive, load_retrieval, load_zeroshot
 from infclip.eval.embed import Runtime, split_preprocess
 from infclip.eval.retrieval import evaluate_retrieval
 from infclip.eval.zeroshot import evaluate_zeroshot
 
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _DATA_CACHE: dict[Any, Any] = {}  # opened datasets (file lists, labels), reused across hook calls
+_LOADERS = {"zeroshot": load_zeroshot, "retrieval": load_retrieval, "contrastive": load_contrastive}
 
 
 def make_autocast(precision: str, device: Union[str, torch.device]) -> Callable[[], ContextManager]:
@@ -58,7 +60,7 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 def _load(task: EvalTaskConfig, index: int, transform: Callable):
     """Open a task's dataset, reusing it across hook calls (key: the task and the transform
     object itself -- not its id, which a dead object's successor may reuse)."""
-    loader = load_zeroshot if task.kind == "zeroshot" else load_retrieval
+    loader = _LOADERS[task.kind]
     try:
         key = (astuple(task), transform)
         cached = _DATA_CACHE.get(key)
@@ -78,7 +80,7 @@ def check_tasks(cfg: EvalConfig) -> None:
         cfg = OmegaConf.to_object(cfg)
     validate_eval(cfg)
     for index, task in enumerate(cfg.tasks):
-        (load_zeroshot if task.kind == "zeroshot" else load_retrieval)(task, _identity, index)
+        _LOADERS[task.kind](task, _identity, index)
 
 
 def _identity(x):
@@ -86,26 +88,33 @@ def _identity(x):
 
 
 def run_task(model, tokenizer, preprocess, task: EvalTaskConfig, index: int, cfg: EvalConfig,
-             rt: Runtime) -> dict[str, float]:
+             rt: Runtime, loss_fn: Optional[LossFn] = None) -> dict[str, float]:
     """Metrics of one task (unprefixed keys), identical on every rank of ``rt``."""
     cpu_tf, on_device = split_preprocess(preprocess)
     data = _load(task, index, cpu_tf)
     workers = resolve_workers(cfg.workers)
     if task.kind == "zeroshot":
         return evaluate_zeroshot(model, tokenizer, data, on_device, cfg.batch_size, workers, cfg.chunk_size, rt)
+    if task.kind == "contrastive":
+        return evaluate_contrastive(model, tokenizer, data, on_device, cfg.batch_size, workers, cfg.chunk_size,
+                                    rt, batch=task.batch, loss_fn=loss_fn)
     return evaluate_retrieval(model, tokenizer, data, on_device, cfg.batch_size, workers, cfg.chunk_size, rt)
 
 
 def run_evals(model, tokenizer, preprocess, cfg: EvalConfig, *, step: int, final: bool,
               device: Union[str, torch.device], rank: int = 0, world_size: int = 1, group=None,
-              autocast: Optional[Callable[[], ContextManager]] = None) -> dict[str, float]:
+              autocast: Optional[Callable[[], ContextManager]] = None,
+              loss_fn: Optional[LossFn] = None) -> dict[str, float]:
     """Run the tasks due at ``step`` (all of them when ``final``); returns {"eval/<task>/<metric>": v}.
 
     model: unwrapped open_clip CLIP (encode_image / encode_text). preprocess: PIL -> float
     tensor, or a (PIL -> uint8 tensor, on-device batch normalizer) pair. With cfg.all_ranks
     every rank of ``group`` must call this (same step) and all get the same dict; otherwise
     only rank 0 evaluates and the other ranks return {} at once. ``autocast``: zero-argument
-    context factory (e.g. ``make_autocast("bf16", device)``); None runs in fp32.
+    context factory (e.g. ``make_autocast("bf16", device)``); None runs in fp32. ``loss_fn``:
+    the contrastive tasks' loss, with the trainer's signature ``loss_fn(img, txt, scale[, bias])``
+    and no process group (each batch is scored whole on one rank); training passes its own
+    ``loss.kind``, None uses CLIP's loss (SigLIP's for a model with a logit bias).
     """
     if OmegaConf.is_config(cfg):  # a Hydra node straight from the trainer's config
         cfg = OmegaConf.to_object(cfg)
@@ -122,7 +131,7 @@ def run_evals(model, tokenizer, preprocess, cfg: EvalConfig, *, step: int, final
     with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=cuda):
         for index, task in tasks:
             start = time.perf_counter()
-            result = run_task(model, tokenizer, preprocess, task, index, cfg, rt)
+            result = run_task(model, tokenizer, preprocess, task, index, cfg, rt, loss_fn)
             result["seconds"] = time.perf_counter() - start
             metrics.update({f"eval/{task.name}/{k}": float(v) for k, v in result.items()})
     return metrics

@@ -3,6 +3,7 @@ tasks (``infclip.eval``) on the unwrapped model under the training precision."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,12 +25,18 @@ def evaluate(cfg: Any, info: DistInfo, parts: Any, step: int, final: bool) -> di
     if parts.guard is not None:
         parts.guard.check()  # never spend an eval on (or report) weights a bad update poisoned
     from infclip.eval import run_evals
+    from infclip.loss.build import build_loss
 
+    # Contrastive (val-data) tasks score whole batches on one rank: the run's loss.kind, no group,
+    # always tiled (vanilla/local would hold batch x batch logits) and unfiltered (same value).
+    impl = cfg.loss.impl if cfg.loss.impl in ("torch", "triton") else "auto"
+    loss_fn = build_loss(SimpleNamespace(kind=cfg.loss.kind, impl=impl, fp32_precision=cfg.loss.fp32_precision,
+                                         temperature=cfg.loss.temperature, grad_filter=0.0), group=None)
     with make_autocast(cfg.precision.amp, info.device)():
         results = run_evals(
             unwrap(parts.model), parts.built.tokenizer, parts.built.preprocess_val, parts.eval_cfg,
             step=step, final=final, device=info.device, rank=info.rank, world_size=info.world_size,
-            group=torch.distributed.group.WORLD if info.distributed else None,
+            group=torch.distributed.group.WORLD if info.distributed else None, loss_fn=loss_fn,
         )
     parts.logger.log(step, results)
     return results

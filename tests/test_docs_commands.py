@@ -1,4 +1,4 @@
-"""Every training command printed in README.md, docs/data.md and docs/launch.md, as a user
+"""Every training command printed in README.md, docs/data.md, docs/launch.md and docs/eval.md, as a user
 would paste it: bash splits it (quotes and braces), then the command-line check, Hydra's
 composition and the config's validation must accept it. The machines and data they name are
 not here, so they are composed and validated, not run (README's quick start and the own-data
@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from infclip.config import check_overrides, check_known_keys, register_configs, validate
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "docs/data.md", "docs/launch.md"]
+PAGES = ["README.md", "docs/data.md", "docs/launch.md", "docs/eval.md"]
 GROUPS = tuple(p.name for p in (ROOT / "configs").iterdir() if p.is_dir()) + ("optim", "eval")
 register_configs()
 

@@ -25,7 +25,9 @@ def evaluate(cfg: Any, info: DistInfo, parts: Any, step: int, final: bool) -> di
         parts.guard.check()  # never spend an eval on (or report) weights a bad update poisoned
     from infclip.eval import run_evals
 
-    with make_autocast(cfg.precision.amp, info.device)():
+    # pure_bf16: the weights are bf16 already; bf16 autocast casts the eval transforms' fp32 images to them
+    amp = "bf16" if cfg.precision.amp == "pure_bf16" else cfg.precision.amp
+    with make_autocast(amp, info.device)():
         results = run_evals(
             unwrap(parts.model), parts.built.tokenizer, parts.built.preprocess_val, parts.eval_cfg,
             step=step, final=final, device=info.device, rank=info.rank, world_size=info.world_size,

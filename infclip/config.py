@@ -416,7 +416,7 @@ def check_known_keys(cfg: Any, schema: type = None) -> None:
     schema = schema or TrainConfig
 
     def walk(node: Any, path: str) -> None:
-        if isinstance(node, ListConfig):
+        if isinstance(node, ListConfig) and not node._is_none():  # a null Optional[list] has no items
             for i, item in enumerate(node):
                 walk(item, f"{path}{i}.")
         if not isinstance(node, DictConfig):

@@ -1,6 +1,7 @@
 """The real train.py on tiny configs: metrics, checkpoints, resume, 2-process gloo."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -101,3 +102,17 @@ def test_two_process_gloo_run_takes_steps(tmp_path):
     ls = losses(run_dir)
     assert sorted(ls) == [1, 2]
     assert (run_dir / "checkpoints" / "step_00000002" / "rank_00001.pt").exists()
+
+
+def test_pure_bf16_trains_bf16_weights_without_autocast(tmp_path):
+    """precision.amp=pure_bf16 (open_clip's): the weights are bf16, the optimizer steps them,
+    the loss stays finite and moves, eval runs, and the checkpoint holds bf16 tensors."""
+    run_dir = tmp_path / "run"
+    proc = run_train(tmp_path, f"run_dir={run_dir}", "steps=3", "precision.amp=pure_bf16")
+    ls = losses(run_dir)
+    assert sorted(ls) == [1, 2, 3] and all(math.isfinite(v) for v in ls.values())
+    assert "done: 3 steps" in proc.stdout
+    assert any(k.startswith("eval/synthetic_zeroshot/") for k in metrics(run_dir)[-1]["summary"])
+    saved = torch.load(run_dir / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
+    assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert ls[3] != ls[1]  # the bf16 parameters were updated

@@ -46,6 +46,15 @@ class ModelConfig:
     # input side in pixels (open_clip's force_image_size); None: the model config's own. Pretrained
     # ViT position embeddings are interpolated to it; transforms and checkpoints follow it.
     image_size: Optional[int] = None
+    # Inference/normalization preprocessing overrides (open_clip's --image-mean, --image-std,
+    # --image-interpolation, --image-resize-mode; create_model_and_transforms' image_* arguments).
+    # None: the model config's own (OpenAI's mean/std, bicubic, shortest side). They set the
+    # training normalization and the eval transforms, and are written to the checkpoints'
+    # open_clip_config.json preprocess_cfg, so open_clip / clip_benchmark preprocess the same way.
+    image_mean: Optional[list[float]] = None  # per-channel RGB mean in [0, 1], e.g. [0.5, 0.5, 0.5]
+    image_std: Optional[list[float]] = None  # per-channel RGB std (> 0)
+    image_interpolation: Optional[str] = None  # eval resize: "bicubic" | "bilinear" (timm train pipeline too)
+    image_resize_mode: Optional[str] = None  # eval resize: "shortest" | "longest" | "squash"
 
 
 @dataclass
@@ -83,7 +92,10 @@ class ScheduleConfig:
 
 @dataclass
 class PrecisionConfig:
-    amp: str = "fp32"  # "fp32" | "bf16" | "fp16" (fp16 uses a GradScaler)
+    # "fp32" | "bf16" | "fp16" (autocast; fp16 uses a GradScaler) | "pure_bf16" (open_clip's: the
+    # weights themselves are bf16, no autocast, the optimizer steps bf16 parameters; the loss is
+    # still computed in fp32 from the bf16 embeddings)
+    amp: str = "fp32"
     tf32: bool = False  # allow TF32 matmuls in the towers (CUDA)
 
 
@@ -184,7 +196,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "loss.impl": ("auto", "vanilla", "local", "torch", "triton"),
     "loss.fp32_precision": ("ieee", "tf32"),
     "schedule.kind": ("cosine", "constant", "const-cooldown"),
-    "precision.amp": ("fp32", "bf16", "fp16"),
+    "precision.amp": ("fp32", "bf16", "fp16", "pure_bf16"),
     "memory.grad_cache": ("auto", "on", "off"),
     "memory.cache_dtype": ("fp32", "bf16"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
@@ -404,7 +416,7 @@ def check_known_keys(cfg: Any, schema: type = None) -> None:
     schema = schema or TrainConfig
 
     def walk(node: Any, path: str) -> None:
-        if isinstance(node, ListConfig):
+        if isinstance(node, ListConfig) and not node._is_none():  # a null Optional[list] has no items
             for i, item in enumerate(node):
                 walk(item, f"{path}{i}.")
         if not isinstance(node, DictConfig):
@@ -441,11 +453,31 @@ def _validate_model(cfg: Any) -> None:
                           "model.patch_dropout=0 or model.lock_image=false")
     if m.image_size is not None and m.image_size <= 0:
         raise ConfigError(f"model.image_size must be > 0 pixels (or null for the model's own), got {m.image_size}")
+    _validate_preprocess(m)
     d = cfg.data.image_size
     if m.image_size is not None and d is not None and d != m.image_size:
         raise ConfigError(f"data.image_size={d} but model.image_size={m.image_size}: the model is built for "
                           f"{m.image_size}-px inputs and the crops must have that side; drop data.image_size "
                           f"(it follows model.image_size) or set both to the same value")
+
+
+def _validate_preprocess(m: Any) -> None:
+    """model.image_mean/std: 3 (or 1) numbers, std > 0; interpolation and resize mode among open_clip's."""
+    for key, positive in (("image_mean", False), ("image_std", True)):
+        v = getattr(m, key)
+        if v is None:
+            continue
+        v = list(v)
+        if len(v) not in (1, 3) or any(not (x > 0 if positive else 0 <= x <= 1) for x in v):
+            want = "> 0" if positive else "in [0, 1] (pixels scaled to [0, 1])"
+            raise ConfigError(f"model.{key} must be null or 3 per-channel RGB values (or 1 for all) {want}, got {v}; "
+                              f"e.g. model.{key}=[0.5,0.5,0.5]")
+    if m.image_interpolation not in (None, "bicubic", "bilinear"):
+        raise ConfigError(f"model.image_interpolation={m.image_interpolation!r}: choose bicubic, bilinear or null "
+                          "(the model's own)")
+    if m.image_resize_mode not in (None, "shortest", "longest", "squash"):
+        raise ConfigError(f"model.image_resize_mode={m.image_resize_mode!r}: choose shortest, longest, squash or "
+                          "null (the model's own)")
 
 
 def _validate_loss(cfg: Any) -> None:

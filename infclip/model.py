@@ -83,6 +83,11 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
         kwargs["force_image_size"] = cfg.image_size
     if cfg.init_logit_bias is not None:
         kwargs["init_logit_bias"] = cfg.init_logit_bias
+    # preprocessing overrides: model.visual.preprocess_cfg, preprocess_val and the export follow them
+    for key in ("image_mean", "image_std", "image_interpolation", "image_resize_mode"):
+        value = getattr(cfg, key, None)
+        if value is not None:
+            kwargs[key] = tuple(value) * (3 if len(value) == 1 else 1) if key in ("image_mean", "image_std") else value
     try:
         model, _, preprocess_val = open_clip.create_model_and_transforms(
             name, pretrained=cfg.pretrained, device=device, output_dict=True, **kwargs)

@@ -32,6 +32,24 @@ class DataConfig:
     json_caption_key: Optional[str] = None  # pick the caption from this key of {key}.json instead
     aug_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop scale (the paper's)
     aug_ratio: tuple[float, float] = (0.75, 1.3333333)  # RandomResizedCrop ratio (the paper's)
+    # Extra augmentations (open_clip's --aug-cfg); all off by default (CLIP's recipe is the crop
+    # alone). They run in the loader workers on each sample, under the per-batch seeded RNG
+    # (infclip/data/stream.py), so a resumed run and both gradient-cache passes see the same
+    # pixels. The GPU JPEG path (data.decode=device) only crops: these need data.decode=cpu.
+    # colour jitter strength: [] off, [s] (brightness=contrast=saturation=s), [b, c, s] or
+    # [b, c, s, hue] (torchvision ColorJitter; open_clip's color_jitter, e.g. [0.4, 0.4, 0.4, 0.1])
+    color_jitter: list[float] = field(default_factory=list)
+    color_jitter_prob: float = 1.0  # probability a sample is jittered when color_jitter is set
+    gray_scale_prob: float = 0.0  # probability a sample becomes greyscale (R=G=B; open_clip's gray_scale_prob)
+    # timm's RandomErasing (open_clip's re_prob / re_count): probability a sample gets re_count
+    # erased boxes filled with per-pixel N(0, 1) noise in normalized space (timm's re_mode=pixel),
+    # written back as uint8 (clamped to [0, 255]) in the worker, so replays read the same pixels
+    re_prob: float = 0.0
+    re_count: int = 1
+    # timm's create_transform pipeline (open_clip's aug_cfg use_timm: timm's RandomResizedCrop with
+    # python-RNG boxes, color_jitter, random erasing; no flip) instead of open_clip's; full decode
+    # (data.jpeg_draft is not used), color_jitter_prob / gray_scale_prob are not part of it
+    use_timm: bool = False
     # Where training images are decoded (infclip/data/jpeg.py):
     #   "auto" (default): "device" when the GPU has hardware JPEG engines that nvImageCodec can
     #       drive (pip install 'infclip[hwdecode]'), else "cpu"; the startup line says which.
@@ -102,6 +120,7 @@ def check_data_config(cfg: DataConfig) -> None:
     lo, hi = cfg.aug_ratio
     if not 0 < lo <= hi:
         raise ValueError(f"data.aug_ratio must satisfy 0 < low <= high, got {list(cfg.aug_ratio)}")
+    _check_augmentation(cfg)
     for i, s in enumerate(cfg.sources):
         if not s.shards or s.weight <= 0:
             raise ValueError(f"data.sources[{i}] needs a shard spec and weight > 0 (got {s.shards!r}, {s.weight})")
@@ -113,3 +132,44 @@ def check_data_config(cfg: DataConfig) -> None:
     if 0 < cfg.stall_abort_s <= cfg.stall_warn_s:
         raise ValueError(f"data.stall_abort_s={cfg.stall_abort_s:g} must be larger than data.stall_warn_s="
                          f"{cfg.stall_warn_s:g} (warn first, then stop), or 0 (never stop)")
+
+
+def augmentation_keys(cfg: DataConfig) -> list[str]:
+    """The data.* augmentation keys set beyond the random resized crop (empty: crop only)."""
+    keys = []
+    if list(cfg.color_jitter) and any(v != 0 for v in cfg.color_jitter) and cfg.color_jitter_prob > 0:
+        keys.append("data.color_jitter")
+    if cfg.gray_scale_prob > 0:
+        keys.append("data.gray_scale_prob")
+    if cfg.re_prob > 0:
+        keys.append("data.re_prob")
+    if cfg.use_timm:
+        keys.append("data.use_timm")
+    return keys
+
+
+def _check_augmentation(cfg: DataConfig) -> None:
+    jitter = list(cfg.color_jitter)
+    if len(jitter) not in (0, 1, 3, 4) or any(not v >= 0 for v in jitter):
+        raise ValueError(f"data.color_jitter must be [], [strength], [brightness, contrast, saturation] or "
+                         f"[brightness, contrast, saturation, hue] with values >= 0, got {jitter}")
+    if len(jitter) == 4 and jitter[3] > 0.5:
+        raise ValueError(f"data.color_jitter's hue (4th value) must be in [0, 0.5], got {jitter[3]}")
+    for key in ("color_jitter_prob", "gray_scale_prob", "re_prob"):
+        value = getattr(cfg, key)
+        if not 0 <= value <= 1:  # also rejects NaN
+            raise ValueError(f"data.{key} is a probability and must be in [0, 1], got {value}")
+    if cfg.re_count < 1:
+        raise ValueError(f"data.re_count must be >= 1 (boxes erased per erased sample), got {cfg.re_count}")
+    if cfg.use_timm and (cfg.color_jitter_prob != 1 or cfg.gray_scale_prob > 0):
+        raise ValueError("data.use_timm=true builds timm's pipeline, which has no data.color_jitter_prob or "
+                         "data.gray_scale_prob (timm jitters every sample when data.color_jitter is set): "
+                         "leave them at 1.0 and 0.0, or set data.use_timm=false")
+    keys = augmentation_keys(cfg)
+    if keys and cfg.decode == "device":
+        raise ValueError(
+            f"{', '.join(keys)} asks for augmentations the GPU JPEG path cannot do: with data.decode=device "
+            "the loader workers only parse each JPEG's header and draw its random resized crop, and the "
+            "trainer decodes and resizes on the GPU, so no colour jitter, greyscale, random erasing or timm "
+            "pipeline would ever touch the pixels. Set data.decode=cpu (the workers decode and augment; "
+            "data.decode=auto picks it by itself for these keys), or drop " + " and ".join(keys) + ".")

@@ -307,16 +307,24 @@ class BatchStream(IterableDataset):
         images: list[torch.Tensor] = []
         texts: list[str] = []
         rng = random.Random(seed)
-        with torch.random.fork_rng(devices=[]):  # keep the caller's RNG untouched (workers=0)
-            torch.manual_seed(seed)
-            while len(images) < self.spec.loader_batch:
-                sample = next(stream)
-                raw += 1
-                try:
-                    image, text = decode(sample, self.spec, self.transform, rng)
-                except Skip as skip:
-                    counts[skip.reason] += 1
-                    continue
-                images.append(image)
-                texts.append(text)
+        # Augmentations draw from torch's RNG (crops, jitter, erasing noise) and Python's global
+        # one (open_clip's jitter/greyscale coins, timm's crops and erasing boxes): both are seeded
+        # per batch and restored after (keep the caller's RNG untouched with workers=0).
+        py_state = random.getstate()
+        random.seed(seed)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                while len(images) < self.spec.loader_batch:
+                    sample = next(stream)
+                    raw += 1
+                    try:
+                        image, text = decode(sample, self.spec, self.transform, rng)
+                    except Skip as skip:
+                        counts[skip.reason] += 1
+                        continue
+                    images.append(image)
+                    texts.append(text)
+        finally:
+            random.setstate(py_state)
         return images, texts, raw

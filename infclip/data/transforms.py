@@ -15,6 +15,9 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 from open_clip.transform import AugmentationCfg, image_transform
+from open_clip.transform import color_jitter as oc_color_jitter
+from open_clip.transform import gray_scale as oc_gray_scale
+from timm.data.random_erasing import RandomErasing
 from PIL import Image
 from torchvision.transforms import Compose, InterpolationMode, Normalize, PILToTensor, RandomResizedCrop, ToTensor
 from torchvision.transforms import functional as F
@@ -33,22 +36,114 @@ def _to_uint8(compose: Compose) -> Compose:
 def train_transform(image_size: int, mean: Optional[Sequence[float]] = None,
                     std: Optional[Sequence[float]] = None,
                     aug_scale: Sequence[float] = (0.08, 1.0),
-                    aug_ratio: Sequence[float] = (0.75, 1.3333333), draft: bool = True) -> Transform:
+                    aug_ratio: Sequence[float] = (0.75, 1.3333333), draft: bool = True, *,
+                    color_jitter: Sequence[float] = (), color_jitter_prob: float = 1.0,
+                    gray_scale_prob: float = 0.0, re_prob: float = 0.0, re_count: int = 1,
+                    use_timm: bool = False, interpolation: Optional[str] = None) -> Transform:
     """open_clip's train transform (RandomResizedCrop with the paper's scale/ratio, RGB) -> uint8.
 
-    ``mean``/``std`` are accepted for symmetry with open_clip but only used by :class:`Normalizer`.
-    ``draft=True``: a :class:`DraftRandomResizedCrop` (same crops, same RNG use; decodes JPEGs at
-    1/2, 1/4 or 1/8 scale when the crop allows it; takes the encoded bytes). ``draft=False``:
+    ``mean``/``std`` feed :class:`Normalizer` and random erasing's noise (drawn in normalized
+    space). ``draft=True``: a :class:`DraftRandomResizedCrop` (same crops, same RNG use; decodes
+    JPEGs at 1/2, 1/4 or 1/8 scale when the crop allows it; takes the encoded bytes). ``draft=False``:
     open_clip's Compose, a callable PIL.Image -> uint8 tensor (3, image_size, image_size).
+
+    The rest are open_clip's AugmentationCfg (``data.color_jitter`` ... in infclip/data/config.py):
+    colour jitter and greyscale (open_clip's ``color_jitter`` / ``gray_scale``, applied to the
+    uint8 crop), then random erasing (:class:`UInt8RandomErasing`). ``use_timm``: open_clip's
+    timm pipeline (``image_transform`` with ``use_timm``), ending in uint8 likewise; ``draft`` is
+    not used. All draw from torch's and Python's RNGs, which the loader seeds per batch.
     """
+    jitter = _jitter(color_jitter)
+    if use_timm:
+        return _timm_transform(image_size, mean, std, aug_scale, aug_ratio, jitter, re_prob, re_count, interpolation)
     if draft:
-        return DraftRandomResizedCrop(image_size, aug_scale, aug_ratio)
-    aug = AugmentationCfg(scale=tuple(aug_scale))
-    compose = image_transform(image_size, is_train=True, mean=mean, std=std, aug_cfg=aug)
-    for t in compose.transforms:
-        if isinstance(t, RandomResizedCrop):
-            t.ratio = tuple(aug_ratio)  # open_clip's non-timm path leaves torchvision's default
-    return _to_uint8(compose)
+        crop: Transform = DraftRandomResizedCrop(image_size, aug_scale, aug_ratio)
+    else:
+        compose = image_transform(image_size, is_train=True, mean=mean, std=std, aug_cfg=AugmentationCfg(
+            scale=tuple(aug_scale)))
+        for t in compose.transforms:
+            if isinstance(t, RandomResizedCrop):
+                t.ratio = tuple(aug_ratio)  # open_clip's non-timm path leaves torchvision's default
+        crop = _to_uint8(compose)
+    extras: list[Transform] = []
+    if jitter and color_jitter_prob > 0:
+        extras.append(oc_color_jitter(*jitter, p=color_jitter_prob))
+    if gray_scale_prob > 0:
+        extras.append(oc_gray_scale(gray_scale_prob))
+    if re_prob > 0:
+        extras.append(UInt8RandomErasing(RandomErasing(re_prob, mode="pixel", max_count=re_count, device="cpu"),
+                                         mean, std))
+    return Augmented(crop, extras) if extras else crop
+
+
+def _jitter(values: Sequence[float]) -> tuple[float, ...]:
+    """data.color_jitter as (brightness, contrast, saturation, hue); () when off (timm's reading
+    of one value s: (s, s, s); of three: hue 0)."""
+    values = tuple(float(v) for v in values)
+    if not any(values):
+        return ()
+    if len(values) == 1:
+        values = values * 3
+    return values + (0.0,) * (4 - len(values))
+
+
+def _timm_transform(image_size, mean, std, scale, ratio, jitter, re_prob, re_count, interpolation) -> Transform:
+    """open_clip's ``use_timm`` pipeline with ToTensor/Normalize replaced by PILToTensor and
+    timm's RandomErasing (which works on normalized floats) by :class:`UInt8RandomErasing`."""
+    aug = AugmentationCfg(scale=tuple(scale), ratio=tuple(ratio), color_jitter=jitter or None,
+                          re_prob=re_prob or None, re_count=re_count if re_prob else None, use_timm=True)
+    compose = image_transform(image_size, is_train=True, mean=mean, std=std, interpolation=interpolation,
+                              aug_cfg=aug)
+    kept = [t for t in compose.transforms if not isinstance(t, (ToTensor, Normalize, RandomErasing))]
+    erase = [UInt8RandomErasing(t, mean, std) for t in compose.transforms if isinstance(t, RandomErasing)]
+    return Compose(kept + [PILToTensor()] + erase)
+
+
+class Augmented:
+    """A crop (PIL image or encoded bytes -> uint8 (3, S, S)) followed by uint8 tensor ops."""
+
+    def __init__(self, crop: Transform, extras: Sequence[Transform]):
+        self.crop, self.extras = crop, list(extras)
+        self.decodes_bytes = getattr(crop, "decodes_bytes", False)  # the loader passes what the crop takes
+
+    def __call__(self, image: object) -> torch.Tensor:
+        out = self.crop(image)
+        for t in self.extras:
+            out = t(out)
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.crop!r}, {self.extras!r})"
+
+
+class UInt8RandomErasing:
+    """timm's RandomErasing on a uint8 image, in the loader worker.
+
+    timm erases after Normalize (box pixels ~ N(0, 1) per pixel in normalized space, re_mode
+    'pixel'). Here the boxes and noise come from the same timm object and the same RNG draws
+    (Python's ``random`` for the boxes, torch's for the noise), drawn on a NaN canvas; the drawn
+    values are mapped back to pixels, ``(z * std + mean) * 255``, rounded and clamped to [0, 255].
+    Pixels outside the boxes are untouched, so the step's uint8 batch stays what both
+    gradient-cache passes and a resumed run read.
+    """
+
+    def __init__(self, erase: RandomErasing, mean: Optional[Sequence[float]] = None,
+                 std: Optional[Sequence[float]] = None):
+        self.erase = erase
+        self.mean = torch.tensor(mean or OPENAI_DATASET_MEAN, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.tensor(std or OPENAI_DATASET_STD, dtype=torch.float32).view(-1, 1, 1)
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        canvas = torch.full(img.shape, float("nan"), dtype=torch.float32)
+        self.erase(canvas)
+        boxes = ~canvas.isnan()
+        if not boxes.any():
+            return img
+        pixels = ((canvas * self.std + self.mean) * 255.0).round().clamp(0, 255).to(torch.uint8)
+        return torch.where(boxes, pixels, img)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.erase!r})"
 
 
 class ImageDecodeError(Exception):

@@ -57,6 +57,8 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
         from infclip.train.simclr import wrap_model
 
         built = wrap_model(built, cfg.loss.temperature)
+    if cfg.precision.amp == "pure_bf16":  # open_clip's pure_bf16: bf16 weights, no autocast (engine.py)
+        built.model.to(torch.bfloat16)
     apply_locks(built.model, cfg.model)
     if cfg.model.compile:  # in place: state-dict keys, locks and DDP see the same modules
         compile_towers(built.model)
@@ -119,8 +121,12 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
                                  keep_bytes=_keep_bytes(cfg, info.device), decode_threads=cfg.data.decode_threads)
         why = f"{why}; decoder {normalizer.describe()}"
     else:
-        transform = train_transform(size, built.mean, built.std, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio),
-                                    draft=cfg.data.jpeg_draft)
+        d = cfg.data
+        transform = train_transform(size, built.mean, built.std, tuple(d.aug_scale), tuple(d.aug_ratio),
+                                    draft=d.jpeg_draft, color_jitter=tuple(d.color_jitter),
+                                    color_jitter_prob=d.color_jitter_prob, gray_scale_prob=d.gray_scale_prob,
+                                    re_prob=d.re_prob, re_count=d.re_count, use_timm=d.use_timm,
+                                    interpolation=cfg.model.image_interpolation)
         normalizer = Normalizer(built.mean, built.std).to(info.device)
     if info.is_main:
         print(f"data: decode={decode} ({why})", flush=True)
@@ -144,6 +150,11 @@ def resolve_decode(cfg: Any, device: torch.device) -> tuple[str, str]:
         return want, f"data.decode={want}"
     if cfg.task == "simclr":
         return "cpu", "auto: task=simclr augments decoded images on the host"
+    from infclip.data.config import augmentation_keys
+
+    augs = augmentation_keys(cfg.data)
+    if augs:
+        return "cpu", f"auto: {', '.join(augs)} augment in the loader workers (the GPU JPEG path only crops)"
     if device.type != "cuda":
         return "cpu", "auto: CPU training device"
     if cfg.data.device_decoder not in ("auto", "hardware"):

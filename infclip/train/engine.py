@@ -68,6 +68,7 @@ class EngineSettings:
     cache_dtype: torch.dtype  # cached embeddings and their gradients
     offload: bool  # stream micro-batches from pinned host memory
     amp: Optional[torch.dtype]  # autocast dtype for the encoders (None: fp32)
+    input_dtype: torch.dtype = torch.float32  # normalized images handed to the towers (pure_bf16: bf16)
 
     @property
     def num_micro(self) -> int:
@@ -89,7 +90,9 @@ def build_engine(cfg: Any, model: nn.Module, *, device, normalizer: Callable[[Te
     settings = EngineSettings(
         local=local, micro=micro, grad_cache=mode == "on" or (mode == "auto" and micro < local),
         cache_dtype=_DTYPES[cfg.memory.cache_dtype], offload=cfg.memory.offload,
-        amp=None if cfg.precision.amp == "fp32" else _DTYPES[cfg.precision.amp],
+        amp=None if cfg.precision.amp in ("fp32", "pure_bf16") else _DTYPES[cfg.precision.amp],
+        # pure_bf16: the weights are bf16 (build.py) and no autocast casts the images for them
+        input_dtype=torch.bfloat16 if cfg.precision.amp == "pure_bf16" else torch.float32,
     )
     plan = lock_plan(unwrap(model), cfg.model)
     return StepEngine(model, settings, device=device, normalizer=normalizer, loss_fn=loss_fn,
@@ -214,7 +217,7 @@ class StepEngine:
     def _prepare(self, batch: dict) -> _Micro:
         """Normalize images; run locked trunks / frozen towers once (no grad, eval mode)."""
         with torch.no_grad(), self._autocast():
-            m = _Micro(self.normalizer(batch["images"]), batch["tokens"])
+            m = _Micro(self._images(batch), batch["tokens"])
             for side, tower in (("img", self.plan.image), ("txt", self.plan.text)):
                 x = getattr(m, f"{side}_in")
                 if tower.mode == "frozen":
@@ -312,7 +315,7 @@ class StepEngine:
     def _replay(self, k: int, batch: dict, m: _Micro, rng, g_img, g_txt, g_extras) -> None:
         """Re-encode micro-batch ``k`` under its pass-1 RNG state and back-propagate."""
         if self.plan.image.mode == "train":
-            m.img_in = self.normalizer(batch["images"])
+            m.img_in = self._images(batch)
         if self.plan.text.mode == "train":
             m.txt_in = batch["tokens"]
         last = k == self.s.num_micro - 1
@@ -339,6 +342,10 @@ class StepEngine:
 
     def _scaled(self, loss: Tensor) -> Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def _images(self, batch: dict) -> Tensor:
+        """The micro-batch's uint8 images, normalized, in the towers' input dtype."""
+        return self.normalizer(batch["images"]).to(self.s.input_dtype)
 
     def _autocast(self):
         if self.s.amp is None:

@@ -32,7 +32,9 @@ def evaluate(cfg: Any, info: DistInfo, parts: Any, step: int, final: bool) -> di
     impl = cfg.loss.impl if cfg.loss.impl in ("torch", "triton") else "auto"
     loss_fn = build_loss(SimpleNamespace(kind=cfg.loss.kind, impl=impl, fp32_precision=cfg.loss.fp32_precision,
                                          temperature=cfg.loss.temperature, grad_filter=0.0), group=None)
-    with make_autocast(cfg.precision.amp, info.device)():
+    # pure_bf16: the weights are bf16 already; bf16 autocast casts the eval transforms' fp32 images to them
+    amp = "bf16" if cfg.precision.amp == "pure_bf16" else cfg.precision.amp
+    with make_autocast(amp, info.device)():
         results = run_evals(
             unwrap(parts.model), parts.built.tokenizer, parts.built.preprocess_val, parts.eval_cfg,
             step=step, final=final, device=info.device, rank=info.rank, world_size=info.world_size,

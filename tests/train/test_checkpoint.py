@@ -316,3 +316,58 @@ def test_the_data_position_error_names_a_way_that_exists():
     message = str(err.value)
     assert "workers was 2 now 1" in message and "afresh" not in message.split("model.pretrained")[0]
     assert "model.pretrained=<checkpoint>/model.pt" in message
+
+
+def test_preprocess_overrides_reach_training_eval_and_the_open_clip_export(tmp_path):
+    """model.image_mean/std/interpolation/resize_mode: the trainer's normalization, its eval
+    transform, and the exported open_clip_config.json, which open_clip's local-dir: loader
+    (what clip_benchmark uses) turns into the same transform."""
+    import json
+
+    import open_clip
+    from torchvision.transforms import InterpolationMode, Normalize, Resize
+
+    from infclip.config import ModelConfig
+    from infclip.export import checkpoint_writer
+    from infclip.model import build_model
+
+    mcfg = ModelConfig(name="infclip-micro", image_mean=[0.5, 0.5, 0.5], image_std=[0.25, 0.5, 0.75],
+                       image_interpolation="bilinear", image_resize_mode="squash")
+    built = build_model(mcfg)
+    assert built.mean == (0.5, 0.5, 0.5) and built.std == (0.25, 0.5, 0.75)  # the trainer's Normalizer
+    ours = built.preprocess_val.transforms
+    folder = tmp_path / "export"
+    checkpoint_writer(built, mcfg)(folder, built.model.state_dict())
+    pp = json.loads((folder / "open_clip_config.json").read_text())["preprocess_cfg"]
+    assert pp["mean"] == [0.5, 0.5, 0.5] and pp["std"] == [0.25, 0.5, 0.75]
+    assert pp["interpolation"] == "bilinear" and pp["resize_mode"] == "squash"
+    model, _, theirs = open_clip.create_model_and_transforms("local-dir:" + str(folder))
+    assert list(model.visual.preprocess_cfg["mean"]) == [0.5, 0.5, 0.5]
+    for transforms in (ours, theirs.transforms):
+        norm = next(t for t in transforms if isinstance(t, Normalize))
+        resize = next(t for t in transforms if isinstance(t, Resize))
+        assert list(norm.mean) == [0.5, 0.5, 0.5] and list(norm.std) == [0.25, 0.5, 0.75]
+        assert resize.interpolation == InterpolationMode.BILINEAR and resize.size == (32, 32)  # squash
+    image = torch.rand(3, 40, 56)
+    from torchvision.transforms.functional import to_pil_image
+
+    assert torch.equal(built.preprocess_val(to_pil_image(image)), theirs(to_pil_image(image)))
+
+
+@pytest.mark.parametrize("override, match", [
+    ("model.image_mean=[0.5,0.5]", r"model.image_mean must be null or 3 per-channel"),
+    ("model.image_std=[0.5,0,0.5]", r"model.image_std must be null or 3 .* > 0"),
+    ("model.image_interpolation=nearest", r"model.image_interpolation='nearest': choose bicubic, bilinear"),
+    ("model.image_resize_mode=crop", r"model.image_resize_mode='crop': choose shortest, longest, squash"),
+])
+def test_bad_preprocess_overrides_name_the_key(override, match):
+    from hydra import compose, initialize_config_dir
+
+    from infclip.config import ConfigError, register_configs, validate
+
+    register_configs()
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+    with initialize_config_dir(config_dir=configs, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[override])
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, 1)

@@ -1,6 +1,7 @@
 """The real train.py on tiny configs: metrics, checkpoints, resume, 2-process gloo."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -101,3 +102,39 @@ def test_two_process_gloo_run_takes_steps(tmp_path):
     ls = losses(run_dir)
     assert sorted(ls) == [1, 2]
     assert (run_dir / "checkpoints" / "step_00000002" / "rank_00001.pt").exists()
+
+
+def test_pure_bf16_trains_bf16_weights_without_autocast(tmp_path):
+    """precision.amp=pure_bf16 (open_clip's): the weights are bf16, the optimizer steps them,
+    the loss stays finite and moves, eval runs, and the checkpoint holds bf16 tensors."""
+    run_dir = tmp_path / "run"
+    proc = run_train(tmp_path, f"run_dir={run_dir}", "steps=3", "precision.amp=pure_bf16")
+    ls = losses(run_dir)
+    assert sorted(ls) == [1, 2, 3] and all(math.isfinite(v) for v in ls.values())
+    assert "done: 3 steps" in proc.stdout
+    assert any(k.startswith("eval/synthetic_zeroshot/") for k in metrics(run_dir)[-1]["summary"])
+    saved = torch.load(run_dir / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
+    assert {t.dtype for t in saved.values() if t.is_floating_point()} == {torch.bfloat16}
+    assert ls[3] != ls[1]  # the bf16 parameters were updated
+
+
+def test_augmentations_and_preprocess_overrides_train_and_reach_the_export(tmp_path):
+    """open_clip's --aug-cfg and --image-* as keys: the run trains on the CPU pipeline (chosen by
+    decode=auto, saying why), and its checkpoint's open_clip_config.json carries the overrides,
+    which open_clip's local-dir: loader picks up."""
+    run_dir = tmp_path / "run"
+    proc = run_train(tmp_path, f"run_dir={run_dir}", "steps=2", "eval.tasks=[]",
+                     "data.color_jitter=[0.4,0.4,0.4,0.1]", "data.color_jitter_prob=0.8",
+                     "data.gray_scale_prob=0.2", "data.re_prob=0.25",
+                     "model.image_mean=[0.5,0.5,0.5]", "model.image_std=[0.5,0.5,0.5]",
+                     "model.image_interpolation=bilinear", "model.image_resize_mode=squash")
+    assert "data: decode=cpu (auto: data.color_jitter, data.gray_scale_prob, data.re_prob augment" in proc.stdout
+    assert all(math.isfinite(v) for v in losses(run_dir).values())
+    folder = run_dir / "checkpoints" / "step_00000002"
+    pp = json.loads((folder / "open_clip_config.json").read_text())["preprocess_cfg"]
+    assert pp == {**pp, "mean": [0.5] * 3, "std": [0.5] * 3, "interpolation": "bilinear", "resize_mode": "squash"}
+    import open_clip
+
+    _, _, preprocess = open_clip.create_model_and_transforms("local-dir:" + str(folder))
+    norm = preprocess.transforms[-1]
+    assert list(norm.mean) == [0.5] * 3 and list(norm.std) == [0.5] * 3

@@ -118,8 +118,7 @@ def host_phases(dec: JpegDecoder, rows: PackedJpegs, repeats: int) -> str:
     for _ in range(repeats):
         datas = tick("payloads", rows.payloads)
         if nv is not None and dec.backend.name == "hardware":
-            streams = tick("CodeStream x n", lambda: [nv.CodeStream(d) for d in datas])
-            del streams
+            tick("CodeStream x n", lambda: [nv.CodeStream(d) for d in datas])
         images = tick("backend.decode", lambda: dec.backend.decode(datas, dec._stream))
         with torch.cuda.stream(dec._stream):
             tick("resize launch", lambda: resized_crop(images, rows.index[:, 1:5], dec.size))

@@ -695,7 +695,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ok, detail = False, f"{type(e).__name__}: {e}"
         rows.append((name, "ok" if ok else "FAIL", detail, time.perf_counter() - t))
         print(f"{rows[-1][1]:4} {name}: {detail}", file=sys.stderr, flush=True)
-    print(f"| case | outcome | what happened | s |\n|---|---|---|---|")
+    print("| case | outcome | what happened | s |\n|---|---|---|---|")
     for name, outcome, detail, secs in rows:
         print(f"| {name} | {outcome} | {detail.replace('|', '/')} | {secs:.0f} |")
     print(f"\n{sum(r[1] == 'ok' for r in rows)}/{len(rows)} ok in {time.perf_counter() - t0:.0f} s "

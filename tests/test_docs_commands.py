@@ -6,7 +6,6 @@ path are run for real by tests/train/test_train_cli.py and test_own_data_cli.py)
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

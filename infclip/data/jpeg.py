@@ -45,7 +45,7 @@ from PIL import Image
 from torch import Tensor, nn
 from torchvision.transforms import RandomResizedCrop
 
-from infclip.kernels.resize import bicubic_weights, resized_crop, resized_crop_reference  # noqa: F401 (re-export)
+from infclip.kernels.resize import resized_crop, resized_crop_reference
 
 HEADER_INTS = 8
 HEADER = 4 * HEADER_INTS  # bytes

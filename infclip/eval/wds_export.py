@@ -20,11 +20,11 @@ folder without it is incomplete.
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
-import tarfile
 from typing import Optional, Sequence
+
+import webdataset
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 DEFAULT_TEMPLATES = ("a photo of a {c}.", "a photo of the {c}.", "a picture of a {c}.")
@@ -42,12 +42,6 @@ def list_classes(root: str) -> list[tuple[str, list[str]]]:
         folder = os.path.join(root, c)
         out.append((c, sorted(os.path.join(folder, f) for f in os.listdir(folder) if not f.startswith("."))))
     return out
-
-
-def _add(tar: tarfile.TarFile, name: str, payload: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(payload)
-    tar.addfile(info, io.BytesIO(payload))
 
 
 def _atomic_text(path: str, text: str) -> None:
@@ -84,12 +78,11 @@ def export(root: str, out: str, templates: Optional[Sequence[str]] = None, shard
     shards = max(1, -(-len(samples) // shard_size))
     for s in range(shards):
         path = os.path.join(out, split, f"{s}.tar")
-        with tarfile.open(path + ".tmp", "w") as tar:
+        with open(path + ".tmp", "wb") as f, webdataset.TarWriter(f) as tar:  # bytes written as given
             for i in range(s * shard_size, min((s + 1) * shard_size, len(samples))):
                 src, ext, label = samples[i]
-                with open(src, "rb") as f:
-                    _add(tar, f"s{i:08d}.{ext}", f.read())
-                _add(tar, f"s{i:08d}.cls", str(label).encode())
+                with open(src, "rb") as img:
+                    tar.write({"__key__": f"s{i:08d}", ext: img.read(), "cls": str(label).encode()})
         os.replace(path + ".tmp", path)
     _atomic_text(os.path.join(out, split, "nshards.txt"), f"{shards}\n")
     return {"images": len(samples), "classes": len(classes), "shards": shards, "skipped": skipped}

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
-from infclip.data.jpeg import HEADER, REENCODED, JpegDecoder, JpegPacker, PackedJpegs, bicubic_weights, unpack_header
+from infclip.data.jpeg import HEADER, REENCODED, JpegDecoder, JpegPacker, PackedJpegs, unpack_header
 from infclip.data.stream import Skip
 from infclip.data.transforms import train_transform
 
@@ -71,19 +71,6 @@ def test_decoder_matches_the_cpu_transform_within_one_level(sizes):
     diff = (levels(decoder, out) - torch.stack(refs).float()).abs()
     assert diff.max() <= 1, diff.max()
     assert diff.mean() < 0.35, diff.mean()  # JPEG decoder rounding (IDCT) and float vs fixed-point weights
-
-
-def test_bicubic_weights_are_normalized_inside_the_crop_and_zero_outside():
-    start, length = torch.tensor([0, 5, 17]), torch.tensor([40, 10, 3])
-    w = bicubic_weights(start, length, out=8, size=40)
-    assert torch.allclose(w.sum(-1), torch.ones(3, 8), atol=1e-6)
-    cols = torch.arange(40)
-    for n in range(3):
-        outside = (cols < start[n]) | (cols >= start[n] + length[n])
-        assert not w[n][:, outside].any()
-    # identity when the crop already has the output size
-    eye = bicubic_weights(torch.tensor([2]), torch.tensor([8]), out=8, size=12)[0]
-    assert torch.allclose(eye[:, 2:10], torch.eye(8), atol=1e-6)
 
 
 @pytest.mark.parametrize("case", ["png", "progressive", "cmyk", "too_large"])

@@ -30,3 +30,22 @@ def digits(tmp_path_factory):
     import digits as digits_module
 
     return digits_module.make(tmp_path_factory.mktemp("digits"))
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run folder with checkpoints 1 and 2 of different micro models, written as the trainer
+    writes them (model.pt, train.pt, rank file, open_clip's files, manifest last)."""
+    from infclip.config import ModelConfig
+    from infclip.export import checkpoint_writer
+    from infclip.model import build_model
+    from infclip.train import checkpoint as ckpt
+
+    built = build_model(ModelConfig(name=MODEL))
+    saver = ckpt.Checkpointer(tmp_path / "run", keep_last=3, rank=0, barrier=lambda: None,
+                              on_publish=checkpoint_writer(built, ModelConfig(name=MODEL)))
+    for step in (1, 2):
+        torch.manual_seed(step)
+        state = build_model(ModelConfig(name=MODEL)).model.state_dict()
+        saver.save(step, state, {"step": step}, {"rng": ckpt.rng_state(), "data": {}})
+    return tmp_path / "run"

@@ -8,26 +8,6 @@ import shutil
 import pytest
 import torch
 
-from infclip.config import ModelConfig
-from infclip.export import checkpoint_writer
-from infclip.model import build_model
-from infclip.train import checkpoint as ckpt
-
-MODEL = "infclip-micro"
-
-
-@pytest.fixture
-def run_dir(tmp_path):
-    """A run folder with checkpoints 1 and 2 of different micro models, as the trainer writes them."""
-    built = build_model(ModelConfig(name=MODEL))
-    saver = ckpt.Checkpointer(tmp_path / "run", keep_last=3, rank=0, barrier=lambda: None,
-                              on_publish=checkpoint_writer(built, ModelConfig(name=MODEL)))
-    for step in (1, 2):
-        torch.manual_seed(step)
-        state = build_model(ModelConfig(name=MODEL)).model.state_dict()
-        saver.save(step, state, {"step": step}, {"rng": ckpt.rng_state(), "data": {}})
-    return tmp_path / "run"
-
 
 def _evaluate(run_dir, synthetic):
     from hydra import compose, initialize_config_dir

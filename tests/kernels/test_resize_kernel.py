@@ -10,7 +10,7 @@ from PIL import Image
 from torchvision.transforms.functional import InterpolationMode
 from torchvision.transforms.functional import resized_crop as tv_resized_crop
 
-from infclip.kernels.resize import crop_index, resized_crop, resized_crop_reference
+from infclip.kernels.resize import bicubic_weights, crop_index, resized_crop, resized_crop_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -93,3 +93,16 @@ def test_bad_layout_and_boxes_are_refused():
     with pytest.raises(ValueError, match="outside"):
         crop_index([torch.zeros((10, 10, 3), dtype=torch.uint8)], torch.tensor([[5, 0, 6, 3]]))
     assert resized_crop([], torch.zeros((0, 4), dtype=torch.int64), 8).shape == (0, 3, 8, 8)
+
+
+def test_bicubic_weights_are_normalized_inside_the_crop_and_zero_outside():
+    start, length = torch.tensor([0, 5, 17]), torch.tensor([40, 10, 3])
+    w = bicubic_weights(start, length, out=8, size=40)
+    assert torch.allclose(w.sum(-1), torch.ones(3, 8), atol=1e-6)
+    cols = torch.arange(40)
+    for n in range(3):
+        outside = (cols < start[n]) | (cols >= start[n] + length[n])
+        assert not w[n][:, outside].any()
+    # identity when the crop already has the output size
+    eye = bicubic_weights(torch.tensor([2]), torch.tensor([8]), out=8, size=12)[0]
+    assert torch.allclose(eye[:, 2:10], torch.eye(8), atol=1e-6)

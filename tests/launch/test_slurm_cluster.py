@@ -7,7 +7,6 @@ errors. Skipped, with the reason, where the cluster cannot start (not root, no a
 
 import csv
 import json
-import os
 import subprocess
 import sys
 import time

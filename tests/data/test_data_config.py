@@ -16,6 +16,7 @@ from infclip.data.config import DataConfig, SourceConfig, check_data_config
     ({"stall_warn_s": -1.0}, "data.stall_warn_s"),
     ({"stall_abort_s": float("nan")}, "data.stall_abort_s"),
     ({"stall_warn_s": 60.0, "stall_abort_s": 30.0}, "data.stall_abort_s=30 must be larger than data.stall_warn_s=60"),
+    ({"decode_threads": 0}, "data.decode_threads"),
 ])
 def test_rejects(kw, key):
     with pytest.raises(ValueError, match=key):

@@ -4,8 +4,16 @@ eager and ``--torchcompile``) and ours (train.py, from shards decoded by the rea
     python scripts/bench_trainer.py --out $OUT \\
         --runs openclip:32768,openclip_compile:32768,ours:32768,ours_compile:32768,lit:65536
 
-A run is ``kind:global_batch[:steps[:override;override...]]`` (overrides of ours, e.g.
-``ours_compile:32768:4:data.decode=cpu``). Kinds:
+A run is ``kind:global_batch[:steps[:override;override...]]``: Hydra overrides of ours (e.g.
+``ours_compile:32768:4:data.decode=cpu``) or open_clip_train arguments of its runs as
+``--flag=value`` (e.g. ``openclip_compile:32768:3:--model=ViT-B-16;--force-patch-dropout=0.5``).
+A run's model is ``model.name=`` / ``--model=`` there (default ViT-B/32; LiT: ViT-B/16), and
+its FLOPs per sample are counted with its patch dropout (``model.patch_dropout`` /
+``--force-patch-dropout``: the kept patches only). The FLIP comparison (ViT-B/16, 32k):
+
+    python scripts/bench_trainer.py --runs 'openclip_compile:32768:3:--model=ViT-B-16,ours_compile:32768:3:model.name=ViT-B-16,openclip_compile:32768:3:--model=ViT-B-16;--force-patch-dropout=0.5,ours_compile:32768:3:model.name=ViT-B-16;model.patch_dropout=0.5'
+
+Kinds:
 
 * ``openclip`` / ``openclip_compile``: ``python -m open_clip_train.main --dataset-type
   webdataset --dataset-resampled --train-data SHARDS`` (the same shards as ours; or
@@ -94,23 +102,52 @@ def _peak(out: str, key: str) -> float:
     return float(found[-1]) if found else float("nan")
 
 
-def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str) -> dict:
+def openclip_args(overrides: list[str]) -> tuple[str, list[str]]:
+    """(model name, extra arguments) from a run's ``--flag=value`` overrides (``--model`` picks
+    the model; default ViT-B-32)."""
+    model, extra = "ViT-B-32", []
+    for o in overrides:
+        flag, eq, value = o.partition("=")
+        if not flag.startswith("--") or not eq:
+            raise SystemExit(f"open_clip run override {o!r}: write open_clip_train arguments as --flag=value")
+        if flag == "--model":
+            model = value
+        else:
+            extra += [flag, value]
+    return model, extra
+
+
+def run_model(kind: str, overrides: list[str]) -> tuple[str, float]:
+    """(open_clip model name, patch dropout) of a run, from its kind and overrides."""
+    model, drop = ("ViT-B-16" if kind.startswith("lit") else "ViT-B-32"), 0.0
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key in ("model.name", "--model"):
+            model = value
+        elif key in ("model.patch_dropout", "--force-patch-dropout"):
+            drop = float(value)
+    return model, drop
+
+
+def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, overrides: list[str]) -> dict:
     accum = global_batch // a.micro
-    logs = Path(a.logs) / f"openclip_logs_{global_batch}_{int(compile_)}"
+    model, extra = openclip_args(overrides)
+    tag = "_".join([""] + [o.lstrip("-") for o in overrides])[:80]
+    logs = Path(a.logs) / f"openclip_logs_{global_batch}_{int(compile_)}{tag}"
     subprocess.run(["rm", "-rf", str(logs)])
     wrapper = (_PEAKS + "from open_clip_train.main import main; main(sys.argv[1:])")
     # On our shards through its own webdataset loader (resampled: any shard count works),
     # or its synthetic dataset (no JPEG decoded at all) when --openclip-data synthetic.
     data = (["--dataset-type", "synthetic"] if a.openclip_data == "synthetic" else
             ["--dataset-type", "webdataset", "--dataset-resampled", "--train-data", spec])
-    cmd = [sys.executable, "-c", wrapper, *data, "--model", "ViT-B-32",
+    cmd = [sys.executable, "-c", wrapper, *data, "--model", model, *extra,
            "--precision", "amp_bf16", "--batch-size", str(a.micro), "--accum-freq", str(accum),
            "--workers", str(a.workers), "--train-num-samples", str(global_batch * steps), "--epochs", "1",
            "--log-every-n-steps", "1", "--save-frequency", "0", "--lr", "1e-3",
            "--warmup", "1", "--logs", str(logs), "--name", "bench"]
     if compile_:
         cmd.append("--torchcompile")
-    out = _run(cmd, a.timeout, Path(a.logs) / f"openclip_{global_batch}_{int(compile_)}.log")
+    out = _run(cmd, a.timeout, Path(a.logs) / f"openclip_{global_batch}_{int(compile_)}{tag}.log")
     rows = [(float(d), float(b), float(s)) for d, b, s in OPENCLIP_LINE.findall(out)]
     steady = rows[1:] or rows
     return {"samples_per_s": _median(r[2] for r in steady), "step_s": _median(r[1] for r in steady),
@@ -154,15 +191,16 @@ def _decoder_line(out: str) -> str:
     return found[-1][:160] if found else "?"
 
 
-def fwd_gflops(model_name: str) -> tuple[float, float]:
-    """Forward GFLOPs per sample of (image tower, text tower), counted on the real model."""
+def fwd_gflops(model_name: str, patch_dropout: float = 0.0) -> tuple[float, float]:
+    """Forward GFLOPs per sample of (image tower, text tower), counted on the real model in
+    train mode (with ``patch_dropout``: the patches it keeps)."""
     import open_clip
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     # train mode with grad: in eval/no-grad nn.MultiheadAttention takes its fused fast path,
     # which the flop counter does not see (ViT-B/32 would count 5.9 GFLOP instead of 8.7)
-    model = open_clip.create_model(model_name).cuda().train()
+    model = open_clip.create_model(model_name, force_patch_dropout=patch_dropout).cuda().train()
     img = torch.randn(8, 3, 224, 224, device="cuda")
     txt = torch.randint(0, 1000, (8, 77), device="cuda")
     res = []
@@ -205,13 +243,14 @@ def main(argv=None) -> None:
         g, steps = int(g), int(rest[0]) if rest and rest[0] else a.steps
         overrides = rest[1].split(";") if len(rest) > 1 else []
         if kind.startswith("openclip"):
-            res = run_openclip(a, g, steps, kind.endswith("compile"), spec)
+            res = run_openclip(a, g, steps, kind.endswith("compile"), spec, overrides)
         else:
             res = run_ours(a, kind, g, steps, spec, overrides)
-        model = "ViT-B-16" if kind.startswith("lit") else "ViT-B-32"
-        if model not in flops:
-            flops[model] = fwd_gflops(model)
-        gi, gt = flops[model]
+        model = run_model(kind, overrides)
+        key = f"{model[0]} patch_dropout={model[1]}"
+        if key not in flops:
+            flops[key] = fwd_gflops(*model)
+        gi, gt = flops[key]
         per_sample = (gi * (1 if kind.startswith("lit") else 4) + gt * 4) * 1e9
         res["mfu_pct"] = 100 * res["samples_per_s"] * per_sample / (a.peak_tflops * 1e12)
         res.update(kind=kind + "".join(f" {o}" for o in overrides), global_batch=g, steps=steps)

@@ -175,18 +175,22 @@ def duplicate_pairs(group_ids: Tensor) -> int:
     return int((counts * (counts - 1) // 2).sum())
 
 
-def reference_loss(img: Tensor, txt: Tensor, scale: Tensor, group_ids: Tensor | None, duplicates: str) -> Tensor:
-    """The CLIP loss of every mode from the full b x b matrix in float64 (tests only)."""
+def reference_terms(img: Tensor, txt: Tensor, scale: Tensor, group_ids: Tensor | None, duplicates: str) -> Tensor:
+    """(b,) per-pair terms (row_i + col_i) / 2 of every mode from the full b x b matrix in
+    float64, masked as the module docs state (tests only: O(b^2) memory)."""
     x = scale.double() * img.double() @ txt.double().T
-    b = x.shape[0]
-    eye = torch.eye(b, dtype=torch.bool, device=x.device)
+    eye = torch.eye(x.shape[0], dtype=torch.bool, device=x.device)
     same = eye if duplicates == "off" else group_ids[:, None] == group_ids[None, :]
-    pos = x.diagonal()
     if duplicates == "positive":
-        num_r = torch.logsumexp(x.masked_fill(~same, float("-inf")), 1)
-        num_c = torch.logsumexp(x.masked_fill(~same, float("-inf")), 0)
-        row, col = torch.logsumexp(x, 1) - num_r, torch.logsumexp(x, 0) - num_c
+        grp = x.masked_fill(~same, float("-inf"))
+        row = torch.logsumexp(x, 1) - torch.logsumexp(grp, 1)
+        col = torch.logsumexp(x, 0) - torch.logsumexp(grp, 0)
     else:
         xm = x.masked_fill(same & ~eye, float("-inf"))
-        row, col = torch.logsumexp(xm, 1) - pos, torch.logsumexp(xm, 0) - pos
-    return 0.5 * (row.mean() + col.mean())
+        row, col = torch.logsumexp(xm, 1) - x.diagonal(), torch.logsumexp(xm, 0) - x.diagonal()
+    return 0.5 * (row + col)
+
+
+def reference_loss(img: Tensor, txt: Tensor, scale: Tensor, group_ids: Tensor | None, duplicates: str) -> Tensor:
+    """The CLIP loss of every mode from the full b x b matrix in float64 (tests only)."""
+    return reference_terms(img, txt, scale, group_ids, duplicates).mean()

@@ -162,3 +162,21 @@ def test_only_some_inputs_require_grad(mode):
             assert (x.grad is None) != n
             if n:
                 torch.testing.assert_close(x.grad.double(), want, rtol=2e-4, atol=2e-5)
+
+
+def test_bench_duplicates_dry_run_prints_the_table(tmp_path):
+    """scripts/bench_loss.py --duplicates: its CPU-side handling (arguments, group ids, the
+    three modes, the table and CSV) on the PyTorch tiles, tiny shapes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_loss.py"
+    cmd = [sys.executable, str(script), "--duplicates", "--dry-run", "--dup-batches", "40", "--dup-dims", "8",
+           "--dup-frac", "0.1", "--reps", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mask +%" in proc.stdout and "pos +%" in proc.stdout
+    assert (tmp_path / "bench_duplicates.csv").read_text().startswith("b,c,pairs,off,mask,positive")
+    bad = subprocess.run(cmd[:2] + ["--dry-run", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--dry-run applies to --duplicates only" in bad.stderr

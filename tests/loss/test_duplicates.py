@@ -180,3 +180,18 @@ def test_bench_duplicates_dry_run_prints_the_table(tmp_path):
     assert (tmp_path / "bench_duplicates.csv").read_text().startswith("b,c,pairs,off,mask,positive")
     bad = subprocess.run(cmd[:2] + ["--dry-run", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--dry-run applies to --duplicates only" in bad.stderr
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_inputs_within_bf16_rounding_of_reference(impl, mode):
+    """bf16 features (the training dtype): loss and gradients within bf16's rounding of the
+    float64 reference on the same (rounded) inputs; the gradients are written in bf16."""
+    img, txt, s, ids = _batch(33, 16, 100.0, "mixed", seed=13, dtype=torch.bfloat16)
+    got = _grads(lambda i, t, sc: clip_loss(i, t, sc, impl=impl, group_ids=ids, duplicates=mode), img, txt,
+                 s.float())
+    want = _reference(img, txt, s, ids, mode)
+    assert got[1].dtype == torch.bfloat16
+    for name, a, b in zip(("loss", "d image", "d text", "d scale"), got, want):
+        err = float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-3))
+        assert err < 2e-2, f"{name}: relative error {err:.2e}"

@@ -64,6 +64,13 @@ class LossConfig:
     fp32_precision: str = "ieee"  # fp32 dot precision inside the tiled loss: "ieee" | "tf32"
     temperature: float = 0.1  # nt_xent only
     grad_filter: float = 0.0  # clip only: skip backward blocks with softmax < eps/b (0 = off; infclip/loss/filtering.py)
+    # clip only: pairs i != j of one duplicate group (same caption) are "off" negatives as usual,
+    # "mask": neither negatives nor positives, "positive": extra positives (multi-positive
+    # InfoNCE). Exact definitions: infclip/loss/duplicates.py. Off by default: no cost at all.
+    duplicates: str = "off"
+    # what makes a duplicate group: "caption" (a 62-bit hash of the token ids) or "caption+image"
+    # (and of the image tensor's bytes as the trainer receives it; see infclip/data/dedup.py)
+    duplicate_key: str = "caption"
 
 
 @dataclass
@@ -195,6 +202,8 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "loss.kind": ("clip", "siglip", "nt_xent"),
     "loss.impl": ("auto", "vanilla", "local", "torch", "triton"),
     "loss.fp32_precision": ("ieee", "tf32"),
+    "loss.duplicates": ("off", "mask", "positive"),
+    "loss.duplicate_key": ("caption", "caption+image"),
     "schedule.kind": ("cosine", "constant", "const-cooldown"),
     "precision.amp": ("fp32", "bf16", "fp16", "pure_bf16"),
     "memory.grad_cache": ("auto", "on", "off"),
@@ -486,6 +495,11 @@ def _validate_loss(cfg: Any) -> None:
                                 (("clip", "auto"), ("clip", "torch"), ("clip", "triton"))):
         raise ConfigError("loss.grad_filter must be >= 0 and needs loss.kind=clip with loss.impl=auto, torch "
                           "or triton")
+    if loss.duplicates != "off" and (loss.kind != "clip" or loss.impl not in ("auto", "torch", "triton")
+                                     or loss.grad_filter > 0 or cfg.task != "clip"):
+        raise ConfigError(f"loss.duplicates={loss.duplicates} needs loss.kind=clip with loss.impl=auto, torch or "
+                          f"triton, loss.grad_filter=0 and task=clip (got kind={loss.kind}, impl={loss.impl}, "
+                          f"grad_filter={loss.grad_filter}, task={cfg.task}); set loss.duplicates=off otherwise")
     if loss.impl == "local" and loss.kind != "clip":
         raise ConfigError(f"loss.impl=local is CLIP-only; use auto, torch or triton for loss.kind={loss.kind}")
     if loss.kind == "nt_xent" and loss.temperature <= 0:

@@ -12,6 +12,15 @@ Useful work is counted as 8 b^2 c FLOPs (forward 2, backward 6); "% peak" divide
 effective rate by this GPU's dense bf16 matmul rate, measured here on 8192^3 products.
 
     python scripts/bench_loss.py --out bench_out        # CSV + PNG in bench_out/
+
+Duplicate-aware negatives (issue 27 item 3; ``clip_loss(..., group_ids=, duplicates=)``):
+``--duplicates`` times duplicates off / mask / positive (Triton bf16, forward + backward) at
+``--dup-batches`` x ``--dup-dims`` with ``--dup-frac`` of the samples duplicating another
+sample's group (~1 % duplicate pairs), and prints a table with the overhead over off
+(the bar: <= 5 %); ``--dry-run`` runs the same table on the CPU (PyTorch tiles, tiny shapes).
+
+    python scripts/bench_loss.py --duplicates --out bench_out   # b 32k, 64k; c 512, 1024
+    python scripts/bench_loss.py --duplicates --dry-run --dup-batches 48 --dup-dims 16
 """
 
 from __future__ import annotations
@@ -196,6 +205,72 @@ def measure(impl: str, b: int, c: int, reps: int, peak: float) -> Row:
     return row
 
 
+DUP_MODES = ("off", "mask", "positive")
+
+
+def duplicate_ids(b: int, frac: float, device, seed: int = 0) -> torch.Tensor:
+    """(b,) int64 group ids: round(frac * b) random samples take the id of another random
+    sample, the rest are unique (about frac * b duplicate pairs)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.arange(b, dtype=torch.int64)
+    k = round(frac * b)
+    dst = torch.randperm(b, generator=gen)[:k]
+    ids[dst] = torch.randint(0, b, (k,), generator=gen)
+    return (ids * 1_000_003 + 17).to(device)
+
+
+def measure_duplicates(b: int, c: int, frac: float, reps: int, device: str, impl: str) -> dict:
+    """ms (median of ``reps``, forward + backward) of clip_loss with duplicates off / mask /
+    positive on the same inputs; off is the default call (no group ids)."""
+    from infclip.loss import clip_loss
+    from infclip.loss.duplicates import duplicate_pairs
+
+    gen = torch.Generator(device=device).manual_seed(b + c)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    feats = [torch.nn.functional.normalize(torch.randn(b, c, device=device, generator=gen), dim=-1).to(dtype)
+             .requires_grad_() for _ in range(2)]
+    logit_scale = torch.tensor(math.log(1 / 0.07), device=device, requires_grad=True)
+    ids = duplicate_ids(b, frac, device)
+    out = {"b": b, "c": c, "pairs": duplicate_pairs(ids)}
+    for mode in DUP_MODES:
+        kw = {} if mode == "off" else {"group_ids": ids, "duplicates": mode}
+
+        def step():
+            for x in (*feats, logit_scale):
+                x.grad = None
+            clip_loss(*feats, logit_scale.exp(), impl=impl, **kw).backward()
+
+        out[mode] = time_ms(step, reps)
+    return out
+
+
+def duplicate_table(rows: list[dict]) -> str:
+    """The --duplicates table: ms per mode and the overhead of mask / positive over off."""
+    lines = [f"{'c':>5} {'b':>8} {'dup pairs':>9} {'off ms':>9} {'mask ms':>9} {'positive ms':>11} "
+             f"{'mask +%':>8} {'pos +%':>8}"]
+    for r in rows:
+        lines.append(f"{r['c']:>5} {r['b']:>8} {r['pairs']:>9} {r['off']:>9.2f} {r['mask']:>9.2f} "
+                     f"{r['positive']:>11.2f} {100 * (r['mask'] / r['off'] - 1):>8.1f} "
+                     f"{100 * (r['positive'] / r['off'] - 1):>8.1f}")
+    return "\n".join(lines)
+
+
+def run_duplicates(args) -> list[dict]:
+    """The --duplicates benchmark: every (c, b), a table printed as it fills, a CSV in --out."""
+    device, impl = ("cpu", "torch") if args.dry_run else ("cuda", "triton")
+    rows = []
+    for c in [int(x) for x in args.dup_dims.split(",")]:
+        for b in [int(x) for x in args.dup_batches.split(",")]:
+            rows.append(measure_duplicates(b, c, args.dup_frac, args.reps, device, impl))
+            print(duplicate_table(rows[-1:]).splitlines()[-1], flush=True)
+    print(duplicate_table(rows))
+    with open(os.path.join(args.out, "bench_duplicates.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return rows
+
+
 def _skip_reason(impl: str, b: int, c: int, last_ms: dict, max_s: float, reps: int) -> str | None:
     dtype, b_max, dims = IMPLS[impl]
     if dims is not None and c not in dims:
@@ -305,8 +380,23 @@ def main() -> None:
     p.add_argument("--commit", default=None, help="commit to report (default: git rev-parse --short HEAD)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     p.add_argument("--replot", nargs="+", metavar="CSV", help="only merge these CSVs and plot them")
+    p.add_argument("--duplicates", action="store_true",
+                   help="time duplicates=off|mask|positive instead (see the module docs)")
+    p.add_argument("--dup-batches", default="32768,65536", help="--duplicates: batch sizes")
+    p.add_argument("--dup-dims", default="512,1024", help="--duplicates: feature dims")
+    p.add_argument("--dup-frac", type=float, default=0.01, help="--duplicates: fraction of duplicated samples")
+    p.add_argument("--dry-run", action="store_true", help="--duplicates on the CPU (PyTorch tiles, fp32)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.dry_run and not args.duplicates:
+        p.error("--dry-run applies to --duplicates only")
+    if not 0 <= args.dup_frac < 1:
+        p.error(f"--dup-frac must be in [0, 1), got {args.dup_frac}")
+    if args.duplicates:
+        if not args.dry_run:
+            print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+        run_duplicates(args)
+        return
     if args.replot:
         rows = read_csv(args.replot)
         write_csv(rows, os.path.join(args.out, "bench_loss.csv"))

@@ -12,6 +12,10 @@ open_clip's all-gather-with-grad baselines. Each rank gets d(sum of all ranks' l
 gradient average is exactly the single-process step on the global batch.
 ``global_mean_loss(loss, group)`` returns the detached global-batch loss for logging
 (one scalar all-reduce).
+
+Duplicate-aware negatives (``duplicates="mask"`` / ``"positive"`` with ``group_ids``): pairs of
+one group are not negatives, or are extra positives; ``infclip.loss.duplicates`` states the
+loss. Off (the default) runs exactly the code of before.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from infclip.loss.duplicates import Duplicates, check_duplicates
 from infclip.loss.function import lse_pair
 from infclip.loss.reference import vanilla_loss
 from infclip.loss.ring import global_mean_loss
@@ -75,6 +80,8 @@ def clip_loss(
     impl: str = "auto",
     group=None,
     fp32_precision: str = "ieee",
+    group_ids: Tensor | None = None,
+    duplicates: str = "off",
 ) -> Tensor:
     """Symmetric CLIP (InfoNCE) loss without materializing the b x b similarity matrix.
 
@@ -85,10 +92,23 @@ def clip_loss(
         impl: "auto" | "vanilla" | "local" | "torch" | "triton" (see module docs).
         group: a ``torch.distributed`` process group for the ring across ranks, or None.
         fp32_precision: "ieee" (default, full fp32) or "tf32" for fp32 inputs on CUDA.
+        group_ids: (b,) int64, one id per pair (local rows; ids are global across ranks: equal
+            ids mean duplicates wherever they are), or None. Needed unless duplicates is "off".
+        duplicates: "off" (default: every j != i is a negative) | "mask" (same-group pairs
+            i != j are neither negatives nor positives) | "positive" (they are extra
+            positives: multi-positive InfoNCE, -log of the summed group softmax, both
+            directions). Exact definitions in ``infclip.loss.duplicates``. Not with impl
+            "vanilla" / "local". On Triton, group ids take the generic tiled node (not the
+            fused node nor its CUDA graphs, which have no group ids): same kernels, with
+            the masked epilogue for "mask".
     Returns:
         float32 scalar: mean over local rows (global mean on one process).
     """
     _check_inputs(image_features, text_features, logit_scale)
+    check_duplicates(duplicates, group_ids, image_features.shape[0], image_features.device)
+    dup = None if duplicates == "off" else Duplicates(duplicates, group_ids)
+    if dup is not None and impl in ("vanilla", "local"):
+        raise ValueError(f"duplicates={duplicates!r} needs a tiled impl (auto, torch or triton), got impl={impl!r}")
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; choose one of {IMPLS}")
     if fp32_precision not in ("ieee", "tf32"):
@@ -98,14 +118,14 @@ def clip_loss(
 
         return ring.distributed_clip_loss(
             image_features, text_features, logit_scale, impl=impl, group=group,
-            fp32_precision=fp32_precision,
+            fp32_precision=fp32_precision, dup=dup,
         )
     if impl in ("vanilla", "local"):
         return vanilla_loss(image_features, text_features, logit_scale)
     ops = tile_ops(impl, image_features.device, fp32_precision=fp32_precision)
-    if hasattr(ops, "fused_loss"):  # Triton: one autograd node, positive pairs in the kernels
+    if dup is None and hasattr(ops, "fused_loss"):  # Triton: one autograd node, positive pairs in the kernels
         return ops.fused_loss(image_features, text_features, logit_scale)
-    return _tiled_loss(image_features, text_features, logit_scale, ops, None)
+    return _tiled_loss(image_features, text_features, logit_scale, ops, None, dup)
 
 
 def _world(group) -> int:
@@ -114,9 +134,10 @@ def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group) -> Tensor:
-    """Local-rows loss from the per-row terms LSE - x_ii of both directions, one autograd node."""
-    row_loss, col_loss = lse_pair(img, txt, scale, ops, group)
+def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group, dup=None) -> Tensor:
+    """Local-rows loss from the per-row terms LSE - x_ii of both directions, one autograd node
+    (``dup``: a ``Duplicates``, the terms of its mode)."""
+    row_loss, col_loss = lse_pair(img, txt, scale, ops, group, dup)
     loss = 0.5 * (row_loss.mean() + col_loss.mean())
     return loss if loss.dtype == torch.float64 else loss.float()
 

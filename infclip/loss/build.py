@@ -4,7 +4,9 @@ Every callable has the engine's signature ``loss_fn(image_emb, text_emb, logit_s
 logit_bias=None) -> scalar`` (the engine passes ``logit_bias`` when the model has one):
 
 * ``clip``: ``clip_loss``; with ``loss.grad_filter > 0`` the filtered backward
-  (``infclip.loss.filtering``; PyTorch tiles or the Triton kernels, by ``loss.impl``).
+  (``infclip.loss.filtering``; PyTorch tiles or the Triton kernels, by ``loss.impl``). With
+  ``loss.duplicates`` mask / positive it takes ``group_ids=`` (the engine passes them:
+  ``infclip.data.dedup.group_ids`` of the step's captions) and refuses to run without.
 * ``siglip``: ``siglip_loss``; needs the model's ``logit_bias`` (``model.init_logit_bias``).
 * ``nt_xent``: SimCLR's loss on ``cat([image_emb, text_emb])``, i.e. the two slots carry
   view 1 and view 2 of the same images; fixed ``loss.temperature``, ``logit_scale`` unused
@@ -43,18 +45,26 @@ def _clip(loss_cfg: Any, group) -> LossFn:
     from infclip.loss.filtering import filtered_clip_loss
 
     eps = float(getattr(loss_cfg, "grad_filter", 0.0) or 0.0)
+    dup = getattr(loss_cfg, "duplicates", "off") or "off"
+    if eps > 0 and dup != "off":
+        raise ValueError(f"loss.grad_filter and loss.duplicates={dup} do not combine; set one of them off")
     if eps > 0:
         if loss_cfg.impl not in ("auto", "torch", "triton"):
             raise ValueError(f"loss.grad_filter needs loss.impl=auto, torch or triton, got {loss_cfg.impl!r}")
         fn = functools.partial(filtered_clip_loss, eps=eps, group=group, impl=loss_cfg.impl)
     else:
         fn = functools.partial(clip_loss, impl=loss_cfg.impl, group=group, fp32_precision=loss_cfg.fp32_precision)
+        if dup != "off":
+            fn = functools.partial(fn, duplicates=dup)
 
-    def clip(img: Tensor, txt: Tensor, logit_scale: Tensor, logit_bias: Optional[Tensor] = None) -> Tensor:
+    def clip(img: Tensor, txt: Tensor, logit_scale: Tensor, logit_bias: Optional[Tensor] = None,
+             group_ids: Optional[Tensor] = None) -> Tensor:
         if logit_bias is not None:
             raise ValueError("loss.kind=clip got a logit_bias: the model has a SigLIP bias; use "
                              "loss=siglip or leave model.init_logit_bias unset")
-        return fn(img, txt, logit_scale)
+        if group_ids is None:  # (with duplicates on, clip_loss refuses: group ids are never optional)
+            return fn(img, txt, logit_scale)
+        return fn(img, txt, logit_scale, group_ids=group_ids)
 
     return clip
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from infclip.loss import duplicates
 from infclip.loss.tiled import row_dot
 
 
@@ -34,34 +35,38 @@ def positive_dots(img: Tensor, txt: Tensor) -> Tensor:
 
 class _LSEPair(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, img, txt, scale, ops, group):
+    def forward(ctx, img, txt, scale, ops, group, dup):
         pos = positive_dots(img, txt)
+        groups = (dup.ids, dup.ids) if dup is not None and dup.mode == "mask" else None
+        pos_row = pos_col = None
         if group is None:
-            row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True)
+            row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True, **_kw(groups))
+            if dup is not None and dup.mode == "positive":
+                parts = duplicates.positive_forward(img, txt, scale, pos, pos, dup.ids, dup.ids, True)
+                pos_row, pos_col = (duplicates.with_self(p) for p in parts)
         else:
             from infclip.loss import ring
 
-            row, col = ring.ring_forward(img, txt, scale, ops, group, pos)
-        ctx.save_for_backward(img, txt, scale, row, col, pos)
-        ctx.ops, ctx.group = ops, group
-        return row, col
+            row, col, pos_row, pos_col = ring.ring_forward(img, txt, scale, ops, group, pos, dup)
+        ctx.save_for_backward(img, txt, scale, row, col, pos, *(() if pos_row is None else (pos_row, pos_col)))
+        ctx.ops, ctx.group, ctx.dup = ops, group, dup
+        if pos_row is None:
+            return row, col
+        return row - pos_row, col - pos_col  # LSE over all less LSE over the group, both relative to x_ii
 
     @staticmethod
     def backward(ctx, g_row, g_col):
-        img, txt, scale, row, col, pos = ctx.saved_tensors
+        img, txt, scale, row, col, pos, *pos_lse = ctx.saved_tensors
+        dup = ctx.dup
         g_row = torch.zeros_like(row) if g_row is None else g_row.to(row.dtype).contiguous()
         g_col = torch.zeros_like(col) if g_col is None else g_col.to(col.dtype).contiguous()
         if ctx.group is None:
-            # Triton writes fresh gradients in the input dtype (no fp32 (b, c) buffers, so the
-            # extra memory stays O(b)); the positives are folded in before that single rounding.
-            kw = {"out_dtype": img.dtype} if getattr(ctx.ops, "writes_out_dtype", False) else {}
-            dimg, dtxt, dscale = ctx.ops.backward(img, txt, scale, row, col, g_row, g_col, offsets=(pos, pos),
-                                                  g_diag=g_row + g_col, **kw)
+            dimg, dtxt, dscale = _local_backward(ctx.ops, img, txt, scale, row, col, pos, g_row, g_col, dup, pos_lse)
         else:
             from infclip.loss import ring
 
             dimg, dtxt, dscale = ring.ring_backward(img, txt, scale, row, col, g_row, g_col, ctx.ops,
-                                                    ctx.group, pos)
+                                                    ctx.group, pos, dup, *pos_lse)
         # No all-reduce of dscale: each rank returns the part of d(sum of all ranks'
         # losses)/ds that flows through its own rows; DDP's gradient averaging then gives
         # exactly the single-process gradient of the global mean loss.
@@ -71,10 +76,35 @@ class _LSEPair(torch.autograd.Function):
             dscale.to(scale.dtype) if ctx.needs_input_grad[2] else None,
             None,
             None,
+            None,
         )
 
 
-def lse_pair(img: Tensor, txt: Tensor, scale: Tensor, ops, group=None) -> tuple[Tensor, Tensor]:
+def _kw(groups) -> dict:
+    """The tiles' ``groups`` argument only when masking (backends without it keep working)."""
+    return {} if groups is None else {"groups": groups}
+
+
+def _local_backward(ops, img, txt, scale, row, col, pos, g_row, g_col, dup, pos_lse):
+    """(dimg, dtxt, dscale) of the one-process loss. Triton writes fresh gradients in the input
+    dtype (no fp32 (b, c) buffers, so the extra memory stays O(b)); the positives are folded in
+    before that single rounding. "positive": the positives' weight is g w_ii (w: the
+    within-group softmax) and the other same-group pairs' terms are added sparsely."""
+    kw = {"out_dtype": img.dtype} if getattr(ops, "writes_out_dtype", False) else {}
+    g_diag = g_row + g_col
+    if dup is not None and dup.mode == "positive":
+        g_diag = g_row * duplicates.positive_weight(pos_lse[0]) + g_col * duplicates.positive_weight(pos_lse[1])
+    groups = (dup.ids, dup.ids) if dup is not None and dup.mode == "mask" else None
+    dimg, dtxt, dscale = ops.backward(img, txt, scale, row, col, g_row, g_col, offsets=(pos, pos), g_diag=g_diag,
+                                      **kw, **_kw(groups))
+    if dup is not None and dup.mode == "positive":
+        dscale = dscale + duplicates.positive_backward(img, txt, scale, pos, pos, dup.ids, dup.ids, True, *pos_lse,
+                                                       g_row, g_col, dimg, dtxt)
+    return dimg, dtxt, dscale
+
+
+def lse_pair(img: Tensor, txt: Tensor, scale: Tensor, ops, group=None, dup=None) -> tuple[Tensor, Tensor]:
     """(row_loss (m,), col_loss (m,)) fp32 (fp64 for fp64) with autograd to img, txt, scale:
-    row_loss_i = LSE_j x_ij - x_ii, col_loss_j = LSE_i x_ij - x_jj (see module docs)."""
-    return _LSEPair.apply(img, txt, scale, ops, group)
+    row_loss_i = LSE_j x_ij - x_ii, col_loss_j = LSE_i x_ij - x_jj (see module docs); with
+    ``dup`` (a ``duplicates.Duplicates``) the terms of its mode (``infclip.loss.duplicates``)."""
+    return _LSEPair.apply(img, txt, scale, ops, group, dup)

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from infclip.loss import duplicates
 from infclip.loss.tiled import _acc_dtype
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -168,28 +169,56 @@ def _post_step(ring, k: int, blocks: list[Tensor], bufs: list, acc_out, new_acc)
     return ring.post(sends, recvs), nxt, acc_in
 
 
-def ring_forward(img: Tensor, txt: Tensor, scale: Tensor, ops, group, pos: Tensor) -> tuple[Tensor, Tensor]:
-    """(row_loss (m,), col_loss (m,)) over the global batch: LSE_j x_ij - x_ii for the local
-    images and LSE_i x_ij - x_jj for the local texts; the caller's autograd saves them.
+def ring_forward(img: Tensor, txt: Tensor, scale: Tensor, ops, group, pos: Tensor, dup=None
+                 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """(row_loss (m,), col_loss (m,), pos_row, pos_col) over the global batch: LSE_j x_ij - x_ii
+    for the local images and LSE_i x_ij - x_jj for the local texts; the caller's autograd saves
+    them. pos_row / pos_col: None, or with ``dup`` in mode "positive" the within-group LSEs
+    (relative to x_ii, ``infclip.loss.duplicates``) of the local rows and texts.
 
     pos (m,): the local positives' dot products <I_i, T_i> (``function.positive_dots``). They
     are every tile's offsets (rows: the local ones; columns: those of the travelling text
     block, which travel with it) and, at step 0, the logits of the diagonal block's
-    positives, so every partial LSE is already relative to the positive logit."""
+    positives, so every partial LSE is already relative to the positive logit.
+    dup (a ``duplicates.Duplicates``): the block's group ids travel with it; "mask" passes
+    (local ids, block ids) to the tiles; "positive" merges the same-group pairs' LSEs of
+    each block pair, the columns' part travelling with the column-LSE accumulator."""
     ring = Ring.of(group)
     if isinstance(ring, Ring):
         check_equal_shapes(img, txt, scale, ring.group)
-    blocks, bufs = [txt.contiguous(), pos.contiguous()], []
-    row_lse, acc = None, None  # acc: column-LSE accumulator of the block of the last step
+    positive = dup is not None and dup.mode == "positive"
+    blocks, bufs = _blocks(txt, pos, dup), []
+    row_lse, acc, pos_row = None, None, None  # acc: column-LSE accumulator of the block of the last step
     for k in range(ring.world):
         works, nxt, acc_in = _post_step(ring, k, blocks, bufs, acc, lambda: torch.empty_like(acc))
         # -- compute tile -- (I_r, T_{r-k}) while the next block and acc_in are in flight.
-        row_part, col_part = ops.forward(img, blocks[0], scale, offsets=(pos, blocks[1]), diag=k == 0)
+        row_part, col_part = ops.forward(img, blocks[0], scale, offsets=(pos, blocks[1]), diag=k == 0,
+                                         **_groups(dup, blocks))
+        if positive:  # the same-group pairs of this block pair, sparse (duplicates.positive_forward)
+            p_row, p_col = duplicates.positive_forward(img, blocks[0], scale, pos, blocks[1], dup.ids, blocks[2],
+                                                       k == 0)
+            pos_row = p_row if pos_row is None else torch.logaddexp(pos_row, p_row)
+            col_part = torch.stack([col_part, p_col.to(col_part.dtype)])
         row_lse = row_part if row_lse is None else torch.logaddexp(row_lse, row_part)
         ring.wait(works)
         acc = col_part if acc_in is None else torch.logaddexp(acc_in, col_part)
         blocks = nxt
-    return row_lse, _home(ring, acc, torch.empty_like(acc))
+    col = _home(ring, acc, torch.empty_like(acc))
+    if not positive:
+        return row_lse, col, None, None
+    return row_lse, col[0], duplicates.with_self(pos_row), duplicates.with_self(col[1])
+
+
+def _blocks(txt: Tensor, first_meta: Tensor, dup) -> list[Tensor]:
+    """The travelling block: texts, their per-column vectors, and their group ids when ``dup``."""
+    return [txt.contiguous(), first_meta.contiguous()] + ([dup.ids.contiguous()] if dup is not None else [])
+
+
+def _groups(dup, blocks: list[Tensor]) -> dict:
+    """The tiles' ``groups`` keyword: (local ids, the travelling block's ids) when masking."""
+    if dup is None or dup.mode != "mask":
+        return {}
+    return {"groups": (dup.ids, blocks[2])}
 
 
 def _home(ring: Ring, acc: Tensor, out: Tensor) -> Tensor:
@@ -218,7 +247,8 @@ class _Pool:
 
 def ring_backward(
     img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
-    g_row: Tensor, g_col: Tensor, ops, group, pos: Tensor,
+    g_row: Tensor, g_col: Tensor, ops, group, pos: Tensor, dup=None, pos_row: Tensor | None = None,
+    pos_col: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dimg (m, c), dtxt (m, c), dscale 0-d) in the accumulation dtype (fp32, fp64 for fp64).
 
@@ -227,19 +257,23 @@ def ring_backward(
     write it, which lets Triton take its bf16 strip path) and are summed here in fp32.
     row_lse / col_lse are the per-row losses of ``ring_forward`` (relative to ``pos``); the
     step-0 tile (own images x own texts) folds the positives into its dX (g_diag = g_row +
-    g_col), before its gradients are rounded.
+    g_col), before its gradients are rounded. dup: as ``ring_forward``; in mode "positive"
+    pos_row / pos_col are its within-group LSEs: g_diag is g_row w_ii + g_col w'_ii and each
+    block pair's same-group terms are added to the fp32 sums (``duplicates.positive_backward``).
     """
     ring = Ring.of(group)
     acc = _acc_dtype(img)
-    blocks, bufs = [txt.contiguous(), torch.stack([col_lse, g_col.to(col_lse.dtype), pos.to(col_lse.dtype)])], []
+    positive = dup is not None and dup.mode == "positive"
+    meta = [col_lse, g_col.to(col_lse.dtype), pos.to(col_lse.dtype)] + ([pos_col.to(col_lse.dtype)] if positive else [])
+    blocks, bufs = _blocks(txt, torch.stack(meta), dup), []
     pool = _Pool(txt, acc)
     dimg, dscale = None, torch.zeros((), dtype=acc, device=img.device)
     dt_out = None  # finished dT accumulator of the block of the previous step
     for k in range(ring.world):
         works, nxt, dt_in = _post_step(ring, k, blocks, bufs, dt_out, lambda: pool.take(zero=False))
         # -- compute tile -- (I_r, T_{r-k}): dI summed in place, dT of block r-k fresh.
-        g_diag = g_row + g_col.to(g_row.dtype) if k == 0 else None
-        di, dt, ds = _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, *blocks)
+        g_diag = _g_diag(g_row, g_col, pos_row, pos_col) if k == 0 else None
+        di, dt, ds = _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, *blocks[:2], **_groups(dup, blocks))
         dimg = di.to(acc) if dimg is None else dimg.add_(di)
         dscale += ds
         ring.wait(works)
@@ -248,19 +282,33 @@ def ring_backward(
         else:
             pool.give(dt_out)
             dt_out = dt_in.add_(dt)
+        if positive:
+            m = blocks[1]
+            dscale += duplicates.positive_backward(img, blocks[0], scale, pos, m[2], dup.ids, blocks[2], k == 0,
+                                                   pos_row, m[3], g_row, m[1], dimg, dt_out)
         blocks = nxt
     return dimg, _home(ring, dt_out, pool.take(zero=False)), dscale
 
 
-def _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, txt, meta) -> tuple[Tensor, Tensor, Tensor]:
+def _g_diag(g_row: Tensor, g_col: Tensor, pos_row: Tensor | None, pos_col: Tensor | None) -> Tensor:
+    """The positives' weight: g_row + g_col, or with the within-group LSEs ("positive")
+    g_row w_ii + g_col w'_ii (w_ii = exp(-pos_lse_i), exactly 1 for a group of one)."""
+    g_col = g_col.to(g_row.dtype)
+    if pos_row is None:
+        return g_row + g_col
+    return g_row * duplicates.positive_weight(pos_row) + g_col * duplicates.positive_weight(pos_col)
+
+
+def _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, txt, meta, **groups) -> tuple[Tensor, Tensor, Tensor]:
     """Fresh (dI, dT, ds) of one tile; in the input dtype where ``ops`` can write it.
 
-    ``meta`` (3, n): the text block's final column loss (LSE less its positives' logits),
-    its upstream gradient g_col and its positives' dot products. g_diag: the diagonal block's.
+    ``meta`` (3 or 4, n): the text block's final column loss (LSE less its positives' logits),
+    its upstream gradient g_col and its positives' dot products (and, "positive", its
+    within-group LSEs). g_diag: the diagonal block's. groups: the tiles' ``groups`` keyword.
     """
     kw = {"out_dtype": img.dtype} if getattr(ops, "writes_out_dtype", False) else {}
     return ops.backward(img, txt, scale, row_lse, meta[0], g_row, meta[1], offsets=(pos, meta[2]),
-                        g_diag=g_diag, **kw)
+                        g_diag=g_diag, **kw, **groups)
 
 
 def global_mean_loss(loss: Tensor, group=None) -> Tensor:
@@ -280,7 +328,7 @@ def global_mean_loss(loss: Tensor, group=None) -> Tensor:
 
 
 def distributed_clip_loss(
-    img: Tensor, txt: Tensor, scale: Tensor, *, impl: str, group, fp32_precision: str = "ieee",
+    img: Tensor, txt: Tensor, scale: Tensor, *, impl: str, group, fp32_precision: str = "ieee", dup=None,
 ) -> Tensor:
     """``clip_loss`` on a process group of world size > 1: this rank's local-rows loss.
 
@@ -295,4 +343,4 @@ def distributed_clip_loss(
         fn = reference.distributed_vanilla_loss if impl == "vanilla" else reference.distributed_local_loss
         return fn(img, txt, scale, group)
     ops = tile_ops(impl, img.device, fp32_precision=fp32_precision)
-    return _tiled_loss(img, txt, scale, ops, group)
+    return _tiled_loss(img, txt, scale, ops, group, dup)

@@ -103,10 +103,14 @@ class TorchTileOps(RowTiledOps):
     positives: their logits are *defined* as the offsets (o_row = o_col = s <I_i, T_i>, the
     same fp32 values in every pass), and the backward adds -g_diag_i to dX_ii in the tile
     (``fold_positives``), so the CLIP loss's positive term never cancels after a rounding.
+
+    Duplicates (``groups = (g_row (m,), g_col (n,))`` int64 group ids, or None): entries with
+    g_row_i == g_col_j leave both LSEs and dX, except i == j on the positives' diagonal
+    (``mask_groups``; ``infclip.loss.duplicates`` states the loss).
     """
 
-    def forward(self, img: Tensor, txt: Tensor, scale: Tensor, offsets=None, diag: bool = False
-                ) -> tuple[Tensor, Tensor]:
+    def forward(self, img: Tensor, txt: Tensor, scale: Tensor, offsets=None, diag: bool = False,
+                groups=None) -> tuple[Tensor, Tensor]:
         """Returns (row_lse (m,), col_lse (n,)), fp32, over the block pair (img, txt)."""
         m, n = img.shape[0], txt.shape[0]
         acc = _acc_dtype(img)
@@ -118,6 +122,7 @@ class TorchTileOps(RowTiledOps):
         for lo, hi in row_blocks(m, n, self.tile):
             # -- compute tile --: (t, n) logits of one row block, fp32, less the offsets.
             u_row, u_col = shifted_dots(img[lo:hi].to(acc) @ txt32.T, s, o_row, o_col, lo, hi, diag)
+            mask_groups(u_row, u_col, groups, lo, hi, diag)
             row_lse[lo:hi] = torch.logsumexp(u_row, dim=1)
             col_lse = torch.logaddexp(col_lse, torch.logsumexp(u_col, dim=0))
         return row_lse, col_lse
@@ -135,6 +140,7 @@ class TorchTileOps(RowTiledOps):
         dtxt: Tensor | None = None,
         offsets=None,
         g_diag: Tensor | None = None,
+        groups=None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Returns (dimg (m, c), dtxt (n, c), dscale 0-d), fp32; accumulates into given buffers."""
         m, n, c = img.shape[0], txt.shape[0], img.shape[1]
@@ -152,6 +158,7 @@ class TorchTileOps(RowTiledOps):
             img32 = img[lo:hi].to(acc)
             dot = img32 @ txt32.T  # (t, n) <I_i, T_j>
             u_row, u_col = shifted_dots(dot, s, o_row, o_col, lo, hi, g_diag is not None)
+            mask_groups(u_row, u_col, groups, lo, hi, g_diag is not None)
             # -- compute tile --: dX from both softmax directions, positives folded in.
             dx = (g_row[lo:hi, None] * _softmax_entries(u_row.sub_(row_lse[lo:hi, None]))
                   + g_col[None, :] * _softmax_entries(u_col.sub_(col_lse[None, :])))
@@ -185,6 +192,20 @@ def shifted_dots(dot: Tensor, s: Tensor, o_row: Tensor, o_col: Tensor, lo: int, 
         d = dot[:, lo:hi].diagonal()
         d.copy_(o_row[lo:lo + d.shape[0]])
     return s * (dot - o_row[lo:hi, None]), s * (dot - o_col[None, :])
+
+
+def mask_groups(u_row: Tensor, u_col: Tensor, groups, lo: int, hi: int, diag: bool) -> None:
+    """Sets the logits of rows lo:hi to -inf (in place, both directions) where the row's and
+    the column's group ids are equal, except on the positives' diagonal when ``diag``: those
+    pairs are then neither negatives nor positives. ``groups`` None: nothing to do."""
+    if groups is None:
+        return
+    g_row, g_col = groups
+    same = g_row[lo:hi, None] == g_col[None, :]
+    if diag and lo < same.shape[1]:
+        same[:, lo:hi].diagonal().fill_(False)
+    u_row.masked_fill_(same, float("-inf"))
+    u_col.masked_fill_(same, float("-inf"))
 
 
 def fold_positives(dx: Tensor, lo: int, hi: int, row_lse: Tensor, col_lse: Tensor, g_row: Tensor,

@@ -22,7 +22,11 @@ they are updated once per micro-batch (by the replay), as in a plain step per mi
 Statistics are per micro-batch (not per global batch), as in any gradient cache.
 
 The loss is called as ``loss_fn(img, txt, logit_scale.exp())``, or with ``logit_bias`` as a
-fourth argument when the model has one (SigLIP).
+fourth argument when the model has one (SigLIP). With ``loss.duplicates`` on, each pass-1
+micro-batch's captions (and images, ``loss.duplicate_key=caption+image``) are hashed into
+group ids (``infclip.data.dedup``; content hashes, so they are global across ranks with no
+communication), passed as ``group_ids=``; the step's ``duplicate_pairs`` (unordered pairs
+of the global batch with one id: one all-gather of b int64 across ranks) go to the metrics.
 
 GPU memory: inputs (b/W samples, or 2 micro-batches with offload; see ``offload``)
 + embeddings and their gradients, O(b/W c) + max(loss working set, one micro-batch's
@@ -56,6 +60,7 @@ class StepOutput:
     loss: Tensor  # detached local loss (this rank's rows)
     global_loss: Tensor  # detached mean of the local losses over ranks (for logging)
     timings: dict[str, float] = field(default_factory=dict)  # seconds: cache_pass, loss, replay
+    metrics: dict[str, float] = field(default_factory=dict)  # e.g. duplicate_pairs (loss.duplicates on)
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class EngineSettings:
     offload: bool  # stream micro-batches from pinned host memory
     amp: Optional[torch.dtype]  # autocast dtype for the encoders (None: fp32)
     input_dtype: torch.dtype = torch.float32  # normalized images handed to the towers (pure_bf16: bf16)
+    duplicates: str = "off"  # loss.duplicates: "off" computes no group ids at all
+    duplicate_key: str = "caption"  # loss.duplicate_key: "caption" | "caption+image"
 
     @property
     def num_micro(self) -> int:
@@ -93,6 +100,7 @@ def build_engine(cfg: Any, model: nn.Module, *, device, normalizer: Callable[[Te
         amp=None if cfg.precision.amp in ("fp32", "pure_bf16") else _DTYPES[cfg.precision.amp],
         # pure_bf16: the weights are bf16 (build.py) and no autocast casts the images for them
         input_dtype=torch.bfloat16 if cfg.precision.amp == "pure_bf16" else torch.float32,
+        duplicates=cfg.loss.duplicates, duplicate_key=cfg.loss.duplicate_key,
     )
     plan = lock_plan(unwrap(model), cfg.model)
     return StepEngine(model, settings, device=device, normalizer=normalizer, loss_fn=loss_fn,
@@ -132,6 +140,7 @@ class StepEngine:
         self.measure_memory = False  # CUDA: peak bytes per phase into last_phase_peaks (resets peak stats)
         self.last_phase_peaks: dict[str, int] = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        self._step_metrics: dict[str, float] = {}  # this step's extra metrics (duplicate_pairs)
         self._norms = [m for m in self.core.modules()
                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
@@ -155,24 +164,27 @@ class StepEngine:
 
     def step_feed(self, inputs) -> StepOutput:
         """As :meth:`step`, reading the per-rank rows from a feed (see ``pipeline``) as they arrive."""
+        self._step_metrics: dict[str, float] = {}
         if self.s.grad_cache:
             loss, timings = self._cached_step(inputs)
         else:
             loss, timings = self._plain_step(inputs)
-        return StepOutput(loss.detach(), self._global_mean(loss.detach()), timings)
+        return StepOutput(loss.detach(), self._global_mean(loss.detach()), timings, self._step_metrics)
 
     def _plain_step(self, inputs: dict) -> tuple[Tensor, dict]:
         """Ordinary training: one forward with grad on the whole local batch, one backward."""
         clock = self._clock()
         batches = self.stager.stream(inputs, self.s.local, [(0, ("images", "tokens"))])
-        m = self._prepare(next(batches))
+        batch = next(batches)
+        ids = self._group_ids(batch)
+        m = self._prepare(batch)
         img, txt, extras = self._encode(self.model, m)
         clock.lap("cache_pass")
         img, txt = _same_dtype(img, txt)
         keep = self._kept_rows([self._dropped()], img.shape[0])
         if keep is not None:
             img, txt = img[keep], txt[keep]
-        loss = self.loss_fn(img, txt, *extras)
+        loss = self.loss_fn(img, txt, *extras, **self._duplicates(ids, keep))
         clock.lap("loss")
         self._scaled(loss).backward()
         _drain(batches)  # the stager marks the input buffers free only after the backward
@@ -183,10 +195,12 @@ class StepEngine:
         clock = self._clock()
         k_n = self.s.num_micro
         batches = self.stager.stream(inputs, self.s.micro, self._schedule())
-        micros, rngs, img_c, txt_c, dropped = [], [], [], [], []
+        micros, rngs, img_c, txt_c, dropped, ids = [], [], [], [], [], []
         for _ in range(k_n):  # pass 1: cache embeddings + RNG states, no graph
             with torch.no_grad():
-                m = self._prepare(next(batches))
+                batch = next(batches)
+                ids.append(self._group_ids(batch))
+                m = self._prepare(batch)
                 dropped.append(self._dropped())
                 rngs.append(_rng_state(self.device))
                 with _running_stats_kept(self._norms):  # the replay updates them, once
@@ -196,7 +210,8 @@ class StepEngine:
             txt_c.append(_cache(txt, m.txt_emb, self.s.cache_dtype))
         clock.lap("cache_pass")
         keep = self._kept_rows(dropped, self.s.local)
-        loss, g_img, g_txt, g_extras = self._loss_grads(torch.cat(img_c), torch.cat(txt_c), keep)
+        ids = None if ids[0] is None else torch.cat(ids)
+        loss, g_img, g_txt, g_extras = self._loss_grads(torch.cat(img_c), torch.cat(txt_c), keep, ids)
         del img_c, txt_c
         clock.lap("loss")
         self._decode_next_step_ahead()
@@ -293,9 +308,38 @@ class StepEngine:
             return None
         return (~mask).nonzero().flatten().to(self.device)
 
-    def _loss_grads(self, img: Tensor, txt: Tensor, keep: Optional[Tensor] = None):
+    def _group_ids(self, batch: dict) -> Optional[Tensor]:
+        """(micro,) int64 duplicate group ids of a micro-batch (``infclip.data.dedup``), or None
+        when loss.duplicates is off (then nothing is hashed)."""
+        if self.s.duplicates == "off":
+            return None
+        from infclip.data.dedup import group_ids
+
+        images = batch["images"] if self.s.duplicate_key == "caption+image" else None
+        return group_ids(batch["tokens"], images).to(self.device)
+
+    def _duplicates(self, ids: Optional[Tensor], keep: Optional[Tensor]) -> dict:
+        """The loss's ``group_ids`` keyword for the rows it sees ({} when off); records the
+        global batch's ``duplicate_pairs`` in this step's metrics."""
+        if ids is None:
+            return {}
+        from infclip.loss.duplicates import duplicate_pairs
+
+        ids = ids if keep is None else ids[keep]
+        every = ids
+        if self.group is not None and self.world_size > 1:  # the count is over the global batch
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(ids) for _ in range(self.world_size)]
+            dist.all_gather(parts, ids, group=self.group)
+            every = torch.cat(parts)
+        self._step_metrics["duplicate_pairs"] = duplicate_pairs(every)
+        return {"group_ids": ids}
+
+    def _loss_grads(self, img: Tensor, txt: Tensor, keep: Optional[Tensor] = None, ids: Optional[Tensor] = None):
         """One loss call on all local embeddings -> (loss, d img, d txt, [d extras]), scaled.
-        ``keep``: indices of the rows the loss sees (the others get zero gradients)."""
+        ``keep``: indices of the rows the loss sees (the others get zero gradients); ``ids``:
+        the local rows' duplicate group ids (None: loss.duplicates off)."""
         img.requires_grad_(self.plan.image.mode != "frozen")
         txt.requires_grad_(self.plan.text.mode != "frozen")
         # The loss sees s = exp(logit_scale) (and the bias) as leaves; their gradients are
@@ -306,7 +350,7 @@ class StepEngine:
         for leaf, param in zip(extras, (self.core.logit_scale, getattr(self.core, "logit_bias", None))):
             leaf.requires_grad_(param.requires_grad)
         seen = (img, txt) if keep is None else (img[keep], txt[keep])
-        loss = self.loss_fn(*seen, *extras)
+        loss = self.loss_fn(*seen, *extras, **self._duplicates(ids, keep))
         wrt = [t for t in (img, txt, *extras) if t.requires_grad]
         grads = iter(torch.autograd.grad(self._scaled(loss), wrt) if wrt else ())
         g_img, g_txt, *g_extras = (next(grads) if t.requires_grad else None for t in (img, txt, *extras))

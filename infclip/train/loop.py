@@ -185,7 +185,7 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
         "host_image_bytes_per_sample": pipeline.image_bytes_per_sample(),
         **{f"time_{k}": v for k, v in out.timings.items()},
         "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
-        "amp_overflow": int(overflow), **_decoder_stats(parts),
+        "amp_overflow": int(overflow), **_decoder_stats(parts), **out.metrics,
     }
 
 

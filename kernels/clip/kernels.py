@@ -44,6 +44,14 @@ for fp32 inputs; for bf16 the same single rounding vanilla applies to its dX). T
 tiles that cross the diagonal in a loop of their own (``_fwd_step`` with DIAG), so the
 replacement costs the other tiles nothing (no registers held across a runtime branch).
 
+Duplicate groups (HAS_GID; ``infclip.loss.duplicates`` states the loss): per-row and
+per-column int64 group ids are loaded as vectors and, in the tile epilogue, every entry
+with equal ids -- except a positive's own i == j on the diagonal block -- is dropped from
+both directions (``_group_drop``): -inf logits in the forward (with the online max guarded
+for a row or column whose entries of a tile are all dropped), dX = 0 in the backward. The
+flag is a constexpr and the id pointers are None when it is off, so the off path compiles
+to the kernels of before.
+
 Consistency: the backward recomputes the dot products in the forward's K order (same BK
 chunks; on the GPU a K-chained tl.dot accumulates in the same order for any tile shape),
 so p_ij = exp(x_ij - lse_i) sums to 1 over j as the forward's LSE did.
@@ -89,6 +97,25 @@ def _shifted(dot, o_a, o_b, s2, HAS_OFF: tl.constexpr):
 
 
 @triton.jit
+def _load_ids(ptr, idx, HAS: tl.constexpr, BLOCK: tl.constexpr):
+    """int64 ptr[idx] (group ids) when HAS, else zeros (BLOCK,) (never compared)."""
+    v = tl.zeros((BLOCK,), tl.int64)
+    if HAS:
+        v = tl.load(ptr + idx).to(tl.int64)
+    return v
+
+
+@triton.jit
+def _group_drop(gid_a, gid_b, rows, cols, SELF: tl.constexpr):
+    """(BM, BN) bool: entries whose row and column share a group id, i.e. duplicates that are
+    not negatives; with SELF (a tile of the square pair of the positives) not i == j."""
+    drop = gid_a[:, None] == gid_b[None, :]
+    if SELF:
+        drop = drop & (rows[:, None] != cols[None, :])
+    return drop
+
+
+@triton.jit
 def _expm1(u):
     """exp(u) - 1 without cancellation near 0 (degree-8 series for |u| < 1/4)."""
     series = u * (1.0 + u * (0.5 + u * (1.0 / 6 + u * (1.0 / 24 + u * (1.0 / 120 + u * (
@@ -121,9 +148,10 @@ def _take_positives(p, q, d_ii, e_o, rows, cols, row_ok, j0, d_vec, ds_row, BN: 
 
 @triton.jit
 def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr,
-              stride_cp, pid_m, col_start, j0, hi, K, s2, m_i, l_i,
+              stride_cp, pid_m, col_start, gid_a, gid_b_ptr, j0, hi, K, s2, m_i, l_i,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-              HAS_OFF: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+              HAS_OFF: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+              HAS_GID: tl.constexpr):
     """One column tile of the forward: updates (m_i, l_i) of the rows, stores the tile's
     column partials. DIAG: the tile may cross the diagonal, whose dot products are the
     offsets (the positives' <A_i, B_i>): their shifted logits are set to 0 (with the FMA
@@ -138,13 +166,22 @@ def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_
         on = (row0 + r)[:, None] == (j0 + cn)[None, :]
         xr = tl.where(on, 0.0, xr)
         xc = tl.where(on, 0.0, xc)
+    if HAS_GID:  # duplicates leave both directions (a row of a tile may lose all its entries)
+        drop = _group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld).to(tl.int64), row0 + r, j0 + cn, DIAG)
+        xr = tl.where(drop, float("-inf"), xr)
+        xc = tl.where(drop, float("-inf"), xc)
     # Row direction: online max / rescaled sum, kept in registers.
     xr = tl.where(col_ok[None, :], xr, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(xr, 1))
-    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(xr - m_new[:, None]), 1)
+    m_use = m_new
+    if HAS_GID:  # an all -inf row so far: any finite base gives l = 0 (exp2(-inf - -inf) would be NaN)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(xr - m_use[:, None]), 1)
     # Column direction: this tile's LSE over the program's BM rows.
     xc = tl.where(row_ok[:, None], xc, float("-inf"))
     cm = tl.max(xc, 0)
+    if HAS_GID:
+        cm = tl.where(cm == float("-inf"), 0.0, cm)  # an all-dropped column: its partial is log2(0) = -inf
     cl = tl.sum(tl.exp2(xc - cm[None, :]), 0)
     tl.store(col_part_ptr + pid_m * stride_cp + (j0 - col_start) + cn, (cm + tl.log2(cl)) * LN2, mask=col_ok)
     return m_new, l_i
@@ -153,10 +190,11 @@ def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_
 @triton.jit
 def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr, col_part_ptr,
                     M, N, K, stride_a, stride_b, col_start, col_stop, cols_per_split,
-                    stride_cp,
+                    stride_cp, gid_a_ptr, gid_b_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                    PREC: tl.constexpr, DOT_F32: tl.constexpr, WS: tl.constexpr = False):
+                    PREC: tl.constexpr, DOT_F32: tl.constexpr, WS: tl.constexpr = False,
+                    HAS_GID: tl.constexpr = False):
     """row_part[pid_s, rows] and col_part[pid_m, cols - col_start]: partial LSEs (natural),
     relative to s * offsets when HAS_OFF. The column tiles crossing the diagonal (HAS_DIAG)
     run in a loop of their own, between the tiles before and after them. WS: ask the
@@ -166,6 +204,7 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
     s2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
     row0, r, row_ok, r_ld, a_blk = row_block(pid_m, M, a_ptr, stride_a, BM)
     o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
+    gid_a = _load_ids(gid_a_ptr, row0 + r_ld, HAS_GID, BM)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     lo = col_start + pid_s * cols_per_split
@@ -176,15 +215,17 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
         d_lo = tl.minimum(lo + (tl.maximum(row0 - lo, 0) // BN) * BN, hi)
         d_hi = tl.maximum(tl.minimum(lo + tl.cdiv(tl.maximum(row0 + BM - lo, 0), BN) * BN, hi), d_lo)
     args = (a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr, stride_cp,
-            pid_m, col_start)
+            pid_m, col_start, gid_a, gid_b_ptr)
     for j0 in tl.range(lo, d_lo, BN, warp_specialize=WS):
-        m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32)
+        m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32,
+                             HAS_GID)
     if HAS_DIAG:
         for j0 in range(d_lo, d_hi, BN):
-            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, True, PREC, DOT_F32)
+            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, True, PREC, DOT_F32,
+                                 HAS_GID)
         for j0 in tl.range(d_hi, hi, BN, warp_specialize=WS):
             m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC,
-                                 DOT_F32)
+                                 DOT_F32, HAS_GID)
     tl.store(row_part_ptr + pid_s * M + row0 + r, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
 
 
@@ -219,11 +260,11 @@ def _near_diag(row0, j0, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr,
                  g_a_ptr, g_b_ptr, g_d_ptr, out_ptr, ds_ptr, kept_ptr, log2_thr,
-                 M, N, K, stride_a, stride_b, stride_o,
+                 M, N, K, stride_a, stride_b, stride_o, gid_a_ptr, gid_b_ptr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
                  EVEN_K: tl.constexpr, RESIDENT: tl.constexpr, ACCUM: tl.constexpr,
                  COMPUTE_DS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                 FILTER: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                 FILTER: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_GID: tl.constexpr = False):
     """out[rows, dcols] (+)= s * sum_j dX_ij B_j[dcols]; ds_part[program] = its share of ds.
 
     RESIDENT (needs DC >= K, one feature chunk): the (BM, K) block of A stays on chip and
@@ -252,6 +293,7 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
     lse_a = tl.load(lse_a_ptr + row0 + r_ld).to(tl.float32) * LOG2E
     g_a = tl.where(row_ok, tl.load(g_a_ptr + row0 + r_ld).to(tl.float32) * inv_gn, 0.0)
     o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
+    gid_a = _load_ids(gid_a_ptr, row0 + r_ld, HAS_GID, BM)
     d = pid_c * DC + tl.arange(0, DC)
     d_ok = d < K
     acc = tl.zeros((BM, DC), dtype=tl.float32)
@@ -283,8 +325,10 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
         lse_b = tl.load(lse_b_ptr + j0 + c_ld).to(tl.float32) * LOG2E
         g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32) * inv_gn
         o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
-        p, q, peak = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, row_ok[:, None] & col_ok[None, :],
-                              HAS_OFF, FILTER)
+        ok = row_ok[:, None] & col_ok[None, :]
+        if HAS_GID:  # duplicates are not negatives: dX = 0 there
+            ok = ok & ~_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld).to(tl.int64), row0 + r, j0 + cn, HAS_DIAG)
+        p, q, peak = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, FILTER)
         if HAS_DIAG:
             if _near_diag(row0, j0, BM, BN):
                 p, q, d_vec, ds_row = _take_positives(p, q, d_ii, e_o, row0 + r, j0 + cn, row_ok, j0, d_vec,
@@ -317,9 +361,11 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
 @triton.jit
 def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr,
                      g_d_ptr, p_ptr, ds_ptr, dv_ptr, R, row_start, N, K, stride_a, stride_b, stride_p,
+                     gid_a_ptr, gid_b_ptr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                      EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                     PREC: tl.constexpr, DOT_F32: tl.constexpr, FOLD: tl.constexpr = False):
+                     PREC: tl.constexpr, DOT_F32: tl.constexpr, FOLD: tl.constexpr = False,
+                     HAS_GID: tl.constexpr = False):
     """P[i, j] = s * dX[row_start + i, j] for a strip of R rows, in the input dtype.
 
     The strip path of the backward: a GEMM-shaped kernel (any BM, no register accumulator
@@ -341,15 +387,15 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
     ds = _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
                          off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
-                         BM, BN, HAS_OFF, HAS_DIAG, FOLD)
+                         gid_a_ptr, gid_b_ptr, BM, BN, HAS_OFF, HAS_DIAG, FOLD, HAS_GID)
     tl.store(ds_ptr + pid, ds)
 
 
 @triton.jit
 def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
                     off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
-                    BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                    FOLD: tl.constexpr):
+                    gid_a_ptr, gid_b_ptr, BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr,
+                    HAS_DIAG: tl.constexpr, FOLD: tl.constexpr, HAS_GID: tl.constexpr):
     """The strip kernels' tile epilogue: stores P = s dX of the tile (and dv, see
     ``_dx_strip_kernel``); returns the tile's share of d scale."""
     s2 = s * LOG2E
@@ -361,7 +407,12 @@ def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start
     g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32)
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
     ok = row_ok[:, None] & col_ok[None, :]
-    p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, False)
+    if HAS_GID:  # duplicates are not negatives: dX = 0 there (the store still writes those zeros)
+        drop = _group_drop(tl.load(gid_a_ptr + row0 + r_ld).to(tl.int64), tl.load(gid_b_ptr + j0 + c_ld).to(tl.int64),
+                           row0 + r, j0 + cn, HAS_DIAG)
+        p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok & ~drop, HAS_OFF, False)
+    else:
+        p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, False)
     ds_row = tl.zeros((BM,), dtype=tl.float32)
     if HAS_DIAG:
         if _near_diag(row0, j0, BM, BN):
@@ -383,9 +434,11 @@ def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start
 @triton.jit
 def _dx_strip_tma_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr,
                          g_d_ptr, p_ptr, ds_ptr, dv_ptr, R, row_start, M, N, K, stride_a, stride_b, stride_p,
+                         gid_a_ptr, gid_b_ptr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                          NUM_PROGS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                         FOLD: tl.constexpr, WS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+                         FOLD: tl.constexpr, WS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+                         HAS_GID: tl.constexpr = False):
     """``_dx_strip_kernel`` as a persistent kernel with TMA loads (tensor descriptors over
     the whole of A (M, K) and B (N, K): rows/columns past the end read as zeros and are
     masked as usual): NUM_PROGS programs stride over the strip's tiles in the same grouped
@@ -404,5 +457,5 @@ def _dx_strip_tma_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_pt
         acc = tma_dot(a_desc, b_desc, row_start + r0, j0, K, BM, BN, BK, PREC, DOT_F32)
         ds += _strip_epilogue(acc, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
                               off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
-                              BM, BN, HAS_OFF, HAS_DIAG, FOLD)
+                              gid_a_ptr, gid_b_ptr, BM, BN, HAS_OFF, HAS_DIAG, FOLD, HAS_GID)
     tl.store(ds_ptr + pid + tl.arange(0, 1), ds)

@@ -189,17 +189,28 @@ def _vecs(a: Tensor, off_a: Tensor | None, off_b: Tensor | None, g_d: Tensor | N
             dict(HAS_OFF=(2 if fast and a.element_size() == 2 else 1) if has_off else 0, HAS_DIAG=g_d is not None))
 
 
+def _gids(gid_a: Tensor | None, gid_b: Tensor | None) -> tuple:
+    """(gid_a, gid_b, HAS_GID) for the kernels: both int64 group-id vectors or neither (None
+    pointers: the flag off compiles the kernels of the plain loss)."""
+    if (gid_a is None) != (gid_b is None):
+        raise ValueError("give both group-id vectors (rows and columns) or neither")
+    return gid_a, gid_b, gid_a is not None
+
+
 def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
                      g_b: Tensor, out: Tensor, rows: int, cfg: StripConfig, prec: str,
                      alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
-                     off_b: Tensor | None = None, fold: bool = False) -> Tensor:
+                     off_b: Tensor | None = None, fold: bool = False, gid_a: Tensor | None = None,
+                     gid_b: Tensor | None = None) -> Tensor:
     """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
     dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype. g_d, off_a,
     off_b: as in ``grad_rows``. fold (with g_d): the positives' folded fp32 s dX_ii go into
     P (one rounding to the input dtype, then the plain product into ``out``) instead of
-    an fp32 product per strip plus the host's fp32 fixup + s dX_ii b_i."""
+    an fp32 product per strip plus the host's fp32 fixup + s dX_ii b_i. gid_a (m,), gid_b (n,):
+    int64 group ids; same-group entries (not i == j with g_d) get dX = 0 (duplicates)."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d, cfg.fast_off)
+    gid_a, gid_b, flags["HAS_GID"] = _gids(gid_a, gid_b)
     fixup = g_d is not None and not fold
     rows = max(1, min(rows, m))
     d_vec = alloc(rows, device=a.device, dtype=torch.float32) if fixup else scale
@@ -217,11 +228,11 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
         ds_part = ds_all[r0 // rows * per:]
         if use_tma:
             _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg,
-                      prec, fold, flags, grid)
+                      prec, fold, flags, grid, gid_a, gid_b)
             return
         _dx_strip_kernel[(grid,)](
             a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, n, k,
-            a.stride(0), b.stride(0), scratch.stride(0),
+            a.stride(0), b.stride(0), scratch.stride(0), gid_a, gid_b,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, EVEN_K=k % cfg.BK == 0, PREC=prec,
             DOT_F32=_dot_f32(a), FOLD=fold, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
@@ -234,13 +245,13 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
 
 
 def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec, fold,
-              flags, tiles):
+              flags, tiles, gid_a=None, gid_b=None):
     """One strip through the persistent TMA kernel (``tma_ok(a, b)`` checked by the caller);
     its programs' ds partials into ds_part."""
     progs = tma_programs(a.device, tiles, cfg.per_sm)
     _dx_strip_tma_kernel[(progs,)](
         a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, a.shape[0],
-        b.shape[0], a.shape[1], a.stride(0), b.stride(0), scratch.stride(0),
+        b.shape[0], a.shape[1], a.stride(0), b.stride(0), scratch.stride(0), gid_a, gid_b,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, NUM_PROGS=progs, FOLD=fold, WS=cfg.ws, PREC=prec,
         DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
@@ -248,15 +259,19 @@ def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_par
 
 def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
                 alloc=torch.empty, off_a: Tensor | None = None, off_b: Tensor | None = None,
-                diag: bool = False) -> tuple[Tensor, Tensor]:
+                diag: bool = False, gid_a: Tensor | None = None, gid_b: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
     """(row_lse (m,), col_lse (n,)) fp32 over the block pair (a, b); partial buffers <= 32 MB.
 
     off_a (m,), off_b (n,) fp32: the LSEs come out relative to s * off (computed from
     s (<a_i, b_j> - off)); diag (square pair, off_a is off_b): the diagonal's dot products
-    are taken to be the offsets (the positives' <a_i, b_i>, see the kernels' docs)."""
+    are taken to be the offsets (the positives' <a_i, b_i>, see the kernels' docs).
+    gid_a (m,), gid_b (n,): int64 group ids; same-group entries (but the diagonal's i == j)
+    leave both LSEs (duplicates; a row or column may end up empty: LSE -inf)."""
     m, k = a.shape
     n = b.shape[0]
     o_a, o_b, _, flags = _vecs(a, off_a, off_b, None, cfg.fast_off)
+    gid_a, gid_b, has_gid = _gids(gid_a, gid_b)
     if diag and not (flags["HAS_OFF"] and m == n):
         raise ValueError(f"diag needs a square block pair and the offsets, got {m} x {n}")
     nrb = cdiv(m, cfg.BM)
@@ -270,8 +285,10 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
         col_part = alloc(nrb, length, device=a.device, dtype=torch.float32)
         _lse_fwd_kernel[(nrb, splits)](
             a, b, scale, o_a, o_b, row_part, col_part, m, n, k, a.stride(0), b.stride(0), c0, c1, per, length,
+            gid_a, gid_b,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=k % cfg.BK == 0, HAS_OFF=flags["HAS_OFF"], HAS_DIAG=diag,
-            PREC=prec, DOT_F32=_dot_f32(a), WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PREC=prec, DOT_F32=_dot_f32(a), WS=cfg.ws, HAS_GID=has_gid, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         part = torch.logsumexp(row_part, 0)
         row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)
@@ -283,7 +300,8 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
               g_b: Tensor, out: Tensor, accumulate: bool, compute_ds: bool, cfg: BwdConfig,
               prec: str, g_d: Tensor | None = None, off_a: Tensor | None = None,
               off_b: Tensor | None = None, threshold: float | None = None,
-              kept: list | None = None) -> Tensor | None:
+              kept: list | None = None, gid_a: Tensor | None = None, gid_b: Tensor | None = None
+              ) -> Tensor | None:
     """out (+)= s * dX @ b for the rows of ``a``; returns ds (0-d fp32) if ``compute_ds``.
 
     off_a (m,), off_b (n,): lse_a / lse_b are relative to s * off (see ``lse_forward``).
@@ -291,12 +309,13 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     gradient of -sum_i g_d_i x_ii, folded into dX_ii in fp32 (ds includes it).
     threshold (gradient filtering; None: off): tiles whose softmax entries are all below it
     skip their update product; ``kept`` = [kept tiles (0-d tensor), all tiles (int)] is
-    incremented."""
+    incremented. gid_a (m,), gid_b (n,): int64 group ids, as ``grad_rows_strips``."""
     m, k = a.shape
     n = b.shape[0]
     if cfg.resident and cfg.DC < k:
         raise ValueError(f"resident config needs DC >= K, got DC={cfg.DC}, K={k}")
     o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d)
+    gid_a, gid_b, flags["HAS_GID"] = _gids(gid_a, gid_b)
     gnorm = torch.maximum(g_a.abs().max(), g_b.abs().max())
     if g_d is not None:
         gnorm = torch.maximum(gnorm, g_d.abs().max())
@@ -307,7 +326,7 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     kept_part = torch.empty(nrb * ncb if filt else 1, device=a.device, dtype=torch.int32)
     log2_thr = math.log2(threshold) if filt and threshold > 0 else float("-inf")
     args = (a, b, scale, gnorm, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, out, ds_part, kept_part, log2_thr,
-            m, n, k, a.stride(0), b.stride(0), out.stride(0))
+            m, n, k, a.stride(0), b.stride(0), out.stride(0), gid_a, gid_b)
     meta = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DC=cfg.DC, EVEN_K=k % cfg.BK == 0, ACCUM=accumulate,
                 COMPUTE_DS=compute_ds, FILTER=filt, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, **flags)

@@ -92,18 +92,22 @@ class TritonTileOps:
             return torch.full(shape, float("nan"), device=device, dtype=dtype)
         return torch.empty(*shape, device=device, dtype=dtype)
 
-    def forward(self, img: Tensor, txt: Tensor, scale: Tensor, offsets=None, diag: bool = False
-                ) -> tuple[Tensor, Tensor]:
+    def forward(self, img: Tensor, txt: Tensor, scale: Tensor, offsets=None, diag: bool = False,
+                groups=None) -> tuple[Tensor, Tensor]:
         """(row_lse (m,), col_lse (n,)) fp32 over the block pair (img, txt), relative to
-        s * offsets when given; ``diag``: the positives' dot products are the offsets."""
+        s * offsets when given; ``diag``: the positives' dot products are the offsets.
+        groups: (g_row (m,), g_col (n,)) int64 group ids: same-group entries are dropped
+        (duplicates, as ``infclip.loss.tiled.TorchTileOps``)."""
         img, txt, scale = _prep(img, txt, scale)
         prec = self._prec(img)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
+        gid_row, gid_col = _groups(groups, img.shape[0], txt.shape[0])
 
         def run(cfg, a, b):
             sub = (o_row[:a.shape[0]], o_col[:b.shape[0]]) if o_row is not None else (None, None)
+            gid = (gid_row[:a.shape[0]], gid_col[:b.shape[0]]) if gid_row is not None else (None, None)
             return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc, off_a=sub[0], off_b=sub[1],
-                                      diag=diag and a.shape[0] == b.shape[0])
+                                      diag=diag and a.shape[0] == b.shape[0], gid_a=gid[0], gid_b=gid[1])
 
         cfg = launch.pick_config("fwd", img, txt, prec,
                                  launch.fwd_candidates(img.shape[1], img.element_size()), run)
@@ -112,7 +116,7 @@ class TritonTileOps:
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
                  g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,
                  dtxt: Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                 g_diag: Tensor | None = None, offsets=None, overwrite: bool = False
+                 g_diag: Tensor | None = None, offsets=None, overwrite: bool = False, groups=None
                  ) -> tuple[Tensor, Tensor, Tensor]:
         """(dimg, dtxt, dscale); fresh outputs are ``out_dtype`` (fp32 by the protocol).
 
@@ -120,9 +124,10 @@ class TritonTileOps:
         (square block pair, offsets = the positives' dot products): the gradient of
         -sum_i g_diag_i x_ii, folded into dX_ii in fp32 before any rounding (ds too).
         overwrite: the given dimg / dtxt are written, not accumulated into (as fresh outputs
-        of their dtype: the CUDA graphs' static gradients)."""
+        of their dtype: the CUDA graphs' static gradients). groups: as ``forward``."""
         img, txt, scale = _prep(img, txt, scale)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
+        gid_row, gid_col = _groups(groups, img.shape[0], txt.shape[0])
         vecs = [v.float().contiguous() for v in (row_lse, col_lse, g_row, g_col)]
         row_lse, col_lse, g_row, g_col = vecs
         prec = self._prec(img)
@@ -135,9 +140,9 @@ class TritonTileOps:
                                  "the offsets (the positives' dot products)")
             g_diag = g_diag.float().contiguous()
         ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec, g_diag,
-                        o_row, o_col)
+                        o_row, o_col, gid_row, gid_col)
         self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, prec, g_diag,
-                   o_col, o_row)
+                   o_col, o_row, gid_col, gid_row)
         return dimg, dtxt, ds
 
     def fused_loss(self, img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
@@ -151,11 +156,11 @@ class TritonTileOps:
         return TritonCLIPLoss.apply(img, txt, scale, self)
 
     def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec, g_d=None,
-              off_a=None, off_b=None):
+              off_a=None, off_b=None, gid_a=None, gid_b=None):
         """out (+)= s * dX @ b for the rows of a; returns ds when ``compute_ds``."""
         rows = launch.strip_rows(b.shape[0], a.element_size(), budget=self.strip_budget, k=a.shape[1],
                                  temp=not self.fold)
-        vecs = dict(g_d=g_d, off_a=off_a, off_b=off_b)
+        vecs = dict(g_d=g_d, off_a=off_a, off_b=off_b, gid_a=gid_a, gid_b=gid_b)
         if self.threshold is not None:
             cfg = self._bwd_cfg(a, b, prec, scale)
             return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
@@ -219,6 +224,17 @@ def _offsets(offsets, m: int, n: int) -> tuple[Tensor | None, Tensor | None]:
     if o_row.shape != (m,) or o_col.shape != (n,):
         raise ValueError(f"offsets must be ({m},) and ({n},), got {tuple(o_row.shape)} and {tuple(o_col.shape)}")
     return o_row.detach().float().contiguous(), o_col.detach().float().contiguous()
+
+
+def _groups(groups, m: int, n: int) -> tuple[Tensor | None, Tensor | None]:
+    """(g_row (m,), g_col (n,)) contiguous int64 group ids, or (None, None)."""
+    if groups is None:
+        return None, None
+    g_row, g_col = groups
+    if g_row.shape != (m,) or g_col.shape != (n,) or g_row.dtype != torch.int64 or g_col.dtype != torch.int64:
+        raise ValueError(f"groups must be int64 ({m},) and ({n},), got {g_row.dtype} {tuple(g_row.shape)} and "
+                         f"{g_col.dtype} {tuple(g_col.shape)}")
+    return g_row.contiguous(), g_col.contiguous()
 
 
 def _prep(img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -69,6 +69,12 @@ def test_wrong_type_is_rejected():
         (["model.max_logit_scale=inf"], 1, r"model.max_logit_scale=inf is not a finite number"),
         (["+optim.lrr=1"], 1, r"unknown config key 'optim.lrr'.*did you mean optim.lr\?"),
         (["+foo=1"], 1, r"unknown config key 'foo'"),
+        (["loss.duplicates=drop"], 1,
+         r"loss.duplicates='drop' is not valid; choose one of \['off', 'mask', 'positive'\]"),
+        (["loss.duplicate_key=image"], 1, r"loss.duplicate_key='image' is not valid; choose one of \['caption', "),
+        (["loss.duplicates=mask", "loss.impl=vanilla"], 1,
+         r"loss.duplicates=mask needs loss.kind=clip with loss.impl=auto, torch or triton.*impl=vanilla"),
+        (["loss.duplicates=positive", "loss.grad_filter=1e-3"], 1, r"loss.duplicates=positive needs .*grad_filter=0"),
         (["+model.lock_imag=true"], 1, r"did you mean model.lock_image\?"),
     ],
 )

@@ -11,7 +11,9 @@ fills (partials are merged on the host: O(splits * m) fp32).
 writes P = s * dX for R rows into a scratch of the input dtype (bounded: ``rows`` * n
 elements) and returns that strip's partial scalars (ds, ...); cuBLAS then forms
 out[strip] (+)= P @ B. No register accumulator over the feature dim, so the fill kernel
-can use GEMM-sized tiles and the update runs at cuBLAS speed.
+can use GEMM-sized tiles and the update runs at cuBLAS speed. Its ``then`` hook runs a
+second product from the same scratch (the one-pass backward: ``addmm_f32_`` of P^T @
+A[strip] into an fp32 accumulator of the other direction's gradient).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Launch wrappers of the CLIP LSE kernels: block configs, column chunking, tuning.
 
 ``lse_forward`` (both LSEs, partial buffers capped at 32 MB), ``grad_rows`` (fused
-backward of one direction) and ``grad_rows_strips`` (strip backward: s * dX for R rows
-into a 48 MB + 768 B x b scratch, then a cuBLAS product) take plain tensors and explicit
-configs; ``pick_config``
+backward of one direction), ``grad_rows_strips`` (strip backward: s * dX for R rows
+into a 48 MB + 768 B x b scratch, then a cuBLAS product) and ``grad_onepass_strips`` (the
+one-pass backward: the same fill feeds both directions' products, dB summed in an fp32
+accumulator) take plain tensors and explicit configs; ``pick_config``
 chooses a config per problem class (feature dim, dtype, precision, size bucket) by timing
 the candidates once on the GPU (under ``TRITON_INTERPRET=1`` or with
 ``INFCLIP_TRITON_TUNE=0`` it takes the first candidate that fits).
@@ -142,6 +143,9 @@ class StripConfig:
 # only) and O(b) vectors (~40 B x b). With the positives folded into the scratch (no
 # temporary) the scratch takes those 16 MB too: 64 MB + 768 B x b (2 strips instead of 3
 # at b = 8k, where the step is bound by the host's launches).
+# The one-pass backward (``grad_onepass_strips``, issue 27) keeps this scratch and adds one
+# fp32 (n, c) accumulator for dB, which issue 27's rule allows beside it (the feature
+# gradients' fp32 accumulators, 4 c bytes per sample each; the second one is left unused).
 STRIP_BUDGET_BYTES = 48 << 20  # fixed part of the strip scratch
 STRIP_BYTES_PER_COLUMN = 768  # O(b) part of the strip scratch
 STRIP_TEMP_BYTES = 16 << 20  # cap on the fp32 (R, c) product temporary of the positives' fixup

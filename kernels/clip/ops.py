@@ -28,8 +28,9 @@ AUTO_BACKWARD = "twopass"  # what backward="auto" takes: flip once the GPU measu
 
 
 class TritonTileOps:
-    """Triton tile operations: one forward pass for both LSEs; per gradient direction either
-    the strip path (bf16, b <= 64k) or the fused kernel (accumulator in registers).
+    """Triton tile operations: one forward pass for both LSEs; in the backward, per gradient
+    direction either the strip path (bf16) or the fused kernel (accumulator in registers)
+    ("twopass"), or one strip pass for both directions ("onepass", see ``backward``).
 
     Args:
         fp32_precision: dot precision for float32 inputs: "ieee" (default, full fp32),

@@ -11,7 +11,9 @@ fills (partials are merged on the host: O(splits * m) fp32).
 writes P = s * dX for R rows into a scratch of the input dtype (bounded: ``rows`` * n
 elements) and returns that strip's partial scalars (ds, ...); cuBLAS then forms
 out[strip] (+)= P @ B. No register accumulator over the feature dim, so the fill kernel
-can use GEMM-sized tiles and the update runs at cuBLAS speed.
+can use GEMM-sized tiles and the update runs at cuBLAS speed. Its ``then`` hook runs a
+second product from the same scratch (the one-pass backward: ``addmm_f32_`` of P^T @
+A[strip] into an fp32 accumulator of the other direction's gradient).
 """
 
 from __future__ import annotations
@@ -116,16 +118,48 @@ def product_into(out: Tensor, p: Tensor, b: Tensor, accumulate: bool) -> None:
     out.add_(prod) if accumulate else out.copy_(prod)
 
 
+ADDMM_CHUNK_BYTES = 16 << 20  # fp32 temporary of ``addmm_f32_``'s fallback (no fp32-output GEMM)
+
+
+def addmm_f32_(acc: Tensor, p: Tensor, b: Tensor) -> None:
+    """acc += p @ b, acc fp32 (or fp64 with fp64 operands): the one-pass backward's
+    accumulator product. On CUDA, 16-bit operands go through one cuBLAS call that reads and
+    writes acc in fp32 (``torch.addmm(out_dtype=torch.float32)``: 16-bit tensor-core
+    inputs, fp32 accumulate and C); elsewhere (or on a torch without it) the fp32 product
+    is formed in row chunks of at most ADDMM_CHUNK_BYTES and added."""
+    if p.dtype == acc.dtype:
+        acc.addmm_(p, b)
+        return
+    if p.is_cuda and f32_out_ok(_addmm_f32_probe, p[:1, :1], b[:1, :1]):
+        torch.addmm(acc, p, b, out_dtype=torch.float32, out=acc)
+        return
+    step = max(1, ADDMM_CHUNK_BYTES // (4 * max(1, b.shape[1])))
+    for lo in range(0, p.shape[0], step):
+        acc[lo:lo + step].add_(mm_f32(p[lo:lo + step], b))
+
+
+def _addmm_f32_probe(x: Tensor, y: Tensor, out_dtype) -> Tensor:
+    """``f32_out_ok``'s probe of ``addmm_f32_``: torch.addmm writing an fp32 C in place."""
+    acc = torch.ones(x.shape[0], y.shape[1], device=x.device, dtype=out_dtype)
+    torch.addmm(acc, x, y, out_dtype=out_dtype, out=acc)
+    if not torch.allclose(acc, 1 + torch.mm(x.float(), y.float())):  # (aliasing C and out must work)
+        raise RuntimeError("torch.addmm(out=C) with an fp32 C does not accumulate")
+    return acc
+
+
 def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: bool,
                    fill: Callable[[int, int, Tensor], Tensor | None], alloc=torch.empty,
-                   fixup: Callable[[int, int, Tensor], None] | None = None) -> Tensor | None:
+                   fixup: Callable[[int, int, Tensor], None] | None = None,
+                   then: Callable[[int, int, Tensor], None] | None = None) -> Tensor | None:
     """out (+)= (s dX) @ b over the rows of ``a``, ``rows`` at a time; returns the sum over
     strips of what ``fill`` returned (None if it returns None: it keeps its partials itself).
 
     fill(r0, r, scratch) writes P = s * dX[r0:r0 + r] into scratch[:r] (input dtype) and
     returns that strip's partials (a tensor of a fixed shape) or None. fixup(r0, r, prod), if
     given, adds to the strip's fp32 product (r, c) before its one rounding to out's dtype
-    (then the product goes through an fp32 (rows, c) temporary)."""
+    (then the product goes through an fp32 (rows, c) temporary). then(r0, r, scratch), if
+    given, runs once the strip's product is done and before the next fill: the one-pass
+    backward's second product, P^T @ a[strip], from the same scratch."""
     m, n = a.shape[0], b.shape[0]
     rows = max(1, min(rows, m))
     scratch = alloc(rows, n, device=a.device, dtype=a.dtype)
@@ -135,9 +169,11 @@ def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: boo
         parts.append(fill(r0, r, scratch))
         if fixup is None:
             product_into(out[r0:r0 + r], scratch[:r], b, accumulate)
-            continue
-        prod = mm_f32(scratch[:r], b)
-        fixup(r0, r, prod)
-        out[r0:r0 + r].add_(prod) if accumulate else out[r0:r0 + r].copy_(prod)
+        else:
+            prod = mm_f32(scratch[:r], b)
+            fixup(r0, r, prod)
+            out[r0:r0 + r].add_(prod) if accumulate else out[r0:r0 + r].copy_(prod)
+        if then is not None:
+            then(r0, r, scratch)
     parts = [p for p in parts if p is not None]
     return torch.stack(parts).sum(0) if parts else None

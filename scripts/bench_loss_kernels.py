@@ -13,6 +13,14 @@ For each (c, b) of ``--shapes`` (bf16, L2-normalized random features, scale 1/0.
    against the default config's output; strip heights R for the strip path (item 2).
 4. ``sass``: for every compiled variant, registers, spills, wgmma in the PTX and HGMMA in
    the SASS (cuobjdump through triton's ``asm['sass']``).
+5. ``onepass`` (issue 27 item 1, opt in): the backward alone (``loss_backward`` on the
+   forward's outputs) and the whole step (``clip_loss_triton``), with
+   ``TritonTileOps(backward="twopass")`` and ``backward="onepass"``, ms and % of peak
+   (8 b^2 c FLOPs for the step, 6 b^2 c for the backward), the one-pass gradients checked
+   against the two-pass ones; a table at the end. ``--onepass-shapes`` (default c in
+   {512, 768, 1024} x b in {16k, 32k, 64k, 128k}):
+
+    python3 -u scripts/bench_loss_kernels.py --parts onepass --reps 3 --out $OUT
 
     python3 -u scripts/bench_loss_kernels.py --shapes 512x65536,1024x16384 --out $OUT
 
@@ -39,6 +47,7 @@ if not torch.cuda.is_available():
 from infclip.kernels.clip import TritonTileOps, clip_loss_triton, launch  # noqa: E402
 from infclip.kernels.clip import kernels as K  # noqa: E402
 from infclip.kernels.clip.launch import FwdConfig, StripConfig  # noqa: E402
+from infclip.kernels.clip.function import loss_backward, loss_forward  # noqa: E402
 from infclip.kernels.clip.reference import row_dot  # noqa: E402
 from infclip.loss.reference import vanilla_loss  # noqa: E402
 
@@ -65,14 +74,15 @@ def inputs(b: int, c: int):
     return img.bfloat16(), txt.bfloat16(), torch.tensor(1 / 0.07, device=DEV)
 
 
-def step_fn(kind: str, img, txt, scale):
-    """fwd + bwd of one loss implementation on fresh leaves (grads dropped each call)."""
+def step_fn(kind: str, img, txt, scale, ops=None):
+    """fwd + bwd of one loss implementation on fresh leaves (grads dropped each call);
+    ``ops``: the Triton tiles to use (else built for ``kind``)."""
     i, t = img.clone().requires_grad_(), txt.clone().requires_grad_()
     s = scale.clone().requires_grad_()
     if kind == "vanilla":
         fn = vanilla_loss
     else:
-        ops = TritonTileOps(strip_positives=kind, strips="auto" if CUDA else "always")
+        ops = ops or TritonTileOps(strip_positives=kind, strips="auto" if CUDA else "always")
         fn = lambda a, b, sc: clip_loss_triton(a, b, sc, ops=ops)  # noqa: E731
 
     def run():
@@ -234,6 +244,51 @@ def variants(c: int, b: int, reps: int, peak: float, strip_rows: list[int]) -> N
             emit("rows", c=c, b=b, rows=rows, status=_err(e))
 
 
+ONEPASS_SHAPES = ",".join(f"{c}x{b}" for c in (512, 768, 1024) for b in (16384, 32768, 65536, 131072))
+
+
+def onepass(c: int, b: int, reps: int, peak: float) -> dict:
+    """Backward alone and fwd + bwd, two-pass vs one-pass (bf16; graphs as by default)."""
+    img, txt, scale = inputs(b, c)
+    row = {"c": c, "b": b}
+    grads = {}
+    for path in ("twopass", "onepass"):
+        ops = TritonTileOps(backward=path, strips="auto" if CUDA else "always")
+        try:
+            with torch.no_grad():
+                _, r, cl, pos = loss_forward(ops, img, txt, scale)
+            g = torch.ones((), device=DEV)
+            bwd = lambda: loss_backward(ops, img, txt, scale, r, cl, pos, g)  # noqa: E731
+            grads[path] = bwd()
+            bwd_ms = time_ms(bwd, reps)
+            step_ms = time_ms(step_fn("fold", img, txt, scale, ops), reps)
+        except torch.cuda.OutOfMemoryError:
+            emit("onepass", c=c, b=b, path=path, status="out of memory")
+            continue
+        row[f"{path}_bwd_ms"], row[f"{path}_step_ms"] = bwd_ms, step_ms
+        row[f"{path}_step_pct"] = 100 * 8 * b * b * c / step_ms / 1e9 / peak
+        emit("onepass", c=c, b=b, path=path, bwd_ms=bwd_ms, bwd_pct_peak=100 * 6 * b * b * c / bwd_ms / 1e9 / peak,
+             step_ms=step_ms, step_pct_peak=row[f"{path}_step_pct"])
+        del ops
+        torch.cuda.empty_cache() if CUDA else None
+    if len(grads) == 2:
+        row["rel_diff"] = max(((x.float() - y.float()).norm() / y.float().norm()).item()
+                              for x, y in zip(grads["onepass"], grads["twopass"]))
+        row["bwd_speedup"] = row["twopass_bwd_ms"] / row["onepass_bwd_ms"]
+        row["step_speedup"] = row["twopass_step_ms"] / row["onepass_step_ms"]
+        emit("onepass", **row)
+    return row
+
+
+def onepass_table(rows: list[dict]) -> None:
+    """The one-pass rows as a markdown table (the last lines of the run)."""
+    cols = ["c", "b", "twopass_bwd_ms", "onepass_bwd_ms", "bwd_speedup", "twopass_step_ms", "onepass_step_ms",
+            "twopass_step_pct", "onepass_step_pct", "step_speedup", "rel_diff"]
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(_short(r.get(k, "-"))) for k in cols) + " |")
+
+
 def _cfg(cfg) -> str:
     d = {k: v for k, v in vars(cfg).items() if v not in (False,)}
     return ",".join(f"{k}={v}" if not isinstance(v, bool) else k for k, v in d.items())
@@ -280,6 +335,7 @@ def main() -> None:
     p.add_argument("--shapes", default="512x65536,1024x16384", help="c x b pairs")
     p.add_argument("--parts", default="step,breakdown,variants,sass")
     p.add_argument("--rows", default="384,1024,2048,3072", help="strip heights R to time (the default R as well)")
+    p.add_argument("--onepass-shapes", default=ONEPASS_SHAPES, help="c x b pairs of the onepass part")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = p.parse_args()
@@ -304,6 +360,17 @@ def main() -> None:
                 except Exception:  # noqa: BLE001 -- keep the other parts' results
                     emit(part, c=c, b=b, status="failed: " + traceback.format_exc(limit=3).replace("\n", " | "))
         emit("elapsed", c=c, b=b, s=time.time() - t0)
+    if "onepass" in parts:
+        t0 = time.time()
+        rows = []
+        for shape in args.onepass_shapes.split(","):
+            c, b = (int(x) for x in shape.split("x"))
+            try:
+                rows.append(onepass(c, b, args.reps, peak))
+            except Exception:  # noqa: BLE001 -- keep the other shapes' results
+                emit("onepass", c=c, b=b, status="failed: " + traceback.format_exc(limit=3).replace("\n", " | "))
+        emit("elapsed", part="onepass", s=time.time() - t0)
+        onepass_table(rows)
     if "sass" in parts and CUDA:
         sass_report()
     with open(os.path.join(args.out, "bench_loss_kernels.json"), "w") as f:

@@ -109,11 +109,12 @@ class FilteredTileOps(TorchTileOps):
             if not full:
                 dx, dot = dx[:, cols], dot[:, cols]
             dscale += (dx * dot).sum()
-            dimg[lo:hi] += s * (dx @ (txt32 if full else txt32[cols]))
+            dx.mul_(s)  # s dX once for both products (as TorchTileOps: bitwise equal at eps = 0)
+            dimg[lo:hi].addmm_(dx, txt32 if full else txt32[cols])
             if full:
-                dtxt += s * (dx.T @ img32)
+                dtxt.addmm_(dx.T, img32)
             else:
-                dtxt.index_add_(0, cols, s * (dx.T @ img32))
+                dtxt.index_add_(0, cols, dx.T @ img32)
         return dimg, dtxt, dscale
 
 

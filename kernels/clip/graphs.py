@@ -32,7 +32,9 @@ Memory, within the loss's rule (the two feature gradients + 1 KB x b + 64 MB): w
 features the ``.grad`` copies are the two feature gradients; the static gradient buffers,
 the strip scratch, the partial LSE buffers and the O(b) vectors share the 1 KB x b + 64 MB
 (``strip_budget``: the scratch shrinks to what is left; no graphs where fewer than
-``launch.STRIP_MIN_ROWS`` rows would remain). One captured problem is kept at a time and an
+``launch.STRIP_MIN_ROWS`` rows would remain). With ``backward="onepass"`` the pool also
+holds the fp32 dtxt accumulator (4 B x b x c), which issue 27's rule allows beside the
+1 KB x b + 64 MB (the feature gradients' fp32 accumulators). One captured problem is kept at a time and an
 eager call drops it first, so no eager call runs beside a resident pool (except a backward
 whose gradients were still held, above); ``release()`` drops it. A capture that fails (e.g.
 under another capture) leaves that problem eager, with one warning. Not under
@@ -103,6 +105,7 @@ def eligible(ops, img: Tensor, txt: Tensor) -> bool:
 def _budget(ops, img: Tensor) -> int | None:
     """``strip_budget`` of ops' backward for img (the strip path: as ``TritonTileOps._use_strips``)."""
     strips = ops.strips == "always" or (ops.strips == "auto" and img.dtype == torch.bfloat16)
+    strips = strips or ops.backward_path == "onepass"  # (its fp32 dtxt accumulator: the rule's, not the 1 KB x b)
     return strip_budget(img.shape[0], img.shape[1], img.element_size(), strips, temp=not ops.fold)
 
 
@@ -117,7 +120,7 @@ def release() -> None:
 def _key(ops, img: Tensor, txt: Tensor) -> tuple:
     """What a captured graph depends on: the features' addresses, layout and dtype, ops' config."""
     return (img.device, img.data_ptr(), txt.data_ptr(), img.shape, txt.shape, img.stride(), txt.stride(),
-            img.dtype, ops.fp32_precision, ops.fold, ops.strips)
+            img.dtype, ops.fp32_precision, ops.fold, ops.strips, ops.backward_path)
 
 
 def graphed_loss(ops, img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
@@ -175,7 +178,7 @@ class LossGraphs:
         budget = _budget(ops, img)
         budget = budget if ops.strip_budget is None else min(budget, ops.strip_budget)
         self.ops = TritonTileOps(ops.fp32_precision, strips=ops.strips, strip_positives="fold" if ops.fold else "fixup",
-                                 strip_budget=budget, cuda_graphs="never")
+                                 strip_budget=budget, cuda_graphs="never", backward=ops.backward_path)
         self.current = lambda: None  # weakref to the _Call whose state the buffers hold
         self.counts = {"forward": 0, "backward": 0, "eager_backward": 0, "restored": 0}  # (tests)
         with torch.cuda.device(img.device):

@@ -19,7 +19,12 @@ of ds = sum_ij dX_ij <A_i, B_j>, summed from the fp32 dX before its cast.
 
 Strip backward (``_dx_strip_kernel``): a GEMM-shaped kernel writes P = s * dX for a strip
 of R rows (bounded scratch); cuBLAS then forms dA[strip] = P @ B. No register accumulator
-over the feature dim, so it can use 128x256 tiles.
+over the feature dim, so it can use 128x256 tiles. Two-pass (``TritonTileOps(backward=
+"twopass")``, today's default): dB is the same with the roles swapped, so every logits tile
+is computed twice in the backward (10 b^2 c FLOPs for forward + backward). One-pass
+(``backward="onepass"``, ``launch.grad_onepass_strips``, issue 27): the same kernels fill P
+once per strip and cuBLAS forms both dA[strip] = P @ B and an fp32 accumulator dB += P^T @
+A[strip] (8 b^2 c FLOPs); the kernels are unchanged, d scale is summed once from the fills.
 
 Persistent TMA strip kernel (``_dx_strip_tma_kernel``, the first strip candidate for
 16-bit inputs with 16-byte aligned rows): the same tiles and epilogue (``_strip_epilogue``),

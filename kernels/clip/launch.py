@@ -1,9 +1,10 @@
 """Launch wrappers of the CLIP LSE kernels: block configs, column chunking, tuning.
 
 ``lse_forward`` (both LSEs, partial buffers capped at 32 MB), ``grad_rows`` (fused
-backward of one direction) and ``grad_rows_strips`` (strip backward: s * dX for R rows
-into a 48 MB + 768 B x b scratch, then a cuBLAS product) take plain tensors and explicit
-configs; ``pick_config``
+backward of one direction), ``grad_rows_strips`` (strip backward: s * dX for R rows
+into a 48 MB + 768 B x b scratch, then a cuBLAS product) and ``grad_onepass_strips`` (the
+one-pass backward: the same fill feeds both directions' products, dB summed in an fp32
+accumulator) take plain tensors and explicit configs; ``pick_config``
 chooses a config per problem class (feature dim, dtype, precision, size bucket) by timing
 the candidates once on the GPU (under ``TRITON_INTERPRET=1`` or with
 ``INFCLIP_TRITON_TUNE=0`` it takes the first candidate that fits).
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..launching import cdiv, column_splits, strip_backward, tma_ok, tma_programs
+from ..launching import addmm_f32_, cdiv, column_splits, strip_backward, tma_ok, tma_programs
 from .kernels import _dx_strip_kernel, _dx_strip_tma_kernel, _grad_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
@@ -142,6 +143,9 @@ class StripConfig:
 # only) and O(b) vectors (~40 B x b). With the positives folded into the scratch (no
 # temporary) the scratch takes those 16 MB too: 64 MB + 768 B x b (2 strips instead of 3
 # at b = 8k, where the step is bound by the host's launches).
+# The one-pass backward (``grad_onepass_strips``, issue 27) keeps this scratch and adds one
+# fp32 (n, c) accumulator for dB, which issue 27's rule allows beside it (the feature
+# gradients' fp32 accumulators, 4 c bytes per sample each; the second one is left unused).
 STRIP_BUDGET_BYTES = 48 << 20  # fixed part of the strip scratch
 STRIP_BYTES_PER_COLUMN = 768  # O(b) part of the strip scratch
 STRIP_TEMP_BYTES = 16 << 20  # cap on the fp32 (R, c) product temporary of the positives' fixup
@@ -201,13 +205,16 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
                      g_b: Tensor, out: Tensor, rows: int, cfg: StripConfig, prec: str,
                      alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
                      off_b: Tensor | None = None, fold: bool = False, gid_a: Tensor | None = None,
-                     gid_b: Tensor | None = None) -> Tensor:
+                     gid_b: Tensor | None = None, accumulate: bool = False, then=None) -> Tensor:
     """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
     dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype. g_d, off_a,
     off_b: as in ``grad_rows``. fold (with g_d): the positives' folded fp32 s dX_ii go into
     P (one rounding to the input dtype, then the plain product into ``out``) instead of
     an fp32 product per strip plus the host's fp32 fixup + s dX_ii b_i. gid_a (m,), gid_b (n,):
-    int64 group ids; same-group entries (not i == j with g_d) get dX = 0 (duplicates)."""
+    int64 group ids; same-group entries (not i == j with g_d) get dX = 0 (duplicates).
+    accumulate: out += (any dtype; the two-pass path passes fresh outputs of the input
+    dtype). then(r0, r, scratch, dv): called after each strip's product, dv the strip's fp32
+    s dX_ii (the fixup's; None when folded or without positives): ``grad_onepass_strips``."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d, cfg.fast_off)
     gid_a, gid_b, flags["HAS_GID"] = _gids(gid_a, gid_b)
@@ -240,8 +247,35 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
     def positives(r0: int, r: int, prod: Tensor) -> None:  # + s dX_ii b_i, fp32, before the rounding
         prod.addcmul_(d_vec[:r, None], b[r0:r0 + r])
 
-    strip_backward(a, b, out, rows, False, fill, alloc, positives if fixup else None)
+    after = None if then is None else (lambda r0, r, scratch: then(r0, r, scratch, d_vec if fixup else None))
+    strip_backward(a, b, out, rows, accumulate, fill, alloc, positives if fixup else None, after)
     return ds_all.sum()
+
+
+def grad_onepass_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
+                        g_b: Tensor, out_a: Tensor, acc_b: Tensor, rows: int, cfg: StripConfig, prec: str,
+                        alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
+                        off_b: Tensor | None = None, fold: bool = False, accumulate: bool = False,
+                        gid_a: Tensor | None = None, gid_b: Tensor | None = None) -> Tensor:
+    """The one-pass backward: out_a (+)= s dX @ b and acc_b += s dX^T @ a from one fill of
+    each strip's P = s dX[strip] (``grad_rows_strips``' kernels and scratch); returns ds,
+    summed once. acc_b (n, k) fp32 (fp64 never reaches the kernels): the caller zeroes it
+    for fresh gradients. Each logits tile is computed once: 8 b^2 c FLOPs for forward +
+    backward instead of 10. The positives (g_d): folded into P (``fold``), both products
+    carry them; otherwise (fixup) P's diagonal is zero and s dX_ii a_i is added to
+    acc_b[i] in fp32 here, as s dX_ii b_i is to out_a's fp32 product."""
+    if acc_b.dtype != torch.float32 or acc_b.shape != b.shape:
+        raise ValueError(f"acc_b must be an fp32 {tuple(b.shape)} accumulator, got {acc_b.dtype} {tuple(acc_b.shape)}")
+
+    def second(r0: int, r: int, scratch: Tensor, dv: Tensor | None) -> None:
+        a_s = a[r0:r0 + r]
+        addmm_f32_(acc_b, scratch[:r].T, a_s)  # (n, r) @ (r, k): fp32 accumulate into acc_b
+        if dv is not None:  # square pair: P's column i is text row i
+            acc_b[r0:r0 + r].addcmul_(dv[:r, None], a_s)
+
+    return grad_rows_strips(a, b, scale, lse_a, lse_b, g_a, g_b, out_a, rows, cfg, prec, alloc=alloc, g_d=g_d,
+                            off_a=off_a, off_b=off_b, fold=fold, accumulate=accumulate, then=second,
+                            gid_a=gid_a, gid_b=gid_b)
 
 
 def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec, fold,

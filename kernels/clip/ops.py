@@ -23,11 +23,14 @@ from torch import Tensor
 from . import launch
 
 PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
+BACKWARDS = ("auto", "onepass", "twopass")
+AUTO_BACKWARD = "twopass"  # what backward="auto" takes: flip once the GPU measures "onepass" faster
 
 
 class TritonTileOps:
-    """Triton tile operations: one forward pass for both LSEs; per gradient direction either
-    the strip path (bf16, b <= 64k) or the fused kernel (accumulator in registers).
+    """Triton tile operations: one forward pass for both LSEs; in the backward, per gradient
+    direction either the strip path (bf16) or the fused kernel (accumulator in registers)
+    ("twopass"), or one strip pass for both directions ("onepass", see ``backward``).
 
     Args:
         fp32_precision: dot precision for float32 inputs: "ieee" (default, full fp32),
@@ -54,6 +57,18 @@ class TritonTileOps:
             the memory rule leaves room: there the host, not the GPU, bounds the step) through
             captured CUDA graphs (``graphs``);
             "never" launches every kernel from Python.
+        backward: "twopass" recomputes the logits once per gradient direction (the strip
+            path or the fused kernel for dimg, then the same with the roles swapped for dtxt:
+            10 b^2 c FLOPs for forward + backward). "onepass" fills each strip's P = s dX
+            once and forms both gradients from it (``launch.grad_onepass_strips``: dimg[strip]
+            = P @ txt, and dtxt's fp32 accumulator += P^T @ img[strip], two cuBLAS products:
+            8 b^2 c FLOPs); its extra memory is that of the strip path plus one fp32 (n, c)
+            accumulator for dtxt (none when dtxt is fp32: it is the accumulator), within issue
+            27's rule (the two feature gradients + their fp32 accumulators + 1 KB x b + 64 MB).
+            Any dtype and output (fresh or accumulated); not with ``grad_filter`` or
+            ``strips="never"``. "auto" (default) is ``AUTO_BACKWARD`` ("twopass" until the
+            one-pass path is measured faster on the GPU: ``scripts/bench_loss_kernels.py
+            --parts onepass``).
     """
 
     name = "triton"
@@ -61,7 +76,7 @@ class TritonTileOps:
 
     def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
                  grad_filter: tuple[float, int] | None = None, strip_positives: str = "fold",
-                 strip_budget: int | None = None, cuda_graphs: str = "auto"):
+                 strip_budget: int | None = None, cuda_graphs: str = "auto", backward: str = "auto"):
         if grad_filter is not None and (grad_filter[0] < 0 or grad_filter[1] < 1):
             raise ValueError(f"grad_filter must be (eps >= 0, columns >= 1), got {grad_filter}")
         self.threshold = None if grad_filter is None else grad_filter[0] / grad_filter[1]
@@ -77,6 +92,12 @@ class TritonTileOps:
                              f"got {strip_budget}")
         if cuda_graphs not in ("auto", "never"):
             raise ValueError(f"cuda_graphs must be 'auto' or 'never', got {cuda_graphs!r}")
+        if backward not in BACKWARDS:
+            raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+        if backward == "onepass" and (grad_filter is not None or strips == "never"):
+            raise ValueError("backward='onepass' is a strip path without gradient filtering: it needs "
+                             "grad_filter=None and strips 'auto' or 'always'; use backward='twopass'")
+        self.backward_path = AUTO_BACKWARD if backward == "auto" else backward
         self.fold = strip_positives == "fold"
         self.strip_budget = strip_budget
         self.cuda_graphs = cuda_graphs
@@ -139,6 +160,9 @@ class TritonTileOps:
                 raise ValueError(f"g_diag needs a square block pair ({img.shape[0]} x {txt.shape[0]}) and "
                                  "the offsets (the positives' dot products)")
             g_diag = g_diag.float().contiguous()
+        if self._one_pass(img, txt):
+            return dimg, dtxt, self._grad_onepass(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, acc_i,
+                                                  acc_t, prec, g_diag, o_row, o_col, gid_row, gid_col)
         ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec, g_diag,
                         o_row, o_col, gid_row, gid_col)
         self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, prec, g_diag,
@@ -173,6 +197,29 @@ class TritonTileOps:
         cfg = self._bwd_cfg(a, b, prec, scale)
         return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
                                 **vecs)
+
+    def _one_pass(self, img: Tensor, txt: Tensor) -> bool:
+        return self.backward_path == "onepass" and img.shape[0] > 0 and txt.shape[0] > 0
+
+    def _grad_onepass(self, img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, acc_i, acc_t, prec,
+                      g_d, o_row, o_col, gid_row=None, gid_col=None) -> Tensor:
+        """dimg (+)= s dX @ txt and dtxt (+)= s dX^T @ img from one fill per strip of image
+        rows (``launch.grad_onepass_strips``); returns ds. dtxt is summed over the strips in
+        fp32: in dtxt itself when it is fp32, else in a fresh fp32 (n, c) accumulator that
+        is rounded into dtxt once at the end."""
+        rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],
+                                 temp=not self.fold)
+        cfg = self._strip_cfg(img, txt, prec, scale, rows)
+        own = dtxt.dtype == torch.float32 and dtxt.is_contiguous()
+        acc = dtxt if own else torch.zeros(txt.shape, device=txt.device, dtype=torch.float32)
+        if own and not acc_t:
+            acc.zero_()
+        ds = launch.grad_onepass_strips(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc, rows, cfg, prec,
+                                        alloc=self._alloc, g_d=g_d, off_a=o_row, off_b=o_col, fold=self.fold,
+                                        accumulate=acc_i, gid_a=gid_row, gid_b=gid_col)
+        if not own:
+            dtxt.add_(acc) if acc_t else dtxt.copy_(acc)
+        return ds
 
     def _use_strips(self, a: Tensor, out: Tensor, accumulate: bool, rows: int) -> bool:
         fits = not accumulate and out.dtype == a.dtype and out.is_contiguous() and rows >= 1

@@ -7,7 +7,10 @@
 Scale and bias stay on the device (read by the kernels through pointers: no host sync).
 
 Paths and block configs as ``infclip.kernels.objective.ObjectiveTiles`` (strip backward for
-16-bit CUDA inputs, the fused kernel otherwise; configs timed once).
+16-bit CUDA inputs, the fused kernel otherwise; configs timed once). ``backward="onepass"``
+(issue 27): one strip fill of P = s dX per strip of image rows feeds both gradients, dimg[strip]
+= P @ txt and dtxt (fp32) += P^T @ img[strip] (``launching.addmm_f32_``), as the CLIP tiles'
+``launch.grad_onepass_strips``; ds and dt summed once.
 """
 
 from __future__ import annotations
@@ -15,19 +18,34 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..launching import cdiv, strip_backward
+from ..launching import addmm_f32_, cdiv, strip_backward
 from ..objective import ObjectiveTiles
 from .kernels import _sigmoid_fwd_kernel, _sigmoid_grad_kernel, _sigmoid_strip_kernel
 
 
-class TritonSigmoidOps(ObjectiveTiles):
-    """Fused Triton SigLIP tiles: one forward pass (row sums), one backward pass per direction.
+AUTO_BACKWARD = "twopass"  # what backward="auto" takes: flip once the GPU measures "onepass" faster
 
-    Args as ``ObjectiveTiles`` (fp32_precision, strips, poison).
+
+class TritonSigmoidOps(ObjectiveTiles):
+    """Fused Triton SigLIP tiles: one forward pass (row sums), one backward pass per direction
+    ("twopass") or one for both ("onepass", a strip path).
+
+    Args as ``ObjectiveTiles`` (fp32_precision, strips, poison), and backward: "twopass",
+    "onepass" (not with strips="never") or "auto" (``AUTO_BACKWARD``: "twopass" until the GPU
+    measures the one-pass path faster).
     """
 
     name = "triton"
     family = "sigmoid"
+
+    def __init__(self, fp32_precision: str = "ieee", *, strips: str = "auto", poison: bool = False,
+                 backward: str = "auto"):
+        super().__init__(fp32_precision, strips=strips, poison=poison)
+        if backward not in ("auto", "onepass", "twopass"):
+            raise ValueError(f"backward must be 'auto', 'onepass' or 'twopass', got {backward!r}")
+        if backward == "onepass" and strips == "never":
+            raise ValueError("backward='onepass' is a strip path: it needs strips 'auto' or 'always'")
+        self.backward_path = AUTO_BACKWARD if backward == "auto" else backward
 
     def forward(self, img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, diag: bool) -> Tensor:
         img, txt, scale, bias = _prep(img, txt, scale, bias)
@@ -45,6 +63,9 @@ class TritonSigmoidOps(ObjectiveTiles):
         dimg = self._out(dimg, img)
         dtxt = self._out(dtxt, txt)
         off = 0 if diag else img.shape[0] + txt.shape[0]
+        if self.backward_path == "onepass" and img.shape[0] and txt.shape[0]:
+            part = self._grad_onepass(img, txt, (scale, bias, g), dimg, dtxt, acc_i, acc_t, dict(diag=off, G_ON_A=True))
+            return dimg, dtxt, part[0], part[1]
         part = self._grad(img, txt, (scale, bias, g), dimg, acc_i, dict(diag=off, G_ON_A=True))
         self._grad(txt, img, (scale, bias, g), dtxt, acc_t, dict(diag=off, G_ON_A=False))
         return dimg, dtxt, part[0], part[1]
@@ -57,7 +78,32 @@ class TritonSigmoidOps(ObjectiveTiles):
         scale, bias, g = vecs
         return scale, bias, g[:ms] if flags["G_ON_A"] else g[:ns]
 
-    def _strips(self, a, b, vecs, out, accumulate, rows, cfg, flags) -> Tensor:
+    def _grad_onepass(self, a, b, vecs, out_a, out_b, acc_a, acc_b, flags) -> Tensor:
+        """out_a (+)= s dX @ b and out_b (+)= s dX^T @ a from one fill per strip of a's rows;
+        returns (ds, dt). out_b is summed in fp32: in itself when fp32, else in a fresh fp32
+        accumulator rounded into it once."""
+        rows = self._strip_rows(a, b)
+
+        def run_strips(cfg, a_sub, b_sub):
+            sub = self._sub_vecs(vecs, flags, a_sub.shape[0], b_sub.shape[0])
+            self._strips(a_sub, b_sub, sub, torch.empty(a_sub.shape, device=a.device, dtype=out_a.dtype), False,
+                         rows, cfg, flags)
+
+        cfg = self._pick("strip", a, b, self._strip_candidates(a.shape[1], a.element_size()), run_strips)
+        own = out_b.dtype == torch.float32 and out_b.is_contiguous()
+        acc = out_b if own else torch.zeros(b.shape, device=b.device, dtype=torch.float32)
+        if own and not acc_b:
+            acc.zero_()
+
+        def second(r0: int, r: int, scratch: Tensor) -> None:
+            addmm_f32_(acc, scratch[:r].T, a[r0:r0 + r])
+
+        part = self._strips(a, b, vecs, out_a, acc_a, rows, cfg, flags, then=second)
+        if not own:
+            out_b.add_(acc) if acc_b else out_b.copy_(acc)
+        return part
+
+    def _strips(self, a, b, vecs, out, accumulate, rows, cfg, flags, then=None) -> Tensor:
         scale, bias, g = vecs
         k, n = a.shape[1], b.shape[0]
 
@@ -69,7 +115,7 @@ class TritonSigmoidOps(ObjectiveTiles):
                 flags["diag"], GROUP=cfg.GROUP, G_ON_A=flags["G_ON_A"], **self._meta(cfg, a))
             return part.view(-1, 2).sum(0)
 
-        return strip_backward(a, b, out, rows, accumulate, fill, self._alloc)
+        return strip_backward(a, b, out, rows, accumulate, fill, self._alloc, then=then)
 
     def _fused(self, a, b, vecs, out, accumulate, cfg, flags) -> Tensor:
         scale, bias, g = vecs

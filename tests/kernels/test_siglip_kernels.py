@@ -115,3 +115,30 @@ def test_backend_options_are_checked_and_auto_uses_strips_only_for_16bit_cuda():
         assert cls(strips="always")._use_strips(bf16_cpu) and not cls(strips="never")._use_strips(bf16_cpu)
         if torch.cuda.is_available():
             assert cls()._use_strips(bf16_cpu.cuda()) and not cls()._use_strips(bf16_cpu.float().cuda())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,n,c", [(37, 37, 16), (37, 50, 33), (1, 1, 16)])
+def test_onepass_backward_matches_twopass_and_float64(m, n, c, dtype, small_strips):
+    """Issue 27 item 1 for SigLIP: one strip fill per strip of rows feeds both gradients
+    (dimg = P @ txt, fp32 dtxt += P^T @ img); ds and dt summed once; fresh and accumulated
+    outputs; the two-pass strip backward beside it (16-row strips, poisoned buffers)."""
+    a, b = feats(m, c, 11, dtype), feats(n, c, 12, dtype, near=None)
+    s, t = scalars(10.0, -5.0)
+    g = torch.rand(m, generator=torch.Generator().manual_seed(13)).to(DEV)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for diag in (True, False) if m == n else (False,):
+        want = sigmoid_grad_reference(a, b, s, t, g, diag)
+        got = {path: TritonSigmoidOps(strips="always", poison=True, backward=path).backward(a, b, s, t, g, diag)
+               for path in ("twopass", "onepass")}
+        for name, x, y, w in zip(("dA", "dB", "ds", "dt"), got["onepass"], got["twopass"], want):
+            assert rel(x, w) < (1e-5 if name in ("ds", "dt") else tol), (name, diag)
+            assert rel(x, w) <= 1.25 * rel(y, w) + 1e-6, (name, diag)
+    base_a, base_b = torch.full((m, c), 1e-3, device=DEV), torch.full((n, c), 2e-3, device=DEV)  # (~ the grads)
+    ops = TritonSigmoidOps(strips="always", backward="onepass")
+    da, db, _, _ = ops.backward(a, b, s, t, g, False, dimg=base_a.clone(), dtxt=base_b.clone())
+    want = sigmoid_grad_reference(a, b, s, t, g, False)
+    assert rel(da - base_a, want[0]) < tol and rel(db - base_b, want[1]) < tol
+    with pytest.raises(ValueError, match="strip path"):
+        TritonSigmoidOps(strips="never", backward="onepass")
+    assert TritonSigmoidOps().backward_path == "twopass"

@@ -105,8 +105,14 @@ def eligible(ops, img: Tensor, txt: Tensor) -> bool:
 def _budget(ops, img: Tensor) -> int | None:
     """``strip_budget`` of ops' backward for img (the strip path: as ``TritonTileOps._use_strips``)."""
     strips = ops.strips == "always" or (ops.strips == "auto" and img.dtype == torch.bfloat16)
-    strips = strips or ops.backward_path == "onepass"  # (its fp32 dtxt accumulator: the rule's, not the 1 KB x b)
+    strips = strips or _backward(ops) == "onepass"  # (its fp32 dtxt accumulator: the rule's, not the 1 KB x b)
     return strip_budget(img.shape[0], img.shape[1], img.element_size(), strips, temp=not ops.fold)
+
+
+def _backward(ops) -> str:
+    """The graphs' backward path: ops' own when set; "auto" keeps the two-pass path here (small b,
+    where the one-pass path was not measured faster)."""
+    return "twopass" if ops.backward_path == "auto" else ops.backward_path
 
 
 def release() -> None:
@@ -178,7 +184,7 @@ class LossGraphs:
         budget = _budget(ops, img)
         budget = budget if ops.strip_budget is None else min(budget, ops.strip_budget)
         self.ops = TritonTileOps(ops.fp32_precision, strips=ops.strips, strip_positives="fold" if ops.fold else "fixup",
-                                 strip_budget=budget, cuda_graphs="never", backward=ops.backward_path)
+                                 strip_budget=budget, cuda_graphs="never", backward=_backward(ops))
         self.current = lambda: None  # weakref to the _Call whose state the buffers hold
         self.counts = {"forward": 0, "backward": 0, "eager_backward": 0, "restored": 0}  # (tests)
         with torch.cuda.device(img.device):

@@ -24,7 +24,11 @@ from . import launch
 
 PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
 BACKWARDS = ("auto", "onepass", "twopass")
-AUTO_BACKWARD = "twopass"  # what backward="auto" takes: flip once the GPU measures "onepass" faster
+# backward="auto" takes the one-pass path where the two-pass one would take strips (fresh bf16
+# gradients on CUDA): H200, bf16, b = 16k-128k, c = 512-1024, forward + backward 1.14-1.33x
+# faster (docs/benchmarks.md, "One-pass backward"). Elsewhere (fp32/fp16, the CUDA-graph path
+# of small b, the interpreter) it stays two-pass: not measured faster there.
+AUTO_BACKWARD = "onepass"
 
 
 class TritonTileOps:
@@ -66,9 +70,10 @@ class TritonTileOps:
             accumulator for dtxt (none when dtxt is fp32: it is the accumulator), within issue
             27's rule (the two feature gradients + their fp32 accumulators + 1 KB x b + 64 MB).
             Any dtype and output (fresh or accumulated); not with ``grad_filter`` or
-            ``strips="never"``. "auto" (default) is ``AUTO_BACKWARD`` ("twopass" until the
-            one-pass path is measured faster on the GPU: ``scripts/bench_loss_kernels.py
-            --parts onepass``).
+            ``strips="never"``. "auto" (default): ``AUTO_BACKWARD`` ("onepass") where the
+            two-pass path would take strips (fresh bf16 gradients on CUDA, without
+            ``grad_filter`` or ``strips="never"``), else "twopass" (measured:
+            ``scripts/bench_loss_kernels.py --parts onepass``).
     """
 
     name = "triton"
@@ -97,7 +102,7 @@ class TritonTileOps:
         if backward == "onepass" and (grad_filter is not None or strips == "never"):
             raise ValueError("backward='onepass' is a strip path without gradient filtering: it needs "
                              "grad_filter=None and strips 'auto' or 'always'; use backward='twopass'")
-        self.backward_path = AUTO_BACKWARD if backward == "auto" else backward
+        self.backward_path = backward
         self.fold = strip_positives == "fold"
         self.strip_budget = strip_budget
         self.cuda_graphs = cuda_graphs
@@ -198,8 +203,16 @@ class TritonTileOps:
         return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
                                 **vecs)
 
+    def path_for(self, img: Tensor) -> str:
+        """The backward path ("onepass" / "twopass") this ops takes for fresh gradients of ``img``."""
+        if self.backward_path != "auto":
+            return self.backward_path
+        auto_ok = self.threshold is None and self.strips != "never"
+        strips = img.is_cuda and img.dtype == torch.bfloat16
+        return AUTO_BACKWARD if auto_ok and strips else "twopass"
+
     def _one_pass(self, img: Tensor, txt: Tensor) -> bool:
-        return self.backward_path == "onepass" and img.shape[0] > 0 and txt.shape[0] > 0
+        return self.path_for(img) == "onepass" and img.shape[0] > 0 and txt.shape[0] > 0
 
     def _grad_onepass(self, img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, acc_i, acc_t, prec,
                       g_d, o_row, o_col, gid_row=None, gid_col=None) -> Tensor:

@@ -162,10 +162,21 @@ def test_onepass_loss_bf16_no_worse_than_vanilla(monkeypatch, b, c, scale, seed)
 
 
 def test_backward_choice():
-    """"auto" is ``AUTO_BACKWARD`` (two-pass until the GPU measures otherwise); the one-pass
-    path is refused with gradient filtering or without strips; unknown names are refused."""
-    assert TritonTileOps().backward_path == clip_ops.AUTO_BACKWARD == "twopass"
-    assert TritonTileOps(backward="onepass").backward_path == "onepass"
+    """"auto" takes ``AUTO_BACKWARD`` (one-pass, measured faster on the H200) only where the
+    two-pass path would take strips (fresh bf16 on CUDA, no filter, strips allowed), else
+    two-pass; the one-pass path is refused with gradient filtering or without strips;
+    unknown names are refused."""
+    from types import SimpleNamespace
+
+    cuda_bf16 = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # path_for reads only these
+    assert clip_ops.AUTO_BACKWARD == "onepass"
+    assert TritonTileOps().path_for(cuda_bf16) == "onepass"
+    assert TritonTileOps().path_for(SimpleNamespace(is_cuda=True, dtype=torch.float32)) == "twopass"
+    assert TritonTileOps().path_for(torch.zeros(2, dtype=torch.bfloat16)) == "twopass"  # CPU / interpreter
+    assert TritonTileOps(grad_filter=(1e-3, 64)).path_for(cuda_bf16) == "twopass"
+    assert TritonTileOps(strips="never").path_for(cuda_bf16) == "twopass"
+    assert TritonTileOps(backward="twopass").path_for(cuda_bf16) == "twopass"
+    assert TritonTileOps(backward="onepass").path_for(torch.zeros(2)) == "onepass"
     with pytest.raises(ValueError, match="backward must be one of"):
         TritonTileOps(backward="fused")
     with pytest.raises(ValueError, match="grad_filter=None"):

@@ -170,11 +170,10 @@ def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_
     # -- compute tile --: base-2 logits of (BM rows) x (BN columns), less the offsets.
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
+    if HAS_GID:  # duplicates leave both directions (a row of a tile may lose all its entries): one
+        # select on the dot products (-inf shifts and scales to -inf), the compare consumed at once
+        dot = tl.where(_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld)), float("-inf"), dot)
     xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
-    if HAS_GID:  # duplicates leave both directions (a row of a tile may lose all its entries)
-        drop = _group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld))
-        xr = tl.where(drop, float("-inf"), xr)
-        xc = tl.where(drop, float("-inf"), xc)
     if DIAG:  # the positives' dot products are the offsets: x_ii - s o_i = 0, exactly (any HAS_OFF);
         # after the group drop, which also hit i == j (their ids are equal)
         on = (row0 + r)[:, None] == (j0 + cn)[None, :]

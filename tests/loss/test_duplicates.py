@@ -178,6 +178,11 @@ def test_bench_duplicates_dry_run_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mask +%" in proc.stdout and "pos +%" in proc.stdout
     assert (tmp_path / "bench_duplicates.csv").read_text().startswith("b,c,pairs,off,mask,positive")
+    split = subprocess.run(cmd + ["--breakdown"], capture_output=True, text=True, timeout=300)
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "bwd +%" in split.stdout and "prep ms" in split.stdout and split.stdout.count(" positive ") >= 1
+    header = (tmp_path / "bench_duplicates.csv").read_text().splitlines()[0]
+    assert header.startswith("b,c,pairs,off,mask,positive,off_fwd,off_bwd") and header.endswith("positive_prep")
     bad = subprocess.run(cmd[:2] + ["--dry-run", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--dry-run applies to --duplicates only" in bad.stderr
 

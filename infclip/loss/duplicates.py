@@ -19,10 +19,12 @@ Where it is computed:
 * ``mask`` changes the LSEs themselves, so it lives in the tiles: ``TorchTileOps`` and the
   Triton kernels take ``groups = (g_row (m,), g_col (n,))`` and drop same-group entries
   (except a positive pair's own i == j on the diagonal block) from both directions, in the
-  forward and in dX of the backward.
+  forward and in dX of the backward. On one process the ids are first mapped to int32 dense
+  ranks (``dense_ids``, ``prepare``): one integer compare per tile entry in the kernels.
 * ``positive`` keeps the denominators of the plain loss (the tiles run unchanged); its
   numerators LSE_{G(i)} need only the same-group pairs, which are few: they are gathered
-  here (``group_pairs``), their logits computed from fp32 dot products, and their
+  here (on one process once per call, ``find_pairs`` in ``prepare``, one host sync, the list
+  reused by the backward; else ``group_pairs``), their logits computed from fp32 dot products, and their
   log-sum-exp taken relative to x_ii (whose relative logit is exactly 0). The backward
   is the plain one with the positives' weight g_diag_i = g_row_i w_ii + g_col_i w'_ii
   (w = the within-group softmax; 1 for a singleton, so singletons are bit-identical to

@@ -19,7 +19,12 @@ Duplicate-aware negatives (issue 27 item 3; ``clip_loss(..., group_ids=, duplica
 sample's group (~1 % duplicate pairs), and prints a table with the overhead over off
 (the bar: <= 5 %); ``--dry-run`` runs the same table on the CPU (PyTorch tiles, tiny shapes).
 
+``--breakdown`` adds forward alone, backward alone and the group ids' preparation
+(``duplicates.prepare``) per mode, so the run shows where any overhead is; ``--dup-backward``
+picks the Triton backward (default: ``AUTO_BACKWARD`` of ``kernels/clip/ops.py``).
+
     python scripts/bench_loss.py --duplicates --out bench_out   # b 32k, 64k; c 512, 1024
+    python scripts/bench_loss.py --duplicates --breakdown --dup-backward onepass --out bench_out
     python scripts/bench_loss.py --duplicates --dry-run --dup-batches 48 --dup-dims 16
 """
 
@@ -219,11 +224,46 @@ def duplicate_ids(b: int, frac: float, device, seed: int = 0) -> torch.Tensor:
     return (ids * 1_000_003 + 17).to(device)
 
 
-def measure_duplicates(b: int, c: int, frac: float, reps: int, device: str, impl: str) -> dict:
+def time_split(forward, zero, reps: int) -> tuple[float, float]:
+    """(forward ms, backward ms): medians over ``reps`` steps after one warm-up, each step timed
+    in two parts (CUDA events before the forward, between it and its backward, after; wall
+    clock off CUDA). ``zero`` clears the gradients before each step (untimed)."""
+    forward().backward()
+    cuda = torch.cuda.is_available()
+    fwd, bwd = [], []
+    for _ in range(reps):
+        zero()
+        if not cuda:
+            t0 = time.perf_counter()
+            loss = forward()
+            t1 = time.perf_counter()
+            loss.backward()
+            fwd.append(1e3 * (t1 - t0))
+            bwd.append(1e3 * (time.perf_counter() - t1))
+            continue
+        torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        ev[0].record()
+        loss = forward()
+        ev[1].record()
+        loss.backward()
+        ev[2].record()
+        torch.cuda.synchronize()
+        fwd.append(ev[0].elapsed_time(ev[1]))
+        bwd.append(ev[1].elapsed_time(ev[2]))
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def measure_duplicates(b: int, c: int, frac: float, reps: int, device: str, impl: str,
+                       breakdown: bool = False) -> dict:
     """ms (median of ``reps``, forward + backward) of clip_loss with duplicates off / mask /
-    positive on the same inputs; off is the default call (no group ids)."""
+    positive on the same inputs; off is the default call (no group ids). ``breakdown``: also
+    each mode's forward and backward alone (``<mode>_fwd``, ``<mode>_bwd``) and the per-call
+    preparation of the group ids alone (``<mode>_prep``: ``duplicates.prepare``, inside the
+    forward's time too: int32 dense ids for mask, the pair list and its one host sync for
+    positive)."""
     from infclip.loss import clip_loss
-    from infclip.loss.duplicates import duplicate_pairs
+    from infclip.loss.duplicates import duplicate_pairs, prepare
 
     gen = torch.Generator(device=device).manual_seed(b + c)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -241,6 +281,17 @@ def measure_duplicates(b: int, c: int, frac: float, reps: int, device: str, impl
             clip_loss(*feats, logit_scale.exp(), impl=impl, **kw).backward()
 
         out[mode] = time_ms(step, reps)
+    if breakdown:
+        def zero():
+            for x in (*feats, logit_scale):
+                x.grad = None
+
+        for mode in DUP_MODES:
+            kw = {} if mode == "off" else {"group_ids": ids, "duplicates": mode}
+            out[f"{mode}_fwd"], out[f"{mode}_bwd"] = time_split(
+                lambda: clip_loss(*feats, logit_scale.exp(), impl=impl, **kw), zero, reps)
+        for mode in DUP_MODES[1:]:
+            out[f"{mode}_prep"] = time_ms(lambda: prepare(mode, ids), reps)
     return out
 
 
@@ -255,15 +306,34 @@ def duplicate_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def breakdown_table(rows: list[dict]) -> str:
+    """The --breakdown table: per mode, forward and backward alone, the preparation of the
+    group ids alone, and the forward's / backward's overhead over off's."""
+    lines = [f"{'c':>5} {'b':>8} {'mode':>9} {'fwd ms':>8} {'bwd ms':>8} {'prep ms':>8} {'fwd +%':>7} {'bwd +%':>7}"]
+    for r in rows:
+        for mode in DUP_MODES:
+            f, b = r[f"{mode}_fwd"], r[f"{mode}_bwd"]
+            prep = f"{r[f'{mode}_prep']:8.3f}" if mode != "off" else f"{'':8}"
+            lines.append(f"{r['c']:>5} {r['b']:>8} {mode:>9} {f:8.2f} {b:8.2f} {prep} "
+                         f"{100 * (f / r['off_fwd'] - 1):7.1f} {100 * (b / r['off_bwd'] - 1):7.1f}")
+    return "\n".join(lines)
+
+
 def run_duplicates(args) -> list[dict]:
     """The --duplicates benchmark: every (c, b), a table printed as it fills, a CSV in --out."""
     device, impl = ("cpu", "torch") if args.dry_run else ("cuda", "triton")
+    if args.dup_backward != "auto":  # the Triton ops that clip_loss builds take backward="auto"
+        from infclip.kernels.clip import ops
+
+        ops.AUTO_BACKWARD = args.dup_backward
     rows = []
     for c in [int(x) for x in args.dup_dims.split(",")]:
         for b in [int(x) for x in args.dup_batches.split(",")]:
-            rows.append(measure_duplicates(b, c, args.dup_frac, args.reps, device, impl))
+            rows.append(measure_duplicates(b, c, args.dup_frac, args.reps, device, impl, args.breakdown))
             print(duplicate_table(rows[-1:]).splitlines()[-1], flush=True)
     print(duplicate_table(rows))
+    if args.breakdown:
+        print(breakdown_table(rows))
     with open(os.path.join(args.out, "bench_duplicates.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -386,15 +456,23 @@ def main() -> None:
     p.add_argument("--dup-dims", default="512,1024", help="--duplicates: feature dims")
     p.add_argument("--dup-frac", type=float, default=0.01, help="--duplicates: fraction of duplicated samples")
     p.add_argument("--dry-run", action="store_true", help="--duplicates on the CPU (PyTorch tiles, fp32)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="--duplicates: also forward / backward alone per mode and the group ids' preparation")
+    p.add_argument("--dup-backward", default="auto", choices=("auto", "onepass", "twopass"),
+                   help="--duplicates: the Triton backward (auto: kernels/clip/ops.py's AUTO_BACKWARD)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if args.dry_run and not args.duplicates:
         p.error("--dry-run applies to --duplicates only")
+    if args.breakdown and not args.duplicates:
+        p.error("--breakdown applies to --duplicates only")
     if not 0 <= args.dup_frac < 1:
         p.error(f"--dup-frac must be in [0, 1), got {args.dup_frac}")
     if args.duplicates:
         if not args.dry_run:
-            print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+            print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  commit {commit.strip() or '?'}  "
+                  f"backward {args.dup_backward}", flush=True)
         run_duplicates(args)
         return
     if args.replot:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from infclip.loss.duplicates import Duplicates, check_duplicates
-from infclip.loss.function import lse_pair
+from infclip.loss.duplicates import Duplicates, check_duplicates, prepare
+from infclip.loss.function import fused_duplicates_loss, lse_pair
 from infclip.loss.reference import vanilla_loss
 from infclip.loss.ring import global_mean_loss
 from infclip.loss.tiled import TorchTileOps, lazy, pick_backend
@@ -98,9 +98,10 @@ def clip_loss(
             i != j are neither negatives nor positives) | "positive" (they are extra
             positives: multi-positive InfoNCE, -log of the summed group softmax, both
             directions). Exact definitions in ``infclip.loss.duplicates``. Not with impl
-            "vanilla" / "local". On Triton, group ids take the generic tiled node (not the
-            fused node nor its CUDA graphs, which have no group ids): same kernels, with
-            the masked epilogue for "mask".
+            "vanilla" / "local". On one process with Triton, both modes take the fused node
+            of "off" (same kernels and passes; "mask" adds one int32 compare per tile entry,
+            "positive" sparse terms over the same-group pairs), run eagerly (not from the
+            CUDA graphs of b <= 16k).
     Returns:
         float32 scalar: mean over local rows (global mean on one process).
     """
@@ -122,9 +123,13 @@ def clip_loss(
         )
     if impl in ("vanilla", "local"):
         return vanilla_loss(image_features, text_features, logit_scale)
+    if dup is not None:  # one process: int32 dense ids ("mask"), the pair list ("positive", one host sync)
+        dup = prepare(duplicates, group_ids)
     ops = tile_ops(impl, image_features.device, fp32_precision=fp32_precision)
-    if dup is None and hasattr(ops, "fused_loss"):  # Triton: one autograd node, positive pairs in the kernels
-        return ops.fused_loss(image_features, text_features, logit_scale)
+    if hasattr(ops, "fused_loss"):  # Triton: one autograd node, positive pairs in the kernels
+        if dup is None:
+            return ops.fused_loss(image_features, text_features, logit_scale)
+        return fused_duplicates_loss(image_features, text_features, logit_scale, ops, dup)
     return _tiled_loss(image_features, text_features, logit_scale, ops, None, dup)
 
 

@@ -19,10 +19,12 @@ Where it is computed:
 * ``mask`` changes the LSEs themselves, so it lives in the tiles: ``TorchTileOps`` and the
   Triton kernels take ``groups = (g_row (m,), g_col (n,))`` and drop same-group entries
   (except a positive pair's own i == j on the diagonal block) from both directions, in the
-  forward and in dX of the backward.
+  forward and in dX of the backward. On one process the ids are first mapped to int32 dense
+  ranks (``dense_ids``, ``prepare``): one integer compare per tile entry in the kernels.
 * ``positive`` keeps the denominators of the plain loss (the tiles run unchanged); its
   numerators LSE_{G(i)} need only the same-group pairs, which are few: they are gathered
-  here (``group_pairs``), their logits computed from fp32 dot products, and their
+  here (on one process once per call, ``find_pairs`` in ``prepare``, one host sync, the list
+  reused by the backward; else ``group_pairs``), their logits computed from fp32 dot products, and their
   log-sum-exp taken relative to x_ii (whose relative logit is exactly 0). The backward
   is the plain one with the positives' weight g_diag_i = g_row_i w_ii + g_col_i w'_ii
   (w = the within-group softmax; 1 for a singleton, so singletons are bit-identical to
@@ -64,10 +66,65 @@ def check_duplicates(duplicates: str, group_ids: Tensor | None, m: int, device: 
 
 @dataclass(frozen=True)
 class Duplicates:
-    """What ``lse_pair`` needs: the mode ("mask" | "positive") and the local group ids (m,)."""
+    """What the loss nodes need: the mode ("mask" | "positive"), the local group ids (m,) and,
+    for "positive" on one process, the same-group pairs found once per call (``prepare``).
+
+    ids: int64 as given (the ring: ids stay global across ranks), or int32 dense ranks
+    (``dense_ids``; one process). pairs: None (found by ``group_pairs`` where needed) or the
+    chunks (ia, jb) of every ordered pair i != j of one group, computed once in the forward's
+    preparation and reused by the backward."""
 
     mode: str
     ids: Tensor
+    pairs: list | None = None
+
+
+# Pairs kept as one precomputed list (16 B each: two int64 indices) up to this many per
+# sample, plus a fixed part: ~1 % duplicates is ~0.01 b; one caption filling the batch is
+# b^2 and goes through the chunked ``group_pairs`` in both passes instead.
+PAIRS_PER_ROW = 8
+PAIRS_FIXED = 1 << 16
+
+
+def dense_ids(ids: Tensor) -> Tensor:
+    """(m,) int32 ranks with dense_i == dense_j iff ids_i == ids_j: each id's position of first
+    occurrence in the sorted ids (a sort and a binary search on the device, O(m log m), no host
+    sync). The kernels compare int32 in one instruction and hold half the registers of int64."""
+    srt = torch.sort(ids).values
+    return torch.searchsorted(srt, ids).to(torch.int32)
+
+
+def find_pairs(ids: Tensor, cap: int | None = None) -> list | None:
+    """[(ia, jb)]: every ordered pair i != j with ids_i == ids_j, as one chunk of int64 index
+    vectors ([] when there is none), or None when there are more than ``cap`` (callers then
+    use the chunked ``group_pairs``). One host sync (the number of pairs, to size the
+    vectors); everything else stays on the device. ``cap`` defaults to PAIRS_PER_ROW x m +
+    PAIRS_FIXED."""
+    m = ids.numel()
+    cap = PAIRS_PER_ROW * m + PAIRS_FIXED if cap is None else cap
+    order = torch.argsort(ids)
+    srt = ids[order]
+    lo = torch.searchsorted(srt, srt)
+    partners = torch.searchsorted(srt, srt, right=True) - lo - 1  # of sorted position p: its group less itself
+    ends = torch.cumsum(partners, 0)
+    total = int(ends[-1]) if m else 0  # the one host sync
+    if total == 0:
+        return []
+    if total > cap:
+        return None
+    p = torch.repeat_interleave(torch.arange(m, device=ids.device), partners, output_size=total)
+    q = lo[p] + torch.arange(total, device=ids.device) - (ends - partners)[p]  # lo .. hi - 2
+    q = q + (q >= p)  # skip p itself: the partners are lo .. hi - 1 less p
+    return [(order[p], order[q])]
+
+
+def prepare(mode: str, ids: Tensor) -> Duplicates:
+    """The one-process ``Duplicates`` of a loss call: int32 dense ids for "mask" (no host
+    sync); the pair list for "positive" (one host sync, before any of the loss's kernels is
+    queued, so the GPU waits only for these few small ops)."""
+    if mode == "mask":
+        return Duplicates(mode, dense_ids(ids))
+    return Duplicates(mode, ids, find_pairs(ids))
 
 
 def group_pairs(g_a: Tensor, g_b: Tensor, exclude_self: bool, max_pairs: int = PAIR_CHUNK):
@@ -126,15 +183,21 @@ def scatter_lse(values: Tensor, index: Tensor, size: int) -> Tensor:
     return safe + torch.log(total)
 
 
+def _chunks(g_a: Tensor, g_b: Tensor, diag: bool, pairs: list | None):
+    """The given pair chunks, or ``group_pairs``' (found now)."""
+    return pairs if pairs is not None else group_pairs(g_a, g_b, diag)
+
+
 def positive_forward(img: Tensor, txt: Tensor, scale: Tensor, o_a: Tensor, o_b: Tensor, g_a: Tensor, g_b: Tensor,
-                     diag: bool) -> tuple[Tensor, Tensor]:
+                     diag: bool, pairs: list | None = None) -> tuple[Tensor, Tensor]:
     """(row_part (m,), col_part (n,)): LSE over the block pair's same-group pairs (not i == j
     when ``diag``) of the logits relative to the offsets; -inf where a row/column has none.
-    The full within-group LSE of a row is logaddexp(0, its parts merged over all blocks)."""
+    The full within-group LSE of a row is logaddexp(0, its parts merged over all blocks).
+    pairs: those pairs' chunks when already found (``find_pairs``), else None."""
     acc = o_a.dtype
     row = torch.full((img.shape[0],), float("-inf"), dtype=acc, device=img.device)
     col = torch.full((txt.shape[0],), float("-inf"), dtype=acc, device=img.device)
-    for ia, jb in group_pairs(g_a, g_b, diag):
+    for ia, jb in _chunks(g_a, g_b, diag, pairs):
         u_row, u_col, _ = pair_logits(img, txt, scale, o_a, o_b, ia, jb)
         row = torch.logaddexp(row, scatter_lse(u_row, ia, row.numel()))
         col = torch.logaddexp(col, scatter_lse(u_col, jb, col.numel()))
@@ -153,14 +216,15 @@ def positive_weight(pos_lse: Tensor) -> Tensor:
 
 def positive_backward(img: Tensor, txt: Tensor, scale: Tensor, o_a: Tensor, o_b: Tensor, g_a: Tensor,
                       g_b: Tensor, diag: bool, pos_row: Tensor, pos_col: Tensor, g_row: Tensor, g_col: Tensor,
-                      dimg: Tensor, dtxt: Tensor) -> Tensor:
+                      dimg: Tensor, dtxt: Tensor, pairs: list | None = None) -> Tensor:
     """Adds the same-group pairs' dX_ij = -(g_row_i w_ij + g_col_j w'_ij) (w: the within-group
     softmaxes, pos_row / pos_col their final LSEs relative to the offsets) to dimg += s dX T
-    and dtxt += s dX^T I (in place, their dtype); returns their share of d scale (0-d)."""
+    and dtxt += s dX^T I (in place, their dtype); returns their share of d scale (0-d).
+    pairs: as ``positive_forward``."""
     acc = o_a.dtype
     s = scale.to(acc)
     ds = torch.zeros((), dtype=acc, device=img.device)
-    for ia, jb in group_pairs(g_a, g_b, diag):
+    for ia, jb in _chunks(g_a, g_b, diag, pairs):
         u_row, u_col, dot = pair_logits(img, txt, scale, o_a, o_b, ia, jb)
         dx = -(g_row[ia].to(acc) * torch.exp(u_row - pos_row[ia]) + g_col[jb].to(acc) * torch.exp(u_col - pos_col[jb]))
         ds += (dx * dot).sum()
@@ -169,10 +233,17 @@ def positive_backward(img: Tensor, txt: Tensor, scale: Tensor, o_a: Tensor, o_b:
     return ds
 
 
+def duplicate_pairs_device(group_ids: Tensor) -> Tensor:
+    """0-d int64 tensor: the number of unordered pairs i < j with equal ids, on the device (a
+    sort and two binary searches; no host sync)."""
+    srt = torch.sort(group_ids).values
+    size = torch.searchsorted(srt, srt, right=True) - torch.searchsorted(srt, srt)  # each one's group size
+    return (size - 1).sum() // 2  # sum over groups of k (k - 1), halved
+
+
 def duplicate_pairs(group_ids: Tensor) -> int:
     """Number of unordered pairs i < j with group_ids[i] == group_ids[j] (one host sync)."""
-    _, counts = torch.unique(group_ids, return_counts=True)
-    return int((counts * (counts - 1) // 2).sum())
+    return int(duplicate_pairs_device(group_ids))
 
 
 def reference_terms(img: Tensor, txt: Tensor, scale: Tensor, group_ids: Tensor | None, duplicates: str) -> Tensor:

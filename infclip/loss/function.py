@@ -42,7 +42,7 @@ class _LSEPair(torch.autograd.Function):
         if group is None:
             row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True, **_kw(groups))
             if dup is not None and dup.mode == "positive":
-                parts = duplicates.positive_forward(img, txt, scale, pos, pos, dup.ids, dup.ids, True)
+                parts = duplicates.positive_forward(img, txt, scale, pos, pos, dup.ids, dup.ids, True, dup.pairs)
                 pos_row, pos_col = (duplicates.with_self(p) for p in parts)
         else:
             from infclip.loss import ring
@@ -99,7 +99,7 @@ def _local_backward(ops, img, txt, scale, row, col, pos, g_row, g_col, dup, pos_
                                       **kw, **_kw(groups))
     if dup is not None and dup.mode == "positive":
         dscale = dscale + duplicates.positive_backward(img, txt, scale, pos, pos, dup.ids, dup.ids, True, *pos_lse,
-                                                       g_row, g_col, dimg, dtxt)
+                                                       g_row, g_col, dimg, dtxt, dup.pairs)
     return dimg, dtxt, dscale
 
 
@@ -108,3 +108,48 @@ def lse_pair(img: Tensor, txt: Tensor, scale: Tensor, ops, group=None, dup=None)
     row_loss_i = LSE_j x_ij - x_ii, col_loss_j = LSE_i x_ij - x_jj (see module docs); with
     ``dup`` (a ``duplicates.Duplicates``) the terms of its mode (``infclip.loss.duplicates``)."""
     return _LSEPair.apply(img, txt, scale, ops, group, dup)
+
+
+class _FusedPositive(torch.autograd.Function):
+    """duplicates="positive" on one process as one autograd node around the fused CLIP loss's
+    passes (``infclip.kernels.clip.function.loss_forward`` / ``loss_backward``): the plain
+    kernels (no group ids: the denominators are the plain LSEs), plus the same-group pairs'
+    sparse terms from the pair list that ``duplicates.prepare`` found once for the call. The
+    positives' weight in the kernels' folded dX_ii is g (w_ii + w'_ii) (``loss_backward``'s
+    w_diag), so nothing b^2 is added to the plain loss's work."""
+
+    @staticmethod
+    def forward(ctx, img, txt, scale, ops, dup):
+        from infclip.kernels.clip.function import loss_forward
+
+        _, row, col, pos = loss_forward(ops, img, txt, scale)
+        parts = duplicates.positive_forward(img, txt, scale, pos, pos, dup.ids, dup.ids, True, dup.pairs)
+        pos_row, pos_col = (duplicates.with_self(p) for p in parts)
+        ctx.save_for_backward(img, txt, scale, row, col, pos, pos_row, pos_col)
+        ctx.ops, ctx.dup = ops, dup
+        return 0.5 * ((row - pos_row).mean() + (col - pos_col).mean())  # LSE over all less LSE over the group
+
+    @staticmethod
+    def backward(ctx, g):
+        from infclip.kernels.clip.function import loss_backward
+
+        img, txt, scale, row, col, pos, pos_row, pos_col = ctx.saved_tensors
+        dup = ctx.dup
+        w_diag = duplicates.positive_weight(pos_row) + duplicates.positive_weight(pos_col)
+        dimg, dtxt, ds = loss_backward(ctx.ops, img, txt, scale, row, col, pos, g, w_diag=w_diag)
+        g_lse = (0.5 / img.shape[0] * g.float()).expand(img.shape[0])  # as loss_backward's g_row = g_col
+        ds = ds + duplicates.positive_backward(img, txt, scale, pos, pos, dup.ids, dup.ids, True, pos_row, pos_col,
+                                               g_lse, g_lse, dimg, dtxt, dup.pairs)
+        need = ctx.needs_input_grad
+        return (dimg if need[0] else None, dtxt if need[1] else None,
+                ds.to(scale.dtype) if need[2] else None, None, None)
+
+
+def fused_duplicates_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, dup) -> Tensor:
+    """The one-process CLIP loss with duplicates on a backend with a fused loss node (Triton):
+    "mask" is ``ops.fused_loss`` with the int32 group ids (the same kernels and passes as off,
+    plus one compare per tile entry); "positive" is ``_FusedPositive``. ``dup``: from
+    ``duplicates.prepare``."""
+    if dup.mode == "mask":
+        return ops.fused_loss(img, txt, scale, groups=dup.ids)
+    return _FusedPositive.apply(img, txt, scale, ops, dup)

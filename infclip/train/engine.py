@@ -60,7 +60,7 @@ class StepOutput:
     loss: Tensor  # detached local loss (this rank's rows)
     global_loss: Tensor  # detached mean of the local losses over ranks (for logging)
     timings: dict[str, float] = field(default_factory=dict)  # seconds: cache_pass, loss, replay
-    metrics: dict[str, float] = field(default_factory=dict)  # e.g. duplicate_pairs (loss.duplicates on)
+    metrics: dict[str, float | Tensor] = field(default_factory=dict)  # e.g. duplicate_pairs (0-d, loss.duplicates on)
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class StepEngine:
         self.measure_memory = False  # CUDA: peak bytes per phase into last_phase_peaks (resets peak stats)
         self.last_phase_peaks: dict[str, int] = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-        self._step_metrics: dict[str, float] = {}  # this step's extra metrics (duplicate_pairs)
+        self._step_metrics: dict[str, float | Tensor] = {}  # this step's extra metrics (duplicate_pairs: 0-d)
         self._norms = [m for m in self.core.modules()
                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
@@ -323,7 +323,7 @@ class StepEngine:
         global batch's ``duplicate_pairs`` in this step's metrics."""
         if ids is None:
             return {}
-        from infclip.loss.duplicates import duplicate_pairs
+        from infclip.loss.duplicates import duplicate_pairs_device
 
         ids = ids if keep is None else ids[keep]
         every = ids
@@ -333,7 +333,9 @@ class StepEngine:
             parts = [torch.empty_like(ids) for _ in range(self.world_size)]
             dist.all_gather(parts, ids, group=self.group)
             every = torch.cat(parts)
-        self._step_metrics["duplicate_pairs"] = duplicate_pairs(every)
+        # A 0-d device tensor: no host sync before the loss's kernels are queued (the loop
+        # reads it with the step's other metrics).
+        self._step_metrics["duplicate_pairs"] = duplicate_pairs_device(every)
         return {"group_ids": ids}
 
     def _loss_grads(self, img: Tensor, txt: Tensor, keep: Optional[Tensor] = None, ids: Optional[Tensor] = None):

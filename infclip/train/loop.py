@@ -185,7 +185,8 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
         "host_image_bytes_per_sample": pipeline.image_bytes_per_sample(),
         **{f"time_{k}": v for k, v in out.timings.items()},
         "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
-        "amp_overflow": int(overflow), **_decoder_stats(parts), **out.metrics,
+        "amp_overflow": int(overflow), **_decoder_stats(parts),
+        **{k: v.item() if isinstance(v, torch.Tensor) else v for k, v in out.metrics.items()},  # (0-d device counts)
     }
 
 

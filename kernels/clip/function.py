@@ -42,27 +42,34 @@ def lse_pair_triton(img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps 
     return TritonLSEPair.apply(img, txt, scale, ops or TritonTileOps())
 
 
-def loss_forward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor):
+def loss_forward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, groups: Tensor | None = None):
     """(loss 0-d fp32, row (b,), col (b,), pos (b,)) of the symmetric CLIP loss: row / col the
     two directions' LSEs relative to the positives' logits s * pos, pos = <img_i, txt_i> fp32.
     Autocast is off inside (the positives' product stays fp32-accumulated in the inputs' dtype,
-    as in the CUDA graphs, which are captured with autocast off)."""
+    as in the CUDA graphs, which are captured with autocast off). groups: (b,) group ids or
+    None (``TritonTileOps.fused_loss``): same-group pairs i != j leave both LSEs."""
     with torch.autocast(img.device.type, enabled=False):
         pos = row_dot(img, txt)
-        row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True)
+        kw = {} if groups is None else {"groups": (groups, groups)}
+        row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True, **kw)
         return 0.5 * (row.mean() + col.mean()), row, col, pos
 
 
 def loss_backward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, row: Tensor, col: Tensor,
-                  pos: Tensor, g: Tensor, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  pos: Tensor, g: Tensor, out: tuple[Tensor, Tensor] | None = None, groups: Tensor | None = None,
+                  w_diag: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dimg, dtxt in the input dtype, dscale fp32 0-d) of ``loss_forward`` for upstream g (0-d);
-    ``out``: (dimg, dtxt) buffers to write them into (else fresh tensors)."""
+    ``out``: (dimg, dtxt) buffers to write them into (else fresh tensors). groups: as
+    ``loss_forward``. w_diag (b,): the positives' weight in -sum_i g_diag_i x_ii is
+    g_lse_i w_diag_i instead of 2 g_lse_i (a multi-positive loss: its within-group softmax
+    shares, summed over both directions)."""
     b = img.shape[0]
     g_lse = (0.5 / b * g.float()).expand(b).contiguous()
-    g_diag = 2 * g_lse  # exactly g_row + g_col: dX_ii = g (p_ii - 1) + g (p'_ii - 1)
+    g_diag = 2 * g_lse if w_diag is None else g_lse * w_diag  # 2 g_lse: exactly g_row + g_col (CLIP)
     dimg, dtxt = out if out is not None else (None, None)
+    kw = {} if groups is None else {"groups": (groups, groups)}
     return ops.backward(img, txt, scale, row, col, g_lse, g_lse, dimg, dtxt, out_dtype=img.dtype, g_diag=g_diag,
-                        offsets=(pos, pos), overwrite=out is not None)
+                        offsets=(pos, pos), overwrite=out is not None, **kw)
 
 
 class TritonCLIPLoss(torch.autograd.Function):
@@ -73,22 +80,27 @@ class TritonCLIPLoss(torch.autograd.Function):
     as offsets: the kernels return LSE - s d directly (no difference of two large numbers),
     use d as the positives' dot products in every pass, and fold the positive term into dX
     in fp32 before any rounding; the feature gradients are written once, in the input dtype.
+
+    ``groups`` (b,) int32 / int64 group ids, or None: duplicates "mask" (same-group pairs i != j
+    are neither negatives nor positives) in the same kernels and passes, with the group
+    compare in their tile epilogues (``kernels``, HAS_GID).
     """
 
     @staticmethod
-    def forward(ctx, img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps) -> Tensor:
-        loss, row, col, pos = loss_forward(ops, img, txt, scale)
+    def forward(ctx, img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps, groups: Tensor | None = None
+                ) -> Tensor:
+        loss, row, col, pos = loss_forward(ops, img, txt, scale, groups)
         ctx.save_for_backward(img, txt, scale, row, col, pos)
-        ctx.ops = ops
+        ctx.ops, ctx.groups = ops, groups
         return loss
 
     @staticmethod
     def backward(ctx, g: Tensor):
         img, txt, scale, row, col, pos = ctx.saved_tensors
-        dimg, dtxt, ds = loss_backward(ctx.ops, img, txt, scale, row, col, pos, g)
+        dimg, dtxt, ds = loss_backward(ctx.ops, img, txt, scale, row, col, pos, g, groups=ctx.groups)
         need = ctx.needs_input_grad
         return (dimg if need[0] else None, dtxt if need[1] else None,
-                ds.to(scale.dtype) if need[2] else None, None)
+                ds.to(scale.dtype) if need[2] else None, None, None)
 
 
 def clip_loss_triton(img: Tensor, txt: Tensor, scale: Tensor, fp32_precision: str = "ieee",

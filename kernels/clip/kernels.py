@@ -50,12 +50,14 @@ tiles that cross the diagonal in a loop of their own (``_fwd_step`` with DIAG), 
 replacement costs the other tiles nothing (no registers held across a runtime branch).
 
 Duplicate groups (HAS_GID; ``infclip.loss.duplicates`` states the loss): per-row and
-per-column int64 group ids are loaded as vectors and, in the tile epilogue, every entry
-with equal ids -- except a positive's own i == j on the diagonal block -- is dropped from
-both directions (``_group_drop``): -inf logits in the forward (with the online max guarded
-for a row or column whose entries of a tile are all dropped), dX = 0 in the backward. The
-flag is a constexpr and the id pointers are None when it is off, so the off path compiles
-to the kernels of before.
+per-column group ids (int32 dense ranks on one process, int64 on the ring) are loaded as
+vectors and, in the tile epilogue, every entry with equal ids is dropped from both
+directions with one integer compare (``_group_drop``): -inf logits in the forward (with the
+online max guarded for a row or column whose entries of a tile are all dropped), dX = 0 in
+the backward. A positive's own i == j is dropped too and restored by the diagonal handling
+that follows (the forward's DIAG tiles; ``_take_positives`` / FOLD in the backward), so no
+i != j test runs in any tile. The flag is a constexpr and the id pointers are None when it
+is off, so the off path compiles to the kernels of before.
 
 Consistency: the backward recomputes the dot products in the forward's K order (same BK
 chunks; on the GPU a K-chained tl.dot accumulates in the same order for any tile shape),
@@ -103,21 +105,23 @@ def _shifted(dot, o_a, o_b, s2, HAS_OFF: tl.constexpr):
 
 @triton.jit
 def _load_ids(ptr, idx, HAS: tl.constexpr, BLOCK: tl.constexpr):
-    """int64 ptr[idx] (group ids) when HAS, else zeros (BLOCK,) (never compared)."""
-    v = tl.zeros((BLOCK,), tl.int64)
+    """ptr[idx] (group ids, in the pointer's own dtype: int32 dense ranks on one process,
+    int64 on the ring) when HAS, else int32 zeros (BLOCK,) (never compared)."""
     if HAS:
-        v = tl.load(ptr + idx).to(tl.int64)
+        v = tl.load(ptr + idx)
+    else:
+        v = tl.zeros((BLOCK,), tl.int32)
     return v
 
 
 @triton.jit
-def _group_drop(gid_a, gid_b, rows, cols, SELF: tl.constexpr):
+def _group_drop(gid_a, gid_b):
     """(BM, BN) bool: entries whose row and column share a group id, i.e. duplicates that are
-    not negatives; with SELF (a tile of the square pair of the positives) not i == j."""
-    drop = gid_a[:, None] == gid_b[None, :]
-    if SELF:
-        drop = drop & (rows[:, None] != cols[None, :])
-    return drop
+    not negatives. One integer compare per entry: a positive's own i == j (same id) is
+    dropped too, and the callers' diagonal handling, which runs after it, puts it back
+    (the forward's DIAG tiles set x_ii - s o_i = 0; the backward's ``_take_positives`` and
+    FOLD overwrite dX_ii), so no i != j test is needed."""
+    return gid_a[:, None] == gid_b[None, :]
 
 
 @triton.jit
@@ -166,15 +170,15 @@ def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_
     # -- compute tile --: base-2 logits of (BM rows) x (BN columns), less the offsets.
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
+    if HAS_GID:  # duplicates leave both directions (a row of a tile may lose all its entries): one
+        # select on the dot products (-inf shifts and scales to -inf), the compare consumed at once
+        dot = tl.where(_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld)), float("-inf"), dot)
     xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
-    if DIAG:  # the positives' dot products are the offsets: x_ii - s o_i = 0, exactly (any HAS_OFF)
+    if DIAG:  # the positives' dot products are the offsets: x_ii - s o_i = 0, exactly (any HAS_OFF);
+        # after the group drop, which also hit i == j (their ids are equal)
         on = (row0 + r)[:, None] == (j0 + cn)[None, :]
         xr = tl.where(on, 0.0, xr)
         xc = tl.where(on, 0.0, xc)
-    if HAS_GID:  # duplicates leave both directions (a row of a tile may lose all its entries)
-        drop = _group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld).to(tl.int64), row0 + r, j0 + cn, DIAG)
-        xr = tl.where(drop, float("-inf"), xr)
-        xc = tl.where(drop, float("-inf"), xc)
     # Row direction: online max / rescaled sum, kept in registers.
     xr = tl.where(col_ok[None, :], xr, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(xr, 1))
@@ -331,8 +335,8 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
         g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32) * inv_gn
         o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
         ok = row_ok[:, None] & col_ok[None, :]
-        if HAS_GID:  # duplicates are not negatives: dX = 0 there
-            ok = ok & ~_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld).to(tl.int64), row0 + r, j0 + cn, HAS_DIAG)
+        if HAS_GID:  # duplicates are not negatives: dX = 0 there (i == j: _take_positives below)
+            ok = ok & ~_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld))
         p, q, peak = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, FILTER)
         if HAS_DIAG:
             if _near_diag(row0, j0, BM, BN):
@@ -412,9 +416,9 @@ def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start
     g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32)
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
     ok = row_ok[:, None] & col_ok[None, :]
-    if HAS_GID:  # duplicates are not negatives: dX = 0 there (the store still writes those zeros)
-        drop = _group_drop(tl.load(gid_a_ptr + row0 + r_ld).to(tl.int64), tl.load(gid_b_ptr + j0 + c_ld).to(tl.int64),
-                           row0 + r, j0 + cn, HAS_DIAG)
+    if HAS_GID:  # duplicates are not negatives: dX = 0 there (the store still writes those zeros);
+        # i == j is dropped too and put back below (_take_positives, FOLD)
+        drop = _group_drop(tl.load(gid_a_ptr + row0 + r_ld), tl.load(gid_b_ptr + j0 + c_ld))
         p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok & ~drop, HAS_OFF, False)
     else:
         p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, False)

@@ -122,8 +122,8 @@ class TritonTileOps:
                 groups=None) -> tuple[Tensor, Tensor]:
         """(row_lse (m,), col_lse (n,)) fp32 over the block pair (img, txt), relative to
         s * offsets when given; ``diag``: the positives' dot products are the offsets.
-        groups: (g_row (m,), g_col (n,)) int64 group ids: same-group entries are dropped
-        (duplicates, as ``infclip.loss.tiled.TorchTileOps``)."""
+        groups: (g_row (m,), g_col (n,)) int32 or int64 group ids (``_groups``): same-group
+        entries are dropped (duplicates, as ``infclip.loss.tiled.TorchTileOps``)."""
         img, txt, scale = _prep(img, txt, scale)
         prec = self._prec(img)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
@@ -174,15 +174,25 @@ class TritonTileOps:
                    o_col, o_row, gid_col, gid_row)
         return dimg, dtxt, ds
 
-    def fused_loss(self, img: Tensor, txt: Tensor, scale: Tensor) -> Tensor:
+    def fused_loss(self, img: Tensor, txt: Tensor, scale: Tensor, groups: Tensor | None = None) -> Tensor:
         """The symmetric CLIP loss of a square batch as one autograd node (see function.py),
-        replayed from CUDA graphs where ``graphs.eligible``."""
+        replayed from CUDA graphs where ``graphs.eligible``.
+
+        groups: (b,) int32 (or int64) group ids, or None: same-group pairs i != j are not
+        negatives (duplicates "mask"), in the same kernels and passes as without (HAS_GID:
+        one compare per tile entry). Such calls run eagerly, never from the graphs: the ids
+        are a new tensor every step (a graph would need a static id buffer, a copy and a
+        second captured variant per problem), and graphs serve only b <= ``graphs.MAX_ROWS``,
+        where the host bounds the step, below issue 27's b >= 32k. An eager call drops a
+        resident graph pool first (the memory rule: no eager call beside one)."""
         from . import graphs
         from .function import TritonCLIPLoss
 
         if graphs.eligible(self, img, txt):
-            return graphs.graphed_loss(self, img, txt, scale)
-        return TritonCLIPLoss.apply(img, txt, scale, self)
+            if groups is None:
+                return graphs.graphed_loss(self, img, txt, scale)
+            graphs.release()
+        return TritonCLIPLoss.apply(img, txt, scale, self, groups)
 
     def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec, g_d=None,
               off_a=None, off_b=None, gid_a=None, gid_b=None):
@@ -287,13 +297,16 @@ def _offsets(offsets, m: int, n: int) -> tuple[Tensor | None, Tensor | None]:
 
 
 def _groups(groups, m: int, n: int) -> tuple[Tensor | None, Tensor | None]:
-    """(g_row (m,), g_col (n,)) contiguous int64 group ids, or (None, None)."""
+    """(g_row (m,), g_col (n,)) contiguous group ids of one integer dtype, or (None, None):
+    int32 (dense ranks, ``infclip.loss.duplicates.dense_ids``: one compare instruction and
+    half the registers of int64 in the kernels) or int64 (ids that must stay global: the ring)."""
     if groups is None:
         return None, None
     g_row, g_col = groups
-    if g_row.shape != (m,) or g_col.shape != (n,) or g_row.dtype != torch.int64 or g_col.dtype != torch.int64:
-        raise ValueError(f"groups must be int64 ({m},) and ({n},), got {g_row.dtype} {tuple(g_row.shape)} and "
-                         f"{g_col.dtype} {tuple(g_col.shape)}")
+    ok = g_row.dtype == g_col.dtype and g_row.dtype in (torch.int32, torch.int64)
+    if g_row.shape != (m,) or g_col.shape != (n,) or not ok:
+        raise ValueError(f"groups must be int32 or int64 (one dtype) ({m},) and ({n},), got {g_row.dtype} "
+                         f"{tuple(g_row.shape)} and {g_col.dtype} {tuple(g_col.shape)}")
     return g_row.contiguous(), g_col.contiguous()
 
 

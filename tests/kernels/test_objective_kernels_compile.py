@@ -3,7 +3,8 @@ ahead of time and without a GPU, and ptxas reports no register spills: catches w
 interpreter accepts but the compiler does not (dtypes, dot shapes, shared memory, registers).
 The CLIP kernels compile too, with every flag on (offsets, positives, filtering; their
 spills are reported, not asserted: the fused backward is known to spill a little), once
-with the duplicate groups off (None id pointers, as launched) and once on (HAS_GID).
+with the duplicate groups off (None id pointers, as launched) and on (HAS_GID) with int32 ids
+(one process: dense ranks) and int64 ids (the ring).
 Runs in a subprocess without TRITON_INTERPRET."""
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("compiled")]
-    assert len(lines) == 6 + 2 + 3 + 3, proc.stdout
+    assert len(lines) == 6 + 2 + 3 + 3 + 3, proc.stdout
     lines = lines[:8]  # SigLIP / NT-Xent (the CLIP kernels come last)
     assert all("0 bytes spill stores" in line for line in lines), "register spills:\n" + "\n".join(lines)
 
 
-def _compile(fn, dtype: str, consts: dict, cfg, tag: str = "") -> None:
-    """Compile ``fn`` for sm_90: feature pointers ``dtype``, other pointers fp32, ints i32."""
+def _compile(fn, dtype: str, consts: dict, cfg, tag: str = "", gid: str = "i32") -> None:
+    """Compile ``fn`` for sm_90: feature pointers ``dtype``, group ids ``gid``, other pointers
+    fp32, ints i32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -50,7 +52,7 @@ def _compile(fn, dtype: str, consts: dict, cfg, tag: str = "") -> None:
         if name == "kept_ptr":
             return "*i32"
         if name.startswith("gid_"):  # duplicate group ids
-            return "*i64"
+            return f"*{gid}"
         if name == "log2_thr":
             return "fp32"
         return "*fp32" if name.endswith("_ptr") else "i32"
@@ -74,20 +76,21 @@ def _compile_clip() -> None:
     from infclip.kernels.clip import launch
     from infclip.kernels.clip.kernels import _dx_strip_kernel, _grad_kernel, _lse_fwd_kernel
 
-    for (dtype, esize, prec), gid in ((("bf16", 2, "tf32"), False), (("bf16", 2, "tf32"), True)):
+    for (dtype, esize, prec), gid in ((("bf16", 2, "tf32"), None), (("bf16", 2, "tf32"), "i32"),
+                                      (("bf16", 2, "tf32"), "i64")):
         fwd, bwd = launch.fwd_candidates(K, esize)[0], launch.bwd_candidates(K, esize)[0]
         strip = launch.strip_candidates(K, esize)[0]
         groups = {"HAS_GID": True} if gid else {"HAS_GID": False, "gid_a_ptr": None, "gid_b_ptr": None}
-        tag = "_groups" if gid else ""
+        tag = f"_groups_{gid}" if gid else ""
 
         def tile(cfg):
             return dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=K % cfg.BK == 0, DOT_F32=False, PREC=prec,
                         HAS_OFF=True, HAS_DIAG=True, **groups)
 
-        _compile(_lse_fwd_kernel, dtype, tile(fwd), fwd, tag)
+        _compile(_lse_fwd_kernel, dtype, tile(fwd), fwd, tag, gid or "i32")
         _compile(_grad_kernel, dtype, {**tile(bwd), "DC": bwd.DC, "RESIDENT": bwd.resident, "ACCUM": False,
-                                       "COMPUTE_DS": True, "FILTER": True}, bwd, tag)
-        _compile(_dx_strip_kernel, dtype, {**tile(strip), "GROUP": strip.GROUP}, strip, tag)
+                                       "COMPUTE_DS": True, "FILTER": True}, bwd, tag, gid or "i32")
+        _compile(_dx_strip_kernel, dtype, {**tile(strip), "GROUP": strip.GROUP}, strip, tag, gid or "i32")
 
 
 def _main() -> None:

@@ -178,6 +178,11 @@ def test_bench_duplicates_dry_run_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mask +%" in proc.stdout and "pos +%" in proc.stdout
     assert (tmp_path / "bench_duplicates.csv").read_text().startswith("b,c,pairs,off,mask,positive")
+    split = subprocess.run(cmd + ["--breakdown"], capture_output=True, text=True, timeout=300)
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "bwd +%" in split.stdout and "prep ms" in split.stdout and split.stdout.count(" positive ") >= 1
+    header = (tmp_path / "bench_duplicates.csv").read_text().splitlines()[0]
+    assert header.startswith("b,c,pairs,off,mask,positive,off_fwd,off_bwd") and header.endswith("positive_prep")
     bad = subprocess.run(cmd[:2] + ["--dry-run", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--dry-run applies to --duplicates only" in bad.stderr
 
@@ -195,3 +200,76 @@ def test_bf16_inputs_within_bf16_rounding_of_reference(impl, mode):
     for name, a, b in zip(("loss", "d image", "d text", "d scale"), got, want):
         err = float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-3))
         assert err < 2e-2, f"{name}: relative error {err:.2e}"
+
+
+def test_dense_ids_find_pairs_and_device_count():
+    """dense_ids: int32, equal exactly where the ids are; find_pairs: every ordered same-group
+    pair i != j once ([] when none, None past the cap); the device count equals the host's."""
+    from infclip.loss.duplicates import dense_ids, duplicate_pairs_device, find_pairs
+
+    _, _, _, ids = _batch(40, 4, 10.0, "mixed", seed=21)
+    dense = dense_ids(ids)
+    assert dense.dtype == torch.int32
+    assert torch.equal(dense[:, None] == dense[None, :], ids[:, None] == ids[None, :])
+    (ia, jb), = find_pairs(ids)
+    want = {(i, j) for i in range(40) for j in range(40) if i != j and ids[i] == ids[j]}
+    assert {tuple(p) for p in torch.stack([ia, jb]).T.tolist()} == want and ia.numel() == len(want)
+    assert find_pairs(torch.arange(7)) == [] and find_pairs(ids, cap=len(want) - 1) is None
+    assert int(duplicate_pairs_device(ids)) == duplicate_pairs(ids) == len(want) // 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backward", ["onepass", "twopass"])
+def test_triton_fused_node_equals_generic_node_and_reference(mode, backward):
+    """clip_loss(impl="triton") with group ids takes the fused node of duplicates="off"
+    (TritonCLIPLoss with int32 dense ids for "mask", _FusedPositive for "positive"), under
+    both backwards; it equals the generic tiled node on the raw int64 ids and the float64
+    reference."""
+    from infclip.kernels.clip import TritonTileOps
+    from infclip.kernels.clip import ops as ops_mod
+
+    img, txt, s, ids = _batch(45, 16, 100.0, "mixed", seed=17, dtype=torch.float32)
+    node = {"mask": "TritonCLIPLossBackward", "positive": "_FusedPositiveBackward"}[mode]
+    old = ops_mod.AUTO_BACKWARD
+    ops_mod.AUTO_BACKWARD = backward  # the ops clip_loss builds take backward="auto"
+    try:
+        loss = clip_loss(img.clone().requires_grad_(), txt, s.float(), impl="triton", group_ids=ids,
+                         duplicates=mode)
+        assert type(loss.grad_fn).__name__ == node
+        fused = _grads(lambda i, t, sc: clip_loss(i, t, sc, impl="triton", group_ids=ids, duplicates=mode),
+                       img, txt, s.float())
+    finally:
+        ops_mod.AUTO_BACKWARD = old
+    ops = TritonTileOps(backward=backward)
+    generic = _grads(lambda i, t, sc: _tiled_loss(i, t, sc, ops, None, Duplicates(mode, ids)), img, txt, s.float())
+    _close(fused, generic, rtol=1e-5, atol=1e-6)
+    _close(fused, _reference(img, txt, s, ids, mode), rtol=2e-4, atol=2e-5)
+
+
+def test_positive_past_the_pair_cap_uses_chunked_pairs(monkeypatch):
+    """More same-group pairs than the precomputed list holds (one caption fills the batch):
+    both passes go through the chunked group_pairs, still exact (Triton fused node)."""
+    from infclip.loss import duplicates
+
+    monkeypatch.setattr(duplicates, "PAIRS_PER_ROW", 0)
+    monkeypatch.setattr(duplicates, "PAIRS_FIXED", 4)
+    img, txt, s, ids = _batch(11, 8, 30.0, "one", seed=4, dtype=torch.float32)
+    assert duplicates.prepare("positive", ids).pairs is None
+    got = _grads(lambda i, t, sc: clip_loss(i, t, sc, impl="triton", group_ids=ids, duplicates="positive"),
+                 img, txt, s.float())
+    _close(got, _reference(img, txt, s, ids, "positive"), rtol=2e-4, atol=2e-5)
+
+
+def test_triton_mask_kernels_take_int32_and_int64_ids():
+    """The tile ops accept int32 dense ranks and int64 ids (the ring's) alike: same LSEs and
+    gradients; other dtypes are refused."""
+    from infclip.kernels.clip import TritonTileOps
+    from infclip.loss.duplicates import dense_ids
+
+    img, txt, s, ids = _batch(37, 16, 50.0, "mixed", seed=8, dtype=torch.float32)
+    ops = TritonTileOps(backward="onepass")
+    runs = [_grads(lambda i, t, sc: _tiled_loss(i, t, sc, ops, None, Duplicates("mask", g)), img, txt, s.float())
+            for g in (ids, dense_ids(ids))]
+    _close(runs[0], runs[1], rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        ops.forward(img, txt, s.float(), groups=(ids.to(torch.int16), ids.to(torch.int16)))

@@ -220,7 +220,7 @@ def test_dense_ids_find_pairs_and_device_count():
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backward", ["onepass", "twopass"])
-def test_triton_fused_node_equals_generic_node_and_reference(mode, backward):
+def test_triton_fused_node_equals_generic_node_and_reference(mode, backward, monkeypatch):
     """clip_loss(impl="triton") with group ids takes the fused node of duplicates="off"
     (TritonCLIPLoss with int32 dense ids for "mask", _FusedPositive for "positive"), under
     both backwards; it equals the generic tiled node on the raw int64 ids and the float64
@@ -230,16 +230,14 @@ def test_triton_fused_node_equals_generic_node_and_reference(mode, backward):
 
     img, txt, s, ids = _batch(45, 16, 100.0, "mixed", seed=17, dtype=torch.float32)
     node = {"mask": "TritonCLIPLossBackward", "positive": "_FusedPositiveBackward"}[mode]
-    old = ops_mod.AUTO_BACKWARD
-    ops_mod.AUTO_BACKWARD = backward  # the ops clip_loss builds take backward="auto"
-    try:
-        loss = clip_loss(img.clone().requires_grad_(), txt, s.float(), impl="triton", group_ids=ids,
-                         duplicates=mode)
-        assert type(loss.grad_fn).__name__ == node
-        fused = _grads(lambda i, t, sc: clip_loss(i, t, sc, impl="triton", group_ids=ids, duplicates=mode),
-                       img, txt, s.float())
-    finally:
-        ops_mod.AUTO_BACKWARD = old
+    # the ops clip_loss builds take backward="auto": make it resolve to `backward` on CPU too
+    monkeypatch.setattr(ops_mod.TritonTileOps, "path_for", lambda self, t: backward)
+    loss = clip_loss(img.clone().requires_grad_(), txt, s.float(), impl="triton", group_ids=ids,
+                     duplicates=mode)
+    assert type(loss.grad_fn).__name__ == node
+    fused = _grads(lambda i, t, sc: clip_loss(i, t, sc, impl="triton", group_ids=ids, duplicates=mode),
+                   img, txt, s.float())
+    monkeypatch.undo()
     ops = TritonTileOps(backward=backward)
     generic = _grads(lambda i, t, sc: _tiled_loss(i, t, sc, ops, None, Duplicates(mode, ids)), img, txt, s.float())
     _close(fused, generic, rtol=1e-5, atol=1e-6)

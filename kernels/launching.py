@@ -107,7 +107,12 @@ def mm_f32(p: Tensor, b: Tensor) -> Tensor:
 
 
 def product_into(out: Tensor, p: Tensor, b: Tensor, accumulate: bool) -> None:
-    """out (+)= p @ b, with one rounding to out's dtype."""
+    """out (+)= p @ b, with one rounding to out's dtype. Accumulating a 16-bit product into a
+    contiguous fp32 ``out`` (the ring's fp32 dI sum) goes through ``addmm_f32_``: in place,
+    no fp32 (rows, c) temporary on CUDA."""
+    if accumulate and out.dtype == torch.float32 and p.dtype != out.dtype and out.is_contiguous():
+        addmm_f32_(out, p, b)
+        return
     if out.dtype == p.dtype and out.is_contiguous():
         if accumulate:
             out.addmm_(p, b)

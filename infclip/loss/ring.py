@@ -28,9 +28,14 @@ compute stream for the data being sent; ``Work.wait()`` makes the compute stream
 the communication stream, without blocking the host. The whole ring is therefore queued
 without host synchronization and the transfer of step k+1's block overlaps step k's tile.
 
-Memory per rank beyond the inputs: two (m, c) text receive buffers; in backward two fp32
-(m, c) dT accumulators (the one arriving, the one leaving), the tile's fresh dI and dT (in
-the input dtype on Triton) and the fp32 dI sum, plus O(m) vectors. Never O(b * c).
+Memory per rank beyond the inputs (``backward_extra_bytes``): two (m, c) text receive
+buffers; in backward the fp32 dI sum and three fp32 (m, c) dT buffers (the one arriving,
+the one leaving, the tile's own), plus the tile backend's scratch and O(m) vectors. Never
+O(b * c). With a one-pass tile backend (``TorchTileOps``; ``TritonTileOps`` where its
+``path_for`` says "onepass": bf16 on CUDA) each tile sums straight into the fp32 dI sum and
+into its fp32 dT buffer: no per-tile gradient in the input dtype, no rounding before the sum.
+The two-pass Triton path instead writes fresh (m, c) dI and dT in the input dtype (its
+strip path needs them) and the ring adds them to the fp32 sums.
 
 Gradient semantics. Every rank calls backward on its own loss L_r (the mean over its
 local rows). Feature gradients are d(sum_q L_q)/d(local features): the column terms
@@ -203,7 +208,7 @@ def ring_forward(img: Tensor, txt: Tensor, scale: Tensor, ops, group, pos: Tenso
         ring.wait(works)
         acc = col_part if acc_in is None else torch.logaddexp(acc_in, col_part)
         blocks = nxt
-    col = _home(ring, acc, torch.empty_like(acc))
+    col = _home(ring, acc, lambda: torch.empty_like(acc))
     if not positive:
         return row_lse, col, None, None
     return row_lse, col[0], duplicates.with_self(pos_row), duplicates.with_self(col[1])
@@ -221,10 +226,12 @@ def _groups(dup, blocks: list[Tensor]) -> dict:
     return {"groups": (dup.ids, blocks[2])}
 
 
-def _home(ring: Ring, acc: Tensor, out: Tensor) -> Tensor:
-    """The last hop: the finished accumulator of block r+1 goes to its owner r+1 (into out)."""
+def _home(ring: Ring, acc: Tensor, new_out) -> Tensor:
+    """The last hop: the finished accumulator of block r+1 goes to its owner r+1 (into
+    ``new_out()``, made only when there is a hop)."""
     if ring.world == 1:
         return acc
+    out = new_out()
     ring.wait(ring.post([acc], [out]))
     return out
 
@@ -253,8 +260,10 @@ def ring_backward(
     """(dimg (m, c), dtxt (m, c), dscale 0-d) in the accumulation dtype (fp32, fp64 for fp64).
 
     dimg, dtxt: d(sum over all ranks' losses)/d(local features); dscale: this rank's part.
-    Each tile's gradients come fresh from ``ops`` (in the input dtype where the backend can
-    write it, which lets Triton take its bf16 strip path) and are summed here in fp32.
+    One-pass backends (``sums_in_place``) sum each tile straight into the fp32 dI sum and
+    a zeroed fp32 dT buffer; otherwise each tile's gradients come fresh from ``ops`` (in the
+    input dtype where the backend can write it, which lets Triton's two-pass path take its
+    bf16 strip path) and are summed here in fp32.
     row_lse / col_lse are the per-row losses of ``ring_forward`` (relative to ``pos``); the
     step-0 tile (own images x own texts) folds the positives into its dX (g_diag = g_row +
     g_col), before its gradients are rounded. dup: as ``ring_forward``; in mode "positive"
@@ -267,14 +276,20 @@ def ring_backward(
     meta = [col_lse, g_col.to(col_lse.dtype), pos.to(col_lse.dtype)] + ([pos_col.to(col_lse.dtype)] if positive else [])
     blocks, bufs = _blocks(txt, torch.stack(meta), dup), []
     pool = _Pool(txt, acc)
-    dimg, dscale = None, torch.zeros((), dtype=acc, device=img.device)
+    into = sums_in_place(ops, img)
+    dimg = torch.zeros(img.shape, dtype=acc, device=img.device) if into else None
+    dscale = torch.zeros((), dtype=acc, device=img.device)
     dt_out = None  # finished dT accumulator of the block of the previous step
     for k in range(ring.world):
         works, nxt, dt_in = _post_step(ring, k, blocks, bufs, dt_out, lambda: pool.take(zero=False))
-        # -- compute tile -- (I_r, T_{r-k}): dI summed in place, dT of block r-k fresh.
+        # -- compute tile -- (I_r, T_{r-k}): dI summed in place; dT of block r-k into its own fp32
+        # buffer (dt_in is still arriving: summing into it would wait for the transfer).
         g_diag = _g_diag(g_row, g_col, pos_row, pos_col) if k == 0 else None
-        di, dt, ds = _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, *blocks[:2], **_groups(dup, blocks))
-        dimg = di.to(acc) if dimg is None else dimg.add_(di)
+        sums = (dimg, pool.take(zero=True)) if into else (None, None)
+        di, dt, ds = _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, *blocks[:2], *sums,
+                                    **_groups(dup, blocks))
+        if not into:
+            dimg = di.to(acc) if dimg is None else dimg.add_(di)
         dscale += ds
         ring.wait(works)
         if dt_in is None:
@@ -282,12 +297,14 @@ def ring_backward(
         else:
             pool.give(dt_out)
             dt_out = dt_in.add_(dt)
+            if into:
+                pool.give(dt)
         if positive:
             m = blocks[1]
             dscale += duplicates.positive_backward(img, blocks[0], scale, pos, m[2], dup.ids, blocks[2], k == 0,
                                                    pos_row, m[3], g_row, m[1], dimg, dt_out)
         blocks = nxt
-    return dimg, _home(ring, dt_out, pool.take(zero=False)), dscale
+    return dimg, _home(ring, dt_out, lambda: pool.take(zero=False)), dscale
 
 
 def _g_diag(g_row: Tensor, g_col: Tensor, pos_row: Tensor | None, pos_col: Tensor | None) -> Tensor:
@@ -299,15 +316,46 @@ def _g_diag(g_row: Tensor, g_col: Tensor, pos_row: Tensor | None, pos_col: Tenso
     return g_row * duplicates.positive_weight(pos_row) + g_col * duplicates.positive_weight(pos_col)
 
 
-def _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, txt, meta, **groups) -> tuple[Tensor, Tensor, Tensor]:
-    """Fresh (dI, dT, ds) of one tile; in the input dtype where ``ops`` can write it.
+def sums_in_place(ops, img: Tensor) -> bool:
+    """Whether ``ops``' backward sums each tile straight into the ring's fp32 buffers (one-pass
+    backends: ``TorchTileOps``, or a backend whose ``path_for(img)`` is "onepass"). Else the
+    tile's gradients come fresh (in the input dtype where ``ops`` writes it: the two-pass
+    Triton strip path, which cannot accumulate) and are added here."""
+    from infclip.loss.tiled import TorchTileOps
+
+    path_for = getattr(ops, "path_for", None)
+    if path_for is not None:
+        return path_for(img) == "onepass"
+    return isinstance(ops, TorchTileOps)
+
+
+def backward_extra_bytes(m: int, c: int, esize: int, in_place: bool) -> dict[str, int]:
+    """Bytes per rank that ``ring_backward`` holds beyond its inputs at its peak (inside a tile),
+    by buffer, for m local rows of c features of ``esize`` bytes; the tile backend's own
+    scratch (e.g. the strip scratch, 64 MB + 768 B x m) and O(m) vectors not included.
+    in_place: ``sums_in_place`` (the one-pass backends: the tile's fp32 dT buffer); else
+    the tiles' fresh dI and dT in the input dtype (the two-pass Triton path)."""
+    f32 = 4 * m * c
+    out = {"text receive buffers (2)": 2 * m * c * esize, "fp32 dI sum": f32, "fp32 dT arriving + leaving": 2 * f32,
+           "fp32 dT of the tile": f32}
+    if not in_place:
+        out["fp32 dT of the tile"] = 0  # the fresh dT is copied into the leaving buffer (none at step 0)
+        out["fresh dI + dT (input dtype)"] = 2 * m * c * esize
+    return out
+
+
+def _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, txt, meta, dimg=None, dtxt=None,
+                   **groups) -> tuple[Tensor, Tensor, Tensor]:
+    """(dI, dT, ds) of one tile: summed into ``dimg`` / ``dtxt`` (fp32) when given, else fresh,
+    in the input dtype where ``ops`` can write it.
 
     ``meta`` (3 or 4, n): the text block's final column loss (LSE less its positives' logits),
     its upstream gradient g_col and its positives' dot products (and, "positive", its
     within-group LSEs). g_diag: the diagonal block's. groups: the tiles' ``groups`` keyword.
     """
-    kw = {"out_dtype": img.dtype} if getattr(ops, "writes_out_dtype", False) else {}
-    return ops.backward(img, txt, scale, row_lse, meta[0], g_row, meta[1], offsets=(pos, meta[2]),
+    fresh = dimg is None and getattr(ops, "writes_out_dtype", False)
+    kw = {"out_dtype": img.dtype} if fresh else {}
+    return ops.backward(img, txt, scale, row_lse, meta[0], g_row, meta[1], dimg, dtxt, offsets=(pos, meta[2]),
                         g_diag=g_diag, **kw, **groups)
 
 

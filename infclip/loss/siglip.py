@@ -38,7 +38,8 @@ from infclip.loss.tiled import RowTiledOps, _acc_dtype, lazy, pick_backend, row_
 
 IMPLS = ("auto", "vanilla", "torch", "triton")
 class TorchSigmoidOps(RowTiledOps):
-    """SigLIP tile operations in plain PyTorch, one (tile, n) row block at a time."""
+    """SigLIP tile operations in plain PyTorch, one (tile, n) row block at a time; the backward
+    is one pass (each block's s dX feeds dimg[block] and the dtxt accumulator, ``addmm_``)."""
 
     def _signed(self, img: Tensor, txt32: Tensor, lo: int, hi: int, s: Tensor, t: Tensor, diag: bool):
         """(dot, zx) of rows lo:hi: dot_ij = <I_i, T_j>, zx_ij = z_ij * (s dot_ij + t)."""
@@ -78,9 +79,21 @@ class TorchSigmoidOps(RowTiledOps):
             dx *= g[lo:hi, None]
             dscale += (dx * dot).sum()
             dbias += dx.sum()
-            dimg[lo:hi] += s * (dx @ txt32)
-            dtxt += s * (dx.T @ img[lo:hi].to(acc))
+            # One pass: s dX of the block feeds both products, accumulated in place (no (n, c)
+            # temporaries: dtxt is the fp32 accumulator of issue 27's rule), as ``TorchTileOps``.
+            dx.mul_(s)
+            _addmm_into(dimg[lo:hi], dx, txt32)
+            _addmm_into(dtxt, dx.T, img[lo:hi].to(acc))
         return dimg, dtxt, dscale, dbias
+
+
+def _addmm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out += a @ b: in place (``addmm_``) when out has the product's dtype, else (a caller's
+    buffer of another dtype) through one rounded temporary."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out += a @ b
 
 
 class _SigmoidRows(torch.autograd.Function):

@@ -55,4 +55,4 @@ def ring_sweep(ring: Ring, blocks: list[Tensor], tile: Tile,
         out = part
         if nxt is not None:
             blocks = nxt
-    return None if pool is None else _home(ring, out, pool.take(zero=False))
+    return None if pool is None else _home(ring, out, lambda: pool.take(zero=False))

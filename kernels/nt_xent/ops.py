@@ -13,6 +13,14 @@
 Paths and block configs as ``infclip.kernels.objective.ObjectiveTiles`` (strip backward for
 16-bit CUDA inputs, the fused kernel otherwise; configs timed once); the strip configs and
 the persistent TMA strip kernel are CLIP's (``strip_candidates``).
+
+One pass: the own block's gradient already is (``backward_own``, P = s (dX + dX^T), one
+product). A block pair (a, b) of the ring has one softmax, that of a's rows, so both of its
+gradients come from the same dX: ``backward="onepass"`` fills each strip's P = s dX once
+(the da strip fill, LSE_ON_A) and forms da[strip] = P @ b and an fp32 db accumulator +=
+P^T @ a[strip] (``launching.addmm_f32_``), as CLIP's ``launch.grad_onepass_strips``: the
+logits recomputed once instead of once per direction. "auto" stays two-pass (``AUTO_BACKWARD``:
+not measured on the GPU yet).
 """
 
 from __future__ import annotations
@@ -22,10 +30,13 @@ from torch import Tensor
 
 from ..clip import launch
 from ..clip.launch import StripConfig
-from ..launching import cdiv, strip_backward, tma_ok, tma_programs
+from ..launching import addmm_f32_, cdiv, strip_backward, tma_ok, tma_programs
 from ..objective import ObjectiveTiles
 from ..objective import strip_candidates as objective_strip_candidates
 from .kernels import _masked_grad_kernel, _masked_lse_fwd_kernel, _masked_strip_kernel, _masked_strip_tma_kernel
+
+
+AUTO_BACKWARD = "twopass"  # what backward="auto" takes: flip once the GPU measures "onepass" faster
 
 
 def strip_candidates(k: int, esize: int) -> list[StripConfig]:
@@ -54,17 +65,25 @@ class TritonMaskedLSEOps(ObjectiveTiles):
             gradient; "fixup" keeps it out of P and adds s dX b_pos in fp32 to an fp32
             product per strip (an (R, c) fp32 temporary, a gather and two elementwise passes
             per strip).
+        backward: the block-pair backward (``backward``): "twopass" (one fill per direction),
+            "onepass" (one strip fill for both, see the module docs; not with strips="never")
+            or "auto" (``AUTO_BACKWARD``, "twopass" until the GPU measures "onepass" faster).
     """
 
     name = "triton"
     family = "masked_lse"
 
     def __init__(self, fp32_precision: str = "ieee", *, strips: str = "auto", poison: bool = False,
-                 strip_positives: str = "fold"):
+                 strip_positives: str = "fold", backward: str = "auto"):
         super().__init__(fp32_precision, strips=strips, poison=poison)
         if strip_positives not in ("fixup", "fold"):
             raise ValueError(f"strip_positives must be 'fixup' or 'fold', got {strip_positives!r}")
+        if backward not in ("auto", "onepass", "twopass"):
+            raise ValueError(f"backward must be 'auto', 'onepass' or 'twopass', got {backward!r}")
+        if backward == "onepass" and strips == "never":
+            raise ValueError("backward='onepass' is a strip path: it needs strips 'auto' or 'always'")
         self.fold = strip_positives == "fold"
+        self.backward_path = AUTO_BACKWARD if backward == "auto" else backward
 
     def forward(self, a: Tensor, b: Tensor, scale: Tensor, mask_diag: bool, offsets: Tensor | None = None
                 ) -> Tensor:
@@ -85,9 +104,43 @@ class TritonMaskedLSEOps(ObjectiveTiles):
         da, db = self._out(da, a), self._out(db, b)
         diag = 0 if mask_diag else a.shape[0] + b.shape[0]
         half = a.shape[0] // 2
+        if self.backward_path == "onepass" and a.shape[0] and b.shape[0]:
+            ds = self._grad_onepass(a, b, vecs, da, db, acc_a, acc_b, dict(diag=diag, half=half, LSE_ON_A=True,
+                                                                           **flags))
+            return da, db, ds
         ds = self._grad(a, b, vecs, da, acc_a, dict(diag=diag, half=half, LSE_ON_A=True, **flags))
         self._grad(b, a, vecs, db, acc_b, dict(diag=diag, half=half, LSE_ON_A=False, **flags))
         return da, db, ds
+
+    def _grad_onepass(self, a, b, vecs, out_a, out_b, acc_a, acc_b, flags) -> Tensor:
+        """out_a (+)= s dX @ b and out_b (+)= s dX^T @ a from one fill per strip of a's rows;
+        returns ds. out_b is summed in fp32: in itself when fp32, else in a fresh fp32
+        accumulator rounded into it once. The positives' fixup (own block, not folded): the
+        fp32 s dX_i,pos(i) go to out_a's fp32 product (``_strips``) and to acc[pos(i)] here."""
+        rows = self._strip_rows(a, b)
+
+        def run_strips(cfg, a_sub, b_sub):
+            sub = self._sub_vecs(vecs, flags, a_sub.shape[0], b_sub.shape[0])
+            self._strips(a_sub, b_sub, sub, torch.empty(a_sub.shape, device=a.device, dtype=out_a.dtype), False,
+                         rows, cfg, flags)
+
+        cfg = self._pick("strip", a, b, self._strip_candidates(a.shape[1], a.element_size()), run_strips)
+        own = out_b.dtype == torch.float32 and out_b.is_contiguous()
+        acc = out_b if own else torch.zeros(b.shape, device=b.device, dtype=torch.float32)
+        if own and not acc_b:
+            acc.zero_()
+
+        def second(r0: int, r: int, scratch: Tensor, dv: Tensor | None) -> None:
+            a_s = a[r0:r0 + r]
+            addmm_f32_(acc, scratch[:r].T, a_s)  # (n, r) @ (r, k): fp32 accumulate
+            if dv is not None:  # the own block: P's column pos(i) is row pos(i) of b = a
+                idx = (torch.arange(r0, r0 + r, device=a.device) + flags["half"]) % (2 * flags["half"])
+                acc.index_add_(0, idx, dv[:r, None] * a_s.float())
+
+        ds = self._strips(a, b, vecs, out_a, acc_a, rows, cfg, flags, then=second)
+        if not own:
+            out_b.add_(acc) if acc_b else out_b.copy_(acc)
+        return ds
 
     def backward_own(self, f: Tensor, scale: Tensor, row_lse: Tensor, g_row: Tensor,
                      offsets: Tensor | None = None, out_dtype: torch.dtype = torch.float32
@@ -123,9 +176,11 @@ class TritonMaskedLSEOps(ObjectiveTiles):
 
     _strip_candidates = staticmethod(strip_candidates)
 
-    def _strips(self, a, b, vecs, out, accumulate, rows, cfg, flags) -> Tensor:
+    def _strips(self, a, b, vecs, out, accumulate, rows, cfg, flags, then=None) -> Tensor:
         """out (+)= P @ b strip by strip; returns ds. One buffer of ds partials for all strips,
-        summed once at the end (zeros: a short last strip leaves some slots unwritten)."""
+        summed once at the end (zeros: a short last strip leaves some slots unwritten).
+        then(r0, r, scratch, dv): after each strip's product (``_grad_onepass``), dv the
+        strip's fp32 s dX_i,pos(i) of the fixup (None when folded or without positives)."""
         m, n = a.shape[0], b.shape[0]
         pos, fixup = flags["HAS_POS"], flags["HAS_POS"] and not self.fold
         rows = max(1, min(rows, m))
@@ -144,7 +199,8 @@ class TritonMaskedLSEOps(ObjectiveTiles):
             idx = (torch.arange(r0, r0 + r, device=a.device) + flags["half"]) % (2 * flags["half"])
             prod.addcmul_(d_vec[:r, None], b[idx])
 
-        strip_backward(a, b, out, rows, accumulate, fill, self._alloc, positives if fixup else None)
+        after = None if then is None else (lambda r0, r, scratch: then(r0, r, scratch, d_vec if fixup else None))
+        strip_backward(a, b, out, rows, accumulate, fill, self._alloc, positives if fixup else None, after)
         return ds_all.sum()
 
     def _fill(self, args: tuple, r: int, r0: int, cfg: StripConfig, flags: dict, consts: dict, use_tma: bool):

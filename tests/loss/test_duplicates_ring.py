@@ -104,6 +104,9 @@ def case_ring():
                                                    duplicates=mode),
             "triton_strips": lambda i, t, s, g: _tiled_loss(i, t, s, TritonTileOps(strips="always"), group,
                                                             Duplicates(mode, g)),
+            # one-pass tiles summing into the ring's fp32 buffers, the ids travelling with the blocks
+            "triton_onepass": lambda i, t, s, g: _tiled_loss(i, t, s, TritonTileOps(backward="onepass"), group,
+                                                             Duplicates(mode, g)),
         }
         for name, fn in impls.items():
             for b, scale in ((22, 20.0), (34, 100.0)):

@@ -49,6 +49,88 @@ def test_loopback_ring_equals_w_copies_of_the_batch(world, m, tile):
     torch.testing.assert_close(s.grad * world, ref_ds, rtol=1e-10, atol=0)  # W ranks' parts
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_one_pass_tiles_sum_into_the_rings_fp32_buffers(monkeypatch, world):
+    """A one-pass backend (here ``TorchTileOps``) gets the ring's fp32 dI sum (the same buffer
+    at every step) and a zeroed fp32 dT buffer per tile, and the pool holds three (m, c) dT
+    buffers at most (arriving, leaving, the tile's): no fresh per-tile gradient."""
+    from infclip.loss import _tiled_loss, ring
+    from infclip.loss.tiled import TorchTileOps
+
+    seen, made = [], []
+
+    class Spy(TorchTileOps):
+        def backward(self, img, txt, scale, row_lse, col_lse, g_row, g_col, dimg=None, dtxt=None, **kw):
+            seen.append((dimg, dtxt, float(dtxt.abs().max()) if dtxt is not None else None))
+            return super().backward(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, **kw)
+
+    take = ring._Pool.take
+    monkeypatch.setattr(ring._Pool, "take", lambda self, zero: made.append(not self.free) or take(self, zero))
+    img, txt, scale = global_batch(1, 6, seed=2)
+    i, t, s = (x.clone().requires_grad_() for x in (img, txt, scale))
+    _tiled_loss(i, t, s, Spy(tile=4), ring.LoopbackRing(world)).backward()
+    assert len(seen) == world and all(d is seen[0][0] and d.dtype == torch.float32 for d, _, _ in seen)
+    assert all(dt.dtype == torch.float32 and mx == 0 for _, dt, mx in seen)
+    assert sum(made) == min(world, 3)  # world 1: the tile's buffer is the result
+
+
+def rule_bytes(m: int, c: int, esize: int) -> int:
+    """Issue 27's extra-memory rule for m rows: the two feature gradients + fp32 accumulators of
+    both (4 c bytes per sample each) + 1 KB x m + 64 MB."""
+    return 2 * m * c * esize + 2 * 4 * m * c + 1024 * m + (64 << 20)
+
+
+@pytest.mark.parametrize("c", [512, 1024])
+def test_ring_backward_extra_memory_per_rank(c):
+    """Arithmetic of ``ring.backward_extra_bytes`` (bf16, m local rows): the one-pass ring holds
+    the rule's fp32 accumulators (its dI sum and the tile's dT) and, beyond the rule, only its
+    communication buffers: two text blocks and two fp32 dT accumulators in flight (the price
+    of never waiting for a transfer). The tile's strip scratch (64 MB + 768 B x m) fits the
+    rule's 64 MB + 1 KB x m. It holds 4 c bytes per row less than the one-pass tiles did when
+    they wrote fresh bf16 gradients (plus their own fp32 dT accumulator) for the ring to sum."""
+    from infclip.loss.ring import backward_extra_bytes
+
+    for m in (1024, 16384, 65536, 262144, 1 << 20):
+        one = backward_extra_bytes(m, c, 2, in_place=True)
+        comm = one["text receive buffers (2)"] + one["fp32 dT arriving + leaving"]
+        scratch = (64 << 20) + 768 * m
+        grads = 2 * m * c * 2  # the returned bf16 feature gradients, made after the ring from its fp32 sums
+        assert sum(one.values()) - comm + scratch + grads <= rule_bytes(m, c, 2), (m, c, one)
+        old_onepass = sum(backward_extra_bytes(m, c, 2, in_place=False).values()) + 4 * m * c
+        assert sum(one.values()) == old_onepass - 4 * m * c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_loopback_ring_triton_onepass_in_place(monkeypatch, dtype):
+    """The ring with the one-pass Triton tiles (interpreted; 16-row strips, NaN-poisoned buffers)
+    summing into its fp32 buffers, against float64: fp32 within 1e-5; bf16 no worse than the
+    same tiles writing fresh bf16 gradients that the ring sums (the path before)."""
+    from infclip.kernels.clip import TritonTileOps, launch
+    from infclip.loss import _tiled_loss, ring
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 16)
+    world, m = 2, 37
+    img, txt, scale = global_batch(1, m, seed=4)
+    ref = reference(img.repeat(world, 1), txt.repeat(world, 1), scale, world)
+    ops = TritonTileOps(poison=True, strips="always", backward="onepass", cuda_graphs="never")
+    errs = {}
+    for name, in_place in (("in place", True), ("fresh", False)):
+        monkeypatch.setattr(ring, "sums_in_place", lambda ops, img, v=in_place: v)
+        i, t = (x.to(dtype, copy=True).requires_grad_() for x in (img, txt))
+        s = scale.clone().requires_grad_()
+        loss = _tiled_loss(i, t, s, ops, ring.LoopbackRing(world))
+        loss.backward()
+        errs[name] = [rel_err(loss.detach(), ref[0][0], 1.0), rel_err(i.grad, ref[1][:m]),
+                      rel_err(t.grad, ref[2][:m]), rel_err(s.grad * world, ref[3], world)]
+    if dtype == torch.float32:
+        assert max(errs["in place"]) < 1e-5, errs
+    else:
+        assert max(errs["in place"]) < 2e-2, errs
+        for e1, e2 in zip(errs["in place"], errs["fresh"]):
+            assert e1 <= 1.1 * e2 + 1e-6, errs
+
+
 # -- ranks (child side) ---------------------------------------------------------------------
 
 
@@ -207,6 +289,9 @@ def triton_interpreted(rank: int) -> None:
     strips = TritonTileOps(strips="always")
     fn = lambda i, t, s, g: _tiled_loss(i, t, s, strips, g)  # noqa: E731
     run_case(fn, img, txt, scale, group, "triton strip backward (interpreted)")
+    onepass = TritonTileOps(backward="onepass", poison=True)  # sums into the ring's fp32 buffers
+    fn = lambda i, t, s, g: _tiled_loss(i, t, s, onepass, g)  # noqa: E731
+    run_case(fn, img, txt, scale, group, "triton one-pass backward (interpreted)")
 
 
 if __name__ == "__main__":

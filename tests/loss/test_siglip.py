@@ -83,6 +83,33 @@ def test_small_tiles_and_odd_shapes_equal_one_tile():
         assert_close(got, open_clip_grads(img, txt, s, t), 1e-5, f"tile={tile}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_torch_backward_accumulates_in_place(dtype):
+    """``TorchSigmoidOps.backward`` (one pass, ``addmm_`` of s dX into the gradients) equals the
+    two products formed per block and added, s (dX @ T) and s (dX^T @ I), to fp32 rounding,
+    with fresh buffers and accumulating into given ones (the ring's), which it returns."""
+    img, txt, s, t = batch(9, 13, seed=4, dtype=dtype)
+    g = torch.linspace(0.5, 1.5, 9, dtype=torch.float64).to(dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    i32, t32 = img.to(acc), txt.to(acc)
+    zx = -(s.to(acc) * i32 @ t32.T + t.to(acc))
+    zx.diagonal().neg_()
+    dx = torch.sigmoid(-zx)
+    dx.diagonal().neg_()
+    dx *= g.to(acc)[:, None]
+    want_i, want_t = s.to(acc) * (dx @ t32), s.to(acc) * (dx.T @ i32)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    ops = TorchSigmoidOps(tile=4)
+    di, dt, _, _ = ops.backward(img, txt, s, t, g, True)
+    assert di.dtype == dt.dtype == acc
+    assert rel_err(di, want_i) < tol and rel_err(dt, want_t) < tol
+    base_i, base_t = torch.randn(9, 13, dtype=acc), torch.randn(9, 13, dtype=acc)
+    bi, bt = base_i.clone(), base_t.clone()
+    di, dt, _, _ = ops.backward(img, txt, s, t, g, True, dimg=bi, dtxt=bt)
+    assert di is bi and dt is bt
+    assert rel_err(di - base_i, want_i) < tol and rel_err(dt - base_t, want_t) < tol
+
+
 def test_row_blocks_capped_by_tile_elements(monkeypatch):
     """Rows per tile shrink as n grows (fixed working set); the result is unchanged."""
     import infclip.loss.tiled as tiled

@@ -70,6 +70,14 @@ class DataConfig:
     # for its replay (each kept sample is decoded once per step instead of twice; 3*S*S bytes
     # each). None: 40 % of the device memory free once the model is built. 0: decode twice.
     decoded_keep_gb: Optional[float] = None
+    # decode=device: fraction of the samples (chosen by a hash of each sample's key, stream
+    # position and batch seed: reproducible on resume) that the loader workers decode and crop
+    # themselves (the CPU path's pixels, uint8 3*S*S) while the GPU decodes the rest (DALI's
+    # hw_decoder_load idea): idle workers take load off the JPEG engines. Host memory: each such
+    # sample holds 3*S*S bytes (150 KB at 224) instead of its JPEG until its step's last read.
+    # 0.0: every sample goes to the GPU (the default). Refused with data.decode=cpu; ignored with
+    # a note when data.decode=auto picks the CPU path.
+    cpu_decode_share: float = 0.0
     # decode=device: files above this many bytes are re-encoded smaller by the worker (a guard
     # against huge files); the host keeps every other file at its own size (packed).
     jpeg_max_bytes: int = 1 << 20
@@ -106,6 +114,14 @@ def check_data_config(cfg: DataConfig) -> None:
     if cfg.decoded_keep_gb is not None and cfg.decoded_keep_gb < 0:
         raise ValueError(f"data.decoded_keep_gb must be >= 0 (0: decode in both passes) or null (auto), "
                          f"got {cfg.decoded_keep_gb}")
+    share = cfg.cpu_decode_share
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share < 1.0:
+        raise ValueError(f"data.cpu_decode_share must be a number in [0, 1) (the fraction of samples the loader "
+                         f"workers decode beside the GPU; 0: none), got {share!r}")
+    if share > 0 and cfg.decode == "cpu":
+        raise ValueError(f"data.cpu_decode_share={share} means nothing with data.decode=cpu (the loader workers "
+                         "decode every sample already): set data.cpu_decode_share=0, or data.decode=device "
+                         "(or auto) to split decoding between the GPU and the workers")
     if cfg.jpeg_max_bytes < 1024:
         raise ValueError(f"data.jpeg_max_bytes must be >= 1024 (bytes per packed JPEG), got {cfg.jpeg_max_bytes}")
     if cfg.loader_batch <= 0:

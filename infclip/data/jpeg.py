@@ -20,6 +20,17 @@ index (a 20-60 KB LAION JPEG, against 150 KB of decoded 224-px pixels). The rows
 the device as such: the decoders read host bytes, so the stager hands them the host rows
 (see ``reads_host``).
 
+Hybrid split (``data.cpu_decode_share`` = f > 0, the idea of DALI's ``hw_decoder_load``): the
+packer sends a deterministic fraction f of the samples (chosen by
+:func:`infclip.data.stream.route_hash` of the batch seed, stream position and sample key, so a
+resumed run routes them alike) through the CPU path's own transform (``cpu_transform``: decode,
+the same crop from the same RNG draw, resize) and ships their uint8 pixels (3*S*S bytes, flag
+``PIXELS``) in the row instead of the JPEG. They travel and are stored like JPEG bytes (the
+same arenas, released after the step's last read), so the replay of a micro-batch the GPU
+pixel cache did not keep re-reads the same pixels from host memory; the decoder uploads them
+beside what the engines decode. Host cost: 3*S*S bytes instead of the JPEG's size for each
+such sample, counted in the pipeline's host bytes and its ``memory.host_buffer_gb`` budget.
+
 The worker re-encodes (baseline RGB JPEG, flag ``REENCODED``) what the GPU decoders should not
 get: other formats (PNG, WebP, ...), progressive or CMYK JPEGs, and files over ``max_bytes``
 (``data.jpeg_max_bytes``, a guard against huge files: downscaled until they fit). A file that does not parse or lacks its end
@@ -50,6 +61,8 @@ from infclip.kernels.resize import resized_crop, resized_crop_reference
 HEADER_INTS = 8
 HEADER = 4 * HEADER_INTS  # bytes
 REENCODED = 1  # flags bit: the worker re-encoded the image (format, mode, progressive or size)
+PIXELS = 2  # flags bit: the payload is the worker's decoded uint8 (3, S, S) image, not a JPEG
+FLAGS = 7  # header column of the flags
 
 if sys.byteorder != "little":  # the header is read back with a zero-copy int32 view
     raise ImportError("infclip.data.jpeg packs little-endian int32 headers; this host is big-endian")
@@ -69,9 +82,25 @@ class JpegPacker:
     max_bytes: int = 1 << 20
     scale: Sequence[float] = (0.08, 1.0)
     ratio: Sequence[float] = (0.75, 1.3333333)
+    # data.cpu_decode_share: the fraction of samples decoded here by ``cpu_transform`` (the CPU
+    # path's train transform, uint8 (3, S, S) out) and shipped as pixels; 0: none
+    cpu_share: float = 0.0
+    cpu_transform: Optional[Callable] = None
     takes_bytes: ClassVar[bool] = True  # the stream passes raw bytes, not a decoded PIL image
 
-    def __call__(self, data: bytes) -> Tensor:
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cpu_share < 1.0:
+            raise ValueError(f"data.cpu_decode_share must be in [0, 1), got {self.cpu_share}")
+        if self.cpu_share > 0 and self.cpu_transform is None:
+            raise ValueError("JpegPacker(cpu_share > 0) needs cpu_transform (the CPU path's train transform)")
+
+    def takes_cpu(self, route: Optional[int]) -> bool:
+        """Whether the sample with this :func:`~infclip.data.stream.route_hash` is decoded here."""
+        return route is not None and self.cpu_share > 0 and route < self.cpu_share * 2.0**63
+
+    def __call__(self, data: bytes, route: Optional[int] = None) -> Tensor:
+        if self.takes_cpu(route):
+            return self._pixels(data)
         data, (width, height), flags = self._baseline(data)
         probe = torch.zeros(()).expand(1, height, width)  # get_params reads only the shape
         top, left, h, w = RandomResizedCrop.get_params(probe, list(self.scale), list(self.ratio))
@@ -79,6 +108,21 @@ class JpegPacker:
         header = torch.tensor([len(data), top, left, h, w, height, width, flags], dtype=torch.int32)
         row[:HEADER] = header.view(torch.uint8)
         row[HEADER:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return row
+
+    def _pixels(self, data: bytes) -> Tensor:
+        """A row of the CPU path's pixels: header ``[3*S*S, 0, 0, S, S, S, S, PIXELS]`` then
+        uint8 (3, S, S). The transform draws its crop from the same torch RNG stream as the
+        packer would (one ``get_params``), so the following samples' crops do not move; a file
+        it cannot decode raises ``Skip`` exactly as on the CPU path (dropped and counted)."""
+        from infclip.data.stream import Skip, transform_bytes
+
+        image, s = transform_bytes(data, self.cpu_transform), self.image_size
+        if tuple(image.shape) != (3, s, s):
+            raise Skip("transform_error")
+        row = torch.empty(HEADER + 3 * s * s, dtype=torch.uint8)
+        row[:HEADER] = torch.tensor([3 * s * s, 0, 0, s, s, s, s, PIXELS], dtype=torch.int32).view(torch.uint8)
+        row[HEADER:] = image.reshape(-1)
         return row
 
     @staticmethod
@@ -167,8 +211,12 @@ class PackedJpegs:
         host = self.data.numpy()
         return [host[o:o + n] for n, o in self.index[:, [0, HEADER_INTS]].tolist()]
 
+    def pixel_mask(self) -> Tensor:
+        """bool (B,): rows whose payload is worker-decoded pixels (``PIXELS``), not a JPEG."""
+        return (self.index[:, FLAGS] & PIXELS) != 0
+
     def nbytes(self) -> int:
-        """Bytes these rows occupy in host memory: their JPEGs plus the index."""
+        """Bytes these rows occupy in host memory: their JPEGs (and pixels) plus the index."""
         return int(self.index[:, 0].sum()) + self.index.numel() * 8
 
 
@@ -231,7 +279,8 @@ class JpegDecoder(nn.Module):
         self.failures = 0  # images the device backend failed on (re-decoded by PIL or dropped)
         self.drops: dict[str, int] = {}  # dropped samples by reason
         self.last_dropped: Optional[Tensor] = None  # bool (B,) of the last forward, None if none
-        self.decoded = 0  # images decoded (both passes)
+        self.decoded = 0  # images decoded on the device (both passes)
+        self.cpu_pixels = 0  # worker-decoded images uploaded (data.cpu_decode_share; both passes)
         self.decode_s = 0.0  # seconds the decode thread spent decoding (its rate's denominator)
         # The decoders write on a stream of ours that we synchronize first: memory they get
         # from the caching allocator is then no longer read or written by earlier work.
@@ -261,6 +310,7 @@ class JpegDecoder(nn.Module):
         """Decoder counters for the progress line: images/s of decode work, fallbacks, drops."""
         rate = self.decoded / self.decode_s if self.decode_s > 0 else 0.0
         return {"decode_imgs_per_s": rate, "decode_failures": self.failures, "decode_ahead": self.ahead_decoded,
+                "decode_cpu_pixels": self.cpu_pixels,
                 **{f"decode_dropped/{k}": v for k, v in self.drops.items()}}
 
     # -- decode once per step ---------------------------------------------------------
@@ -393,9 +443,11 @@ class JpegDecoder(nn.Module):
                 out, dropped = self._decode_resize(rows)
                 done = torch.cuda.Event()
                 done.record(self._stream)
+        pixels = int(rows.pixel_mask().sum()) if isinstance(rows, PackedJpegs) else 0
         with self._lock:
             self.decode_s += time.perf_counter() - t0
-            self.decoded += rows.shape[0]
+            self.decoded += rows.shape[0] - pixels
+            self.cpu_pixels += pixels
         return out, dropped, done
 
     def _prefetched(self, rows: Tensor):
@@ -425,6 +477,38 @@ class JpegDecoder(nn.Module):
         if not isinstance(rows, PackedJpegs):
             unpack_header(rows)  # raises the paragraph for what is no packed batch at all
             rows = PackedJpegs.collate(list(rows))
+        pixels = rows.pixel_mask()
+        if pixels.any():
+            return self._mixed(rows, pixels)
+        return self._decode_resize_jpegs(rows)
+
+    def _mixed(self, rows: PackedJpegs, pixels: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """A micro-batch of JPEGs and worker-decoded pixels (data.cpu_decode_share): the
+        pixels are copied into their slots as they are (the CPU path's own), the JPEGs decoded
+        and resized as usual, in the current stream."""
+        s, n = self.size, 3 * self.size * self.size
+        out = torch.empty((len(rows), 3, s, s), dtype=torch.uint8, device=self.device)
+        pix = pixels.nonzero().flatten()
+        sizes, offsets = rows.index[pix, 0].tolist(), rows.index[pix, HEADER_INTS].tolist()
+        if any(size != n for size in sizes):
+            raise ValueError(f"worker-decoded pixels of {sizes[0]} bytes do not fit {s}x{s} images: the loader's "
+                             f"data.image_size differs from the decoder's")
+        for k, o in zip(pix.tolist(), offsets):  # pinned arena (offload): asynchronous copies
+            out[k].copy_(rows.data[o:o + n].view(3, s, s), non_blocking=True)
+        jpegs = (~pixels).nonzero().flatten()
+        if not len(jpegs):
+            return out, None
+        decoded, dropped = self._decode_resize_jpegs(PackedJpegs(rows.index[jpegs], rows.data))
+        on_device = jpegs.to(self.device)
+        out.index_copy_(0, on_device, decoded)
+        if dropped is None:
+            return out, None
+        mask = torch.zeros(len(rows), dtype=torch.bool)
+        mask[jpegs[dropped]] = True
+        return out, mask
+
+    def _decode_resize_jpegs(self, rows: PackedJpegs) -> tuple[Tensor, Optional[Tensor]]:
+        """uint8 (B, 3, S, S) of JPEG rows only, in the current stream, and the dropped mask."""
         header = unpack_header(rows).tolist()
         datas = rows.payloads()
         images, dropped = self._decode(datas, header)

@@ -186,15 +186,6 @@ def _caption(sample: RawSample, spec: StreamSpec, rng: random.Random) -> str:
     return value.strip()
 
 
-def _image(sample: RawSample) -> Image.Image:
-    data = _image_bytes(sample)
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.convert("RGB")  # forces the full decode here, not in the transform
-    except Exception:
-        raise Skip("corrupt_image") from None
-
-
 def _image_bytes(sample: RawSample) -> bytes:
     ext = next((e for e in IMAGE_EXTS if e in sample), None)
     if ext is None:
@@ -204,36 +195,56 @@ def _image_bytes(sample: RawSample) -> bytes:
 
 
 def _transformed(sample: RawSample, transform: Callable) -> torch.Tensor:
-    """The transform's output. One with ``decodes_bytes`` (e.g. ``DraftRandomResizedCrop``)
-    gets the raw file and decodes it itself (so it can decode less than the full image): its
-    ImageDecodeError counts as ``corrupt_image``. Any other gets the fully decoded RGB image."""
+    """The transform's output (see :func:`transform_bytes`)."""
+    return transform_bytes(_image_bytes(sample), transform)
+
+
+def transform_bytes(data: bytes, transform: Callable) -> torch.Tensor:
+    """The CPU path's uint8 (3,H,W) image of the encoded file ``data``, or raise :class:`Skip`.
+    A transform with ``decodes_bytes`` (e.g. ``DraftRandomResizedCrop``) gets the raw file and
+    decodes it itself (so it can decode less than the full image): its ImageDecodeError counts
+    as ``corrupt_image``. Any other gets the fully decoded RGB image. Also what the loader
+    workers run for their share of a ``data.decode=device`` run (``data.cpu_decode_share``)."""
     if getattr(transform, "decodes_bytes", False):
-        data = _image_bytes(sample)
         try:
-            return transform(data)
+            out = transform(data)
         except ImageDecodeError:
             raise Skip("corrupt_image") from None
         except Exception:
             raise Skip("transform_error") from None
-    image = _image(sample)
-    try:
-        return transform(image)
-    except Exception:
-        raise Skip("transform_error") from None
-
-
-def decode(sample: RawSample, spec: StreamSpec, transform: Callable, rng: random.Random
-           ) -> tuple[torch.Tensor, str]:
-    """(uint8 image (3,H,W), caption) or raise :class:`Skip`. A transform with
-    ``takes_bytes`` (``infclip.data.jpeg.JpegPacker``) gets the raw file and returns a packed
-    uint8 row (the image is decoded on the training device)."""
-    text = _caption(sample, spec, rng)
-    if getattr(transform, "takes_bytes", False):
-        return transform(_image_bytes(sample)), text
-    out = _transformed(sample, transform)
+    else:
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                image = img.convert("RGB")  # forces the full decode here, not in the transform
+        except Exception:
+            raise Skip("corrupt_image") from None
+        try:
+            out = transform(image)
+        except Exception:
+            raise Skip("transform_error") from None
     if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 3:
         raise Skip("transform_error")
-    return out, text
+    return out
+
+
+def route_hash(seed: int, raw: int, key: Any) -> int:
+    """A 63-bit hash of (batch seed, stream position, sample key): which decoder a sample of a
+    ``data.decode=device`` run goes to (``data.cpu_decode_share``). A pure function of what
+    resume replays, so a resumed run routes every sample as the uninterrupted one did."""
+    return mix_seed("cpu_share", seed, raw, key)
+
+
+def decode(sample: RawSample, spec: StreamSpec, transform: Callable, rng: random.Random,
+           route: Optional[int] = None) -> tuple[torch.Tensor, str]:
+    """(uint8 image (3,H,W), caption) or raise :class:`Skip`. A transform with
+    ``takes_bytes`` (``infclip.data.jpeg.JpegPacker``) gets the raw file and returns a packed
+    uint8 row (the image is decoded on the training device), and ``route`` (the sample's
+    :func:`route_hash`) when it splits samples between the workers and the GPU."""
+    text = _caption(sample, spec, rng)
+    if getattr(transform, "takes_bytes", False):
+        data = _image_bytes(sample)
+        return (transform(data) if route is None else transform(data, route=route)), text
+    return _transformed(sample, transform), text
 
 
 # -- the worker-side dataset ------------------------------------------------------------------
@@ -307,6 +318,7 @@ class BatchStream(IterableDataset):
         images: list[torch.Tensor] = []
         texts: list[str] = []
         rng = random.Random(seed)
+        split = getattr(self.transform, "cpu_share", 0.0) > 0  # data.cpu_decode_share: route by hash
         # Augmentations draw from torch's RNG (crops, jitter, erasing noise) and Python's global
         # one (open_clip's jitter/greyscale coins, timm's crops and erasing boxes): both are seeded
         # per batch and restored after (keep the caller's RNG untouched with workers=0).
@@ -318,8 +330,9 @@ class BatchStream(IterableDataset):
                 while len(images) < self.spec.loader_batch:
                     sample = next(stream)
                     raw += 1
+                    route = route_hash(seed, raw, sample.get("__key__")) if split else None
                     try:
-                        image, text = decode(sample, self.spec, self.transform, rng)
+                        image, text = decode(sample, self.spec, self.transform, rng, route)
                     except Skip as skip:
                         counts[skip.reason] += 1
                         continue

@@ -109,25 +109,29 @@ def _loss_fn(cfg: Any, group: Any):
 
 def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
     from infclip.data.pipeline import build_train_data
-    from infclip.data.transforms import Normalizer, train_transform
+    from infclip.data.transforms import Normalizer
 
     size = cfg.data.image_size or built.image_size
     decode, why = resolve_decode(cfg, info.device)
+    share = float(cfg.data.cpu_decode_share)
     if decode == "device":  # workers pack JPEG bytes + crop; the trainer decodes (data/jpeg.py)
         from infclip.data.jpeg import JpegDecoder, JpegPacker
 
-        transform = JpegPacker(size, cfg.data.jpeg_max_bytes, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio))
+        # data.cpu_decode_share: the workers decode that fraction themselves, with the CPU
+        # path's own transform (decode=device refuses augmentations, so it is the crop only)
+        transform = JpegPacker(size, cfg.data.jpeg_max_bytes, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio),
+                               cpu_share=share, cpu_transform=_cpu_transform(cfg, size, built) if share else None)
         normalizer = JpegDecoder(size, built.mean, built.std, device=info.device, backend=cfg.data.device_decoder,
                                  keep_bytes=_keep_bytes(cfg, info.device), decode_threads=cfg.data.decode_threads)
         why = f"{why}; decoder {normalizer.describe()}"
+        if share:
+            why += (f"; loader workers decode {100 * share:g} % of the samples (data.cpu_decode_share={share:g}, "
+                    f"+{3 * size * size * share / 1000:.0f} KB of host pixels per sample on average)")
     else:
-        d = cfg.data
-        transform = train_transform(size, built.mean, built.std, tuple(d.aug_scale), tuple(d.aug_ratio),
-                                    draft=d.jpeg_draft, color_jitter=tuple(d.color_jitter),
-                                    color_jitter_prob=d.color_jitter_prob, gray_scale_prob=d.gray_scale_prob,
-                                    re_prob=d.re_prob, re_count=d.re_count, use_timm=d.use_timm,
-                                    interpolation=cfg.model.image_interpolation)
+        transform = _cpu_transform(cfg, size, built)
         normalizer = Normalizer(built.mean, built.std).to(info.device)
+        if share:
+            why += f"; data.cpu_decode_share={share:g} ignored: the loader workers decode every sample"
     if info.is_main:
         print(f"data: decode={decode} ({why})", flush=True)
     shards, num_samples, eval_cfg = None, None, _eval_config(cfg)
@@ -140,6 +144,19 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
         world_size=info.world_size, seed=cfg.seed, shards=shards, num_samples=num_samples,
     )
     return data, eval_cfg, normalizer
+
+
+def _cpu_transform(cfg: Any, size: int, built: BuiltModel):
+    """The loader workers' train transform of data.decode=cpu (also their share of a
+    data.decode=device run, data.cpu_decode_share)."""
+    from infclip.data.transforms import train_transform
+
+    d = cfg.data
+    return train_transform(size, built.mean, built.std, tuple(d.aug_scale), tuple(d.aug_ratio),
+                           draft=d.jpeg_draft, color_jitter=tuple(d.color_jitter),
+                           color_jitter_prob=d.color_jitter_prob, gray_scale_prob=d.gray_scale_prob,
+                           re_prob=d.re_prob, re_count=d.re_count, use_timm=d.use_timm,
+                           interpolation=cfg.model.image_interpolation)
 
 
 def resolve_decode(cfg: Any, device: torch.device) -> tuple[str, str]:

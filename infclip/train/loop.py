@@ -182,12 +182,22 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
         "samples_per_s_per_gpu": cfg.batch.global_size / step_time / info.world_size,
         "step_time": step_time, "time_data_wait": wait, "data_wait_pct": 100.0 * wait / step_time,
         "loader_samples_per_s": pipeline.loader_rate() * info.world_size, "time_optim": t_opt,
+        **_cpu_decode_stats(cfg, info, pipeline),
         "host_image_bytes_per_sample": pipeline.image_bytes_per_sample(),
         **{f"time_{k}": v for k, v in out.timings.items()},
         "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
         "amp_overflow": int(overflow), **_decoder_stats(parts),
         **{k: v.item() if isinstance(v, torch.Tensor) else v for k, v in out.metrics.items()},  # (0-d device counts)
     }
+
+
+def _cpu_decode_stats(cfg: Any, info: DistInfo, pipeline: StepPipeline) -> dict:
+    """data.cpu_decode_share: the samples/s the loader workers delivered decoded (beside the
+    device decoder's ``decode_imgs_per_s``) and how many so far on this rank; nothing without it."""
+    if not cfg.data.cpu_decode_share:
+        return {}
+    return {"loader_cpu_decoded_per_s": pipeline.cpu_decoded_rate() * info.world_size,
+            "cpu_decoded_samples": pipeline.cpu_decoded}
 
 
 def _decoder_stats(parts: Any) -> dict:

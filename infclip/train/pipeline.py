@@ -20,7 +20,8 @@ when the pool holds little more than one step:
 * a read-once field (``streamed``) gets a pool of ``ring_rows`` rows, independent of the batch.
 
 Host bytes per sample (uint8 images of H×W, int64 tokens of length L):
-``(1 + p) * (3·H·W + 8·L)``; with streamed images ``(1 + p) * 8·L`` plus ``ring_rows * 3·H·W``
+``(1 + p) * (3·H·W + 8·L)``; packed JPEGs (``data.decode=device``) hold the file's bytes
+instead of 3·H·W, or 3·H·W for the share ``data.cpu_decode_share`` the workers decode; with streamed images ``(1 + p) * 8·L`` plus ``ring_rows * 3·H·W``
 in all.
 
 Resume: a feed carries the data position *after its last loader batch*
@@ -343,6 +344,8 @@ class StepPipeline:
         self._next_step = 0
         self._loader_rows, self._loader_s = 0, 0.0  # for the loader's own delivery rate
         self._last_rate, self._first_batch = math.nan, True
+        # data.cpu_decode_share: samples the workers delivered decoded (pixels), in the same window
+        self._loader_cpu_rows, self._last_cpu_rate, self.cpu_decoded = 0, math.nan, 0
         self._thread: Optional[threading.Thread] = None
         if settings.threaded:
             self._thread = threading.Thread(target=self._fill_forever, name="infclip-step-pipeline", daemon=True)
@@ -414,14 +417,20 @@ class StepPipeline:
         since the previous call, without the run's first loader batch (whose wait is the
         workers' start-up: counted in, it made the rate under-read for many steps)."""
         with self._cond:
-            rows, secs = self._loader_rows, self._loader_s
-            self._loader_rows, self._loader_s = 0, 0.0
+            rows, secs, cpu = self._loader_rows, self._loader_s, self._loader_cpu_rows
+            self._loader_rows, self._loader_s, self._loader_cpu_rows = 0, 0.0, 0
         if secs > 0:
-            self._last_rate = rows / secs
+            self._last_rate, self._last_cpu_rate = rows / secs, cpu / secs
         return self._last_rate
 
+    def cpu_decoded_rate(self) -> float:
+        """Of :meth:`loader_rate`'s samples/s (same window, call it after), those the workers
+        delivered decoded (data.cpu_decode_share with data.decode=device; 0 otherwise)."""
+        return self._last_cpu_rate
+
     def image_bytes_per_sample(self) -> float:
-        """Host bytes the images pool holds per sample slot (packed JPEGs: ~ the files' size)."""
+        """Host bytes the images pool holds per sample slot (packed JPEGs: ~ the files' size;
+        with data.cpu_decode_share f, ~ (1 - f) x the files' size + f x 3·S·S of pixels)."""
         pool = self.pools["images"]
         return pool.nbytes() / max(pool.n * pool.rows, 1)
 
@@ -539,12 +548,16 @@ class StepPipeline:
                 t1 = time.perf_counter()
                 _check_batch(images, tokens, feed.filled, self.s)
                 feed.put(images, tokens, self.data_state)
-                if self._first_batch:  # the workers' start-up, not their rate
-                    self._first_batch = False
-                else:
-                    with self._cond:
+                mask = getattr(images, "pixel_mask", None)  # packed JPEGs: rows the workers decoded
+                cpu = int(mask().sum()) if mask is not None else 0
+                with self._cond:
+                    self.cpu_decoded += cpu
+                    if self._first_batch:  # the workers' start-up, not their rate
+                        self._first_batch = False
+                    else:
                         self._loader_s += t1 - t0
                         self._loader_rows += images.shape[0]
+                        self._loader_cpu_rows += cpu
         except BaseException as e:
             feed.fail(e)
             raise

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from launch_testutils import losses_by_step, run, start_and_kill, train_cmd  # noqa: E402
+from launch_testutils import losses_by_step, run, start_and_kill, step_records, train_cmd  # noqa: E402
 
 from infclip.train.offload import InputStager  # noqa: E402
 from infclip.train.pipeline import TensorFeed  # noqa: E402
@@ -81,3 +81,32 @@ def test_stager_hands_host_fields_over_uncopied_and_frees_them_after_their_last_
         assert seen[0] == seen[1] == seen[2] == [], offload
         assert [r for r in feed.releases if r[0] == "images"] == [("images", 4), ("images", 8)], offload
         assert "images" not in stager.buffers, offload
+
+
+SHARE = ["data.cpu_decode_share=0.5"]
+
+
+def test_cpu_decode_share_trains_alike_whether_pixels_stay_on_the_device_or_are_re_read(tmp_path):
+    """The workers' pixels ride in the host rows: the replay of a micro-batch the GPU pixel cache
+    did not keep re-reads them, so caching changes nothing; kill-and-resume routes alike."""
+    kept = _train(tmp_path, "kept", *SHARE, "memory.offload=true")
+    again = _train(tmp_path, "again", *SHARE, "memory.offload=true", "data.decoded_keep_gb=0",
+                   "memory.prefetch_steps=2")
+    assert kept == again and sorted(kept) == [1, 2, 3, 4]
+    device_only = _train(tmp_path, "device_only", "memory.offload=true")
+    # half the samples took the CPU path's pixels: the same crops within a level of resampling
+    # (here bit-identical: 32-px sources upscaled to 32 px, where PIL and the resize reference agree)
+    for step in kept:
+        assert abs(device_only[step][0] - kept[step][0]) < 0.02 * abs(kept[step][0]), step
+    recs = step_records(tmp_path / "kept")
+    assert any(r["loader_cpu_decoded_per_s"] > 0 for r in recs) and recs[-1]["cpu_decoded_samples"] > 0
+    assert recs[-1]["decode_cpu_pixels"] > 0
+
+    run_dir, out = tmp_path / "killed", tmp_path / "killed.log"
+    cmd = train_cmd(tmp_path / "data", run_dir, *STEPS, *SHARE, "memory.offload=true")
+    start_and_kill(cmd, run_dir, 3, tmp_path, out)
+    second = run(cmd, cwd=tmp_path)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "loader workers decode 50 % of the samples (data.cpu_decode_share=0.5" in second.stdout
+    for step, values in losses_by_step(run_dir).items():
+        assert all(v == kept[step][0] for v in values), (step, values, kept[step])

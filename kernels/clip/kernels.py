@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from ..tiles import (LN2, LOG2E, col_tile, dot_stream, row_block, store_rows, store_strip, strip_coords,
-                     strip_tile, tma_dot, update_rows)
+                     strip_tile, tma_dot, to_16, update_rows)
 
 
 # -- tile epilogue pieces shared by the three kernels ------------------------------------------
@@ -350,7 +350,7 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
         if keep:
             kept += 1
             if RESIDENT:  # B's tile is on chip already: reuse it for the update
-                acc = tl.dot(p.to(b_ptr.dtype.element_ty).to(t.dtype), t, acc, input_precision=PREC)
+                acc = tl.dot(to_16(p, b_ptr.dtype.element_ty).to(t.dtype), t, acc, input_precision=PREC)
             else:
                 acc = update_rows(acc, p, b_blk, c_ld, d, d_ok, stride_b, PREC, DOT_F32)
     if COMPUTE_DS:  # sum_ij dX_ij <A_i, B_j> = (gnorm / s2) * sum_ij q_ij (see _dx_tile)

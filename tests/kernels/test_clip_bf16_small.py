@@ -21,7 +21,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from infclip.kernels.clip import TritonTileOps, clip_loss_triton  # noqa: E402
+from infclip.kernels.tiles import to_16  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 F = torch.nn.functional
@@ -94,3 +98,25 @@ def test_bf16_small_b_within_2x_vanilla(backward):
                 bad += [f"b={b} seed={seed} corr={correlated} s={s.item():.1f} {name}: {e:.3g} vs vanilla {v:.3g}"
                         for name, e, v in zip(("loss", "dimg", "dtxt", "ds"), got, van) if e > 2 * v + FLOOR]
     assert not bad, "\n".join(bad)
+
+
+@triton.jit
+def _store_bf16(x_ptr, y_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(y_ptr + i, to_16(tl.load(x_ptr + i), tl.bfloat16))
+
+
+def test_to_16_rounds_to_nearest_even_as_torch():
+    """``tiles.to_16`` (every bf16 store of the CLIP kernels) rounds fp32 to the nearest bf16,
+    ties to even, as the GPU and torch do -- also under Triton's interpreter, whose own cast
+    truncates (which made the CPU tests measure a rounding the GPU never does)."""
+    g = torch.Generator().manual_seed(5)
+    mag = torch.exp(torch.empty(1000).uniform_(-60, 60, generator=g))
+    x = mag * torch.where(torch.rand(1000, generator=g) < 0.5, -1.0, 1.0)
+    # ties: exactly half-way between two bf16 values, below and above an even mantissa
+    ties = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.0 + 2**-7, 0.0, -0.0, 1.0, 65504.0])
+    x = torch.cat([x, ties, torch.zeros(1024 - 1000 - len(ties))]).float().to(DEV)  # (a power of 2)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=DEV)
+    _store_bf16[(1,)](x, y, N=x.numel())
+    want = x.to(torch.bfloat16)
+    assert torch.equal(y.view(torch.int16), want.view(torch.int16)), (x[y != want][:5], y[y != want][:5])

@@ -152,6 +152,21 @@ def _addmm_f32_probe(x: Tensor, y: Tensor, out_dtype) -> Tensor:
     return acc
 
 
+def fp32_accumulator(out: Tensor, accumulate: bool) -> Tensor:
+    """The fp32 buffer a one-pass backward sums ``out``'s gradient in over the strips: ``out``
+    itself when it is contiguous fp32 (zeroed first unless ``accumulate``), else fresh zeros
+    of its shape, rounded into ``out`` once by ``finish_accumulator``."""
+    if out.dtype == torch.float32 and out.is_contiguous():
+        return out if accumulate else out.zero_()
+    return torch.zeros(out.shape, device=out.device, dtype=torch.float32)
+
+
+def finish_accumulator(out: Tensor, acc: Tensor, accumulate: bool) -> None:
+    """out (+)= acc, once, when ``acc`` is not ``out`` itself (see ``fp32_accumulator``)."""
+    if acc is not out:
+        out.add_(acc) if accumulate else out.copy_(acc)
+
+
 def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: bool,
                    fill: Callable[[int, int, Tensor], Tensor | None], alloc=torch.empty,
                    fixup: Callable[[int, int, Tensor], None] | None = None,

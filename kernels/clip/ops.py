@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import launch
+from ..launching import finish_accumulator, fp32_accumulator
 
 PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
 BACKWARDS = ("auto", "onepass", "twopass")
@@ -233,15 +234,11 @@ class TritonTileOps:
         rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],
                                  temp=not self.fold)
         cfg = self._strip_cfg(img, txt, prec, scale, rows)
-        own = dtxt.dtype == torch.float32 and dtxt.is_contiguous()
-        acc = dtxt if own else torch.zeros(txt.shape, device=txt.device, dtype=torch.float32)
-        if own and not acc_t:
-            acc.zero_()
+        acc = fp32_accumulator(dtxt, acc_t)
         ds = launch.grad_onepass_strips(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc, rows, cfg, prec,
                                         alloc=self._alloc, g_d=g_d, off_a=o_row, off_b=o_col, fold=self.fold,
                                         accumulate=acc_i, gid_a=gid_row, gid_b=gid_col)
-        if not own:
-            dtxt.add_(acc) if acc_t else dtxt.copy_(acc)
+        finish_accumulator(dtxt, acc, acc_t)
         return ds
 
     def _use_strips(self, a: Tensor, out: Tensor, accumulate: bool, rows: int) -> bool:

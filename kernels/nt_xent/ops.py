@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..clip import launch
 from ..clip.launch import StripConfig
-from ..launching import addmm_f32_, cdiv, strip_backward, tma_ok, tma_programs
+from ..launching import addmm_f32_, cdiv, finish_accumulator, fp32_accumulator, strip_backward, tma_ok, tma_programs
 from ..objective import ObjectiveTiles
 from ..objective import strip_candidates as objective_strip_candidates
 from .kernels import _masked_grad_kernel, _masked_lse_fwd_kernel, _masked_strip_kernel, _masked_strip_tma_kernel
@@ -125,10 +125,7 @@ class TritonMaskedLSEOps(ObjectiveTiles):
                          rows, cfg, flags)
 
         cfg = self._pick("strip", a, b, self._strip_candidates(a.shape[1], a.element_size()), run_strips)
-        own = out_b.dtype == torch.float32 and out_b.is_contiguous()
-        acc = out_b if own else torch.zeros(b.shape, device=b.device, dtype=torch.float32)
-        if own and not acc_b:
-            acc.zero_()
+        acc = fp32_accumulator(out_b, acc_b)
 
         def second(r0: int, r: int, scratch: Tensor, dv: Tensor | None) -> None:
             a_s = a[r0:r0 + r]
@@ -138,8 +135,7 @@ class TritonMaskedLSEOps(ObjectiveTiles):
                 acc.index_add_(0, idx, dv[:r, None] * a_s.float())
 
         ds = self._strips(a, b, vecs, out_a, acc_a, rows, cfg, flags, then=second)
-        if not own:
-            out_b.add_(acc) if acc_b else out_b.copy_(acc)
+        finish_accumulator(out_b, acc, acc_b)
         return ds
 
     def backward_own(self, f: Tensor, scale: Tensor, row_lse: Tensor, g_row: Tensor,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..launching import addmm_f32_, cdiv, strip_backward
+from ..launching import addmm_f32_, cdiv, finish_accumulator, fp32_accumulator, strip_backward
 from ..objective import ObjectiveTiles
 from .kernels import _sigmoid_fwd_kernel, _sigmoid_grad_kernel, _sigmoid_strip_kernel
 
@@ -90,17 +90,13 @@ class TritonSigmoidOps(ObjectiveTiles):
                          rows, cfg, flags)
 
         cfg = self._pick("strip", a, b, self._strip_candidates(a.shape[1], a.element_size()), run_strips)
-        own = out_b.dtype == torch.float32 and out_b.is_contiguous()
-        acc = out_b if own else torch.zeros(b.shape, device=b.device, dtype=torch.float32)
-        if own and not acc_b:
-            acc.zero_()
+        acc = fp32_accumulator(out_b, acc_b)
 
         def second(r0: int, r: int, scratch: Tensor) -> None:
             addmm_f32_(acc, scratch[:r].T, a[r0:r0 + r])
 
         part = self._strips(a, b, vecs, out_a, acc_a, rows, cfg, flags, then=second)
-        if not own:
-            out_b.add_(acc) if acc_b else out_b.copy_(acc)
+        finish_accumulator(out_b, acc, acc_b)
         return part
 
     def _strips(self, a, b, vecs, out, accumulate, rows, cfg, flags, then=None) -> Tensor:

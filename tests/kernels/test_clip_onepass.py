@@ -16,6 +16,7 @@ import torch
 from infclip.kernels.clip import TritonTileOps, clip_loss_reference, clip_loss_triton, launch, lse_grad_reference
 from infclip.kernels.clip import ops as clip_ops
 from infclip.kernels.clip.function import loss_backward, loss_forward
+from test_clip_kernels import _vanilla  # open_clip's ClipLoss in the input dtype, GPU-like 16-bit products
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA = DEV == "cuda"
@@ -121,19 +122,6 @@ def test_onepass_block_pair_without_positives_accumulates(strips16, m, n, c, dty
         assert da.dtype == db.dtype == buf_dtype
         assert _rel(da.double() - base_a.double(), ref_a) < 2 * tol + (buf_dtype != torch.float32) * 0.1
         assert _rel(db.double() - base_b.double(), ref_b) < 2 * tol + (buf_dtype != torch.float32) * 0.1
-
-
-def _vanilla(img, txt, scale):
-    """open_clip's ClipLoss in the input dtype; on CPU each 16-bit product emulated as a GPU
-    GEMM does it (fp32 accumulation, output rounded) -- as test_clip_kernels."""
-    dt = img.dtype
-    if img.is_cuda or dt == torch.float32:
-        logits = scale.to(dt) * img @ txt.T
-    else:
-        logits = ((scale.to(dt) * img).float() @ txt.float().T).to(dt)
-    labels = torch.arange(img.shape[0], device=img.device)
-    ce = torch.nn.functional.cross_entropy
-    return (0.5 * (ce(logits, labels) + ce(logits.T, labels))).float()
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -174,12 +174,16 @@ class PackedJpegs:
     offset]``; ``data``: uint8 (N,), sample k's JPEG is ``data[offset_k:offset_k + nbytes_k]``.
     Invariant: every (offset, nbytes) lies inside ``data``. Slicing rows keeps ``data`` (the
     offsets stay valid); the step pipeline's pools hand out slices of a chunk's arena.
+
+    ``tag``: which rows of which step these are (the step pipeline sets ``(step, field,
+    start, stop)``), or None. A pool chunk is refilled with later rows at the same address, so
+    the decoder keys what it keeps by ``tag`` where there is one, never by address alone.
     """
 
-    def __init__(self, index: Tensor, data: Tensor):
+    def __init__(self, index: Tensor, data: Tensor, tag: Optional[tuple] = None):
         if index.dtype != torch.int64 or index.dim() != 2 or index.shape[1] != INDEX:
             raise ValueError(f"PackedJpegs.index must be int64 (B, {INDEX}), got {index.dtype} {tuple(index.shape)}")
-        self.index, self.data = index, data
+        self.index, self.data, self.tag = index, data, tag
 
     @classmethod
     def collate(cls, rows: Sequence[Tensor]) -> "PackedJpegs":
@@ -297,6 +301,9 @@ class JpegDecoder(nn.Module):
         self._kept_bytes = 0
         self._gen = 0  # step generation: kept pixels of older generations are stale
         self._inflight: dict = {}  # key -> threading.Event of a decode-ahead in progress
+        # Keys the training side decodes itself this step: the decode-ahead leaves them alone,
+        # since their host rows may be released and refilled as soon as that decode is done.
+        self._claimed: set = set()
         self._ahead_pool: Optional[ThreadPoolExecutor] = None
         self.ahead_decoded = 0  # micro-batches decoded ahead (during the previous step's replay)
         self._hold: dict[int, list] = {}  # thread -> its last decoded images (read by pointer)
@@ -316,7 +323,10 @@ class JpegDecoder(nn.Module):
     # -- decode once per step ---------------------------------------------------------
     @staticmethod
     def _key(rows) -> tuple:
-        return (rows.data_ptr(), tuple(rows.shape))
+        """What identifies ``rows`` within the run: their step pipeline tag (step, field, rows),
+        else (address, shape), which is unique only within one step."""
+        tag = getattr(rows, "tag", None)
+        return ("tag", *tag) if tag is not None else (rows.data_ptr(), tuple(rows.shape))
 
     def mark_reread(self, rows: Tensor) -> None:
         """The stager's hint: ``rows`` will be read again this step (the replay), so their
@@ -330,15 +340,23 @@ class JpegDecoder(nn.Module):
         this); pixels decoded ahead for the next step stay."""
         with self._lock:
             self._reread.clear()
+            self._claimed.clear()
             for key in [k for k, v in self._kept.items() if v[3] <= self._gen]:
                 self._kept_bytes -= self._kept.pop(key)[0].numel()
             self._gen += 1
 
     def decode_ahead(self, fetchers: Sequence[Callable[[], Tensor]]) -> None:
         """Decode the *next* step's micro-batches (``fetchers`` return their host rows,
-        waiting for the loader) in a thread of their own while this step's replay runs, which
-        needs no decoding: the JPEG engines would otherwise idle through it. Results are kept
-        (within ``keep_bytes``, checked per micro-batch) for the next step's first pass."""
+        waiting for the loader, or None once those rows were released) in a thread of their
+        own while this step's replay runs, which needs no decoding: the JPEG engines would
+        otherwise idle through it. Results are kept (within ``keep_bytes``, checked per
+        micro-batch) for the next step's first pass.
+
+        Invariant: a decode-ahead reads host rows only while they cannot be released. The
+        training side releases rows only after its own read of them, which either waits for a
+        decode-ahead in flight (:meth:`_take_kept`) or first *claims* them; a claimed key is
+        never decoded ahead. (A streamed LiT ring frees a chunk as soon as the first pass read
+        it, so without the claim a late decode-ahead read bytes being overwritten.)"""
         if not self.keep_bytes:
             return
         if self._ahead_pool is None:
@@ -347,13 +365,15 @@ class JpegDecoder(nn.Module):
         for fetch in fetchers:
             self._ahead_pool.submit(self._ahead_one, fetch, gen)
 
-    def _ahead_one(self, fetch: Callable[[], Tensor], gen: int) -> None:
+    def _ahead_one(self, fetch: Callable[[], Optional[Tensor]], gen: int) -> None:
         rows = fetch()
+        if rows is None:
+            return  # already read and released by the training side
         key, need = self._key(rows), rows.shape[0] * 3 * self.size * self.size
         with self._lock:
-            if gen <= self._gen - 1 or key in self._kept or key in self._inflight \
+            if gen <= self._gen - 1 or key in self._kept or key in self._inflight or key in self._claimed \
                     or self._kept_bytes + need > self.keep_bytes:
-                return  # that step is over, already decoded, or no room: its first pass decodes it
+                return  # step over, decoded or being decoded by its pass, or no room: its pass decodes it
             self._inflight[key] = threading.Event()
             self._kept_bytes += need  # reserved
         try:
@@ -375,11 +395,15 @@ class JpegDecoder(nn.Module):
         key = self._key(rows)
         with self._lock:
             pending = self._inflight.get(key)
+            if pending is None and key not in self._kept:
+                self._claimed.add(key)  # ours now: no decode-ahead may start on these rows
+                return None
         if pending is not None:
             pending.wait()
         with self._lock:
             got = self._kept.get(key)
             if got is None:
+                self._claimed.add(key)
                 return None
             if key in self._reread:  # the cache pass read of rows the replay reads again
                 self._reread.discard(key)

@@ -50,7 +50,7 @@ from infclip.config import ConfigError, micro_size
 from infclip.loss.ring import global_mean_loss
 from infclip.train.lit import LockPlan, lock_plan
 from infclip.train.offload import InputStager
-from infclip.train.pipeline import TensorFeed
+from infclip.train.pipeline import RowsReleased, TensorFeed
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -273,8 +273,14 @@ class StepEngine:
         if nxt is None or "images" not in self.stager.host_fields:
             return
         micro = self.s.micro
-        ahead([lambda k=k: nxt.rows("images", k * micro, (k + 1) * micro, count_wait=False)
-               for k in range(self.s.num_micro)])
+
+        def fetch(k: int):
+            try:
+                return nxt.rows("images", k * micro, (k + 1) * micro, count_wait=False)
+            except RowsReleased:  # the next step already read them itself (a streamed ring)
+                return None
+
+        ahead([lambda k=k: fetch(k) for k in range(self.s.num_micro)])
 
     def _dropped(self) -> Optional[Tensor]:
         """bool (micro,) of the samples the normalizer could not decode (device JPEG decode), or None."""

@@ -71,6 +71,10 @@ class LoaderDied(RuntimeError):
     torch's own error for a dead worker ("DataLoader worker ...")."""
 
 
+class RowsReleased(RuntimeError):
+    """Rows asked for after the step's last read of them released their chunk."""
+
+
 class StoppedWaiting(RuntimeError):
     """A stop signal arrived while the step waited for data (the step is abandoned)."""
 
@@ -222,8 +226,11 @@ class StepFeed:
         if (stop - 1) // c != j:
             raise RuntimeError(f"{name} rows {start}:{stop} straddle two chunks of {c} rows")
         if start < self.released[name]:
-            raise RuntimeError(f"{name} rows {start}:{stop} were already released (their last read is done)")
-        return self.pipe.pools[name].read(self.chunks[name][j], lo, stop - start)
+            raise RowsReleased(f"{name} rows {start}:{stop} were already released (their last read is done)")
+        got = self.pipe.pools[name].read(self.chunks[name][j], lo, stop - start)
+        if hasattr(got, "tag"):  # packed JPEGs: the decoder keys what it keeps by step and rows
+            got.tag = (self.step, name, start, stop)
+        return got
 
     @property
     def piece_rows(self) -> int:

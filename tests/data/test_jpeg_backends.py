@@ -122,3 +122,55 @@ def test_decode_ahead_respects_the_budget_and_a_finished_step():
     dec.decode_ahead([lambda: b])
     dec._ahead_pool.shutdown(wait=True)
     assert dec.ahead_decoded == 0 and dec._kept_bytes == 4 * 3 * S * S
+
+
+def _refill(chunk: PackedJpegs, src: PackedJpegs, tag: tuple) -> PackedJpegs:
+    """``src``'s JPEGs written over ``chunk``'s host memory (a pool chunk refilled), as the
+    step pipeline hands them out: the same addresses, a new tag."""
+    chunk.index.copy_(src.index)
+    chunk.data[:src.data.numel()].copy_(src.data)
+    return PackedJpegs(chunk.index, chunk.data, tag)
+
+
+def _chunk(like: PackedJpegs) -> PackedJpegs:
+    return PackedJpegs(torch.empty_like(like.index), torch.zeros(1 << 16, dtype=torch.uint8))
+
+
+def test_kept_pixels_of_a_chunk_are_never_returned_for_later_rows_at_its_address():
+    """A LiT ring refills a chunk with later rows at the same address: pixels decoded ahead for
+    the old rows must not be taken for the new ones (they were, when keyed by address)."""
+    a, b = packed(4, seed=0), packed(4, seed=40)
+    chunk = _chunk(a)
+    dec = JpegDecoder(S, keep_bytes=1 << 20)
+    old = _refill(chunk, a, (1, "images", 0, 4))
+    dec.decode_ahead([lambda: old])
+    dec._ahead_pool.shutdown(wait=True)
+    assert dec.ahead_decoded == 1
+    new = _refill(chunk, b, (2, "images", 0, 4))
+    assert new.data_ptr() == old.data_ptr()
+    assert torch.equal(dec(new), JpegDecoder(S)(b))
+
+
+def test_a_decode_ahead_never_reads_rows_the_step_already_decoded_and_released():
+    """The step's first pass reached a micro-batch before the decode-ahead did, decoded it and
+    released its chunk (refilled at once): the late decode-ahead must leave those rows alone.
+    Before the claim it decoded the overwritten bytes (H200, LiT 65k: 15k samples dropped)."""
+    import threading
+
+    rows = _refill(_chunk(packed(4)), packed(4), (1, "images", 0, 4))
+    want = JpegDecoder(S)(rows)
+    gate = threading.Event()
+
+    def late_fetch():
+        gate.wait(10)  # the loader was late with these rows
+        return rows
+
+    dec = JpegDecoder(S, keep_bytes=1 << 20)
+    dec.decode_ahead([late_fetch, lambda: None])  # step t's replay; None: rows already released
+    dec.cancel_prefetch()  # step t ends
+    assert torch.equal(dec(rows), want)  # step t+1's first pass decodes them itself ...
+    rows.data.fill_(0)  # ... and releases them: the ring refills the chunk
+    gate.set()
+    dec._ahead_pool.shutdown(wait=True)
+    assert dec.ahead_decoded == 0 and dec.failures == 0 and dec.drops == {}
+    assert dec.decoded == 4

@@ -75,8 +75,11 @@ def _refill(bufs, seed):
 
 
 def _eager(ops, img, txt, log_s):
-    """(loss, dimg, dtxt, dlog_s) from the eager kernels with the graphs' strip budget."""
-    eager = TritonTileOps(strip_budget=graphs._budget(ops, img), cuda_graphs="never")
+    """(loss, dimg, dtxt, dlog_s) from the eager kernels with the graphs' strip budget and
+    backward (two-pass under "auto": eager "auto" takes the one-pass backward in bf16, which
+    rounds differently, so comparing against it measured the path choice, not the graphs)."""
+    eager = TritonTileOps(strip_budget=graphs._budget(ops, img), cuda_graphs="never",
+                          backward=graphs._backward(ops))
     i, t, s = (x.detach().clone().requires_grad_() for x in (img, txt, log_s))
     loss = eager.fused_loss(i, t, s.exp())
     loss.backward()

@@ -16,7 +16,7 @@ import torch
 from engine_testutils import assert_grads_close, batch, config, engine_for, grads_of, tiny_clip
 
 from infclip.train.lit import apply_locks
-from infclip.train.pipeline import PipelineSettings, StepPipeline, ring_rows
+from infclip.train.pipeline import PipelineSettings, RowsReleased, StepPipeline, ring_rows
 
 LOADER, LOCAL = 4, 12  # loader batches of 4 rows, steps of 12 rows (3 loader batches)
 
@@ -315,5 +315,27 @@ def test_a_batch_of_larger_files_grows_its_arena_and_every_row_reads_back():
         assert [len(p) for p in first.payloads()] == [10] * LOADER and all((p == k).all() for k, p in enumerate(first.payloads()))
         assert [len(p) for p in whole.payloads()] == [10] * 4 + [5000] * 4 + [10] * 4
         pipe.release(feed)
+    finally:
+        pipe.close()
+
+
+def test_packed_rows_carry_their_step_and_released_rows_are_refused():
+    """A refilled chunk holds later rows at the same address: each read is tagged with its
+    step and rows (what the device decoder keys kept pixels by), and rows read after their
+    release raise RowsReleased (the decode-ahead's signal that the step read them itself)."""
+    pipe = StepPipeline(_packed_batches([64]), lambda: {}, PipelineSettings(
+        local=LOCAL, pin=False, chunk_rows=LOADER, prefetch_steps=0.0, threaded=False))
+    try:
+        feed = pipe.next()
+        first = feed.rows("images", 0, LOADER)
+        assert first.tag == (feed.step, "images", 0, LOADER)
+        feed.release("images", LOADER)
+        with pytest.raises(RowsReleased, match="already released"):
+            feed.rows("images", 0, LOADER)
+        pipe.release(feed)
+        later = pipe.next()
+        again = later.rows("images", 0, LOADER)
+        assert again.tag == (later.step, "images", 0, LOADER) != first.tag
+        pipe.release(later)
     finally:
         pipe.close()

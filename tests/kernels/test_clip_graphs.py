@@ -87,8 +87,12 @@ def _eager(ops, img, txt, log_s):
 
 
 def _check(got, want):
+    """Same kernels, same inputs: equal up to one rounding of the output dtype (the fp32
+    accumulations may sum in another order: one bf16 gradient entry in 155,400 was one ulp
+    apart, H200)."""
     for g, w in zip(got, want):
-        torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-6)
+        rtol = 2 ** -7 if g.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(g.float(), w.float(), rtol=rtol, atol=1e-6)
 
 
 def _replayed(loss) -> bool:
@@ -204,7 +208,9 @@ def _warm_capture_stream(ops):
 @pytest.mark.parametrize("c", [512, 1024])
 def test_graphed_loss_memory_within_the_rule(c):
     """Peak memory beyond the inputs, per phase (eager call, capture, replays): the two
-    feature gradients (.grad) + 1 KB x b + 64 MB."""
+    feature gradients (.grad) + 1 KB x b + 64 MB; the eager call's one-pass backward (bf16
+    "auto") also the fp32 accumulators of both feature gradients (issue 27's rule: 4 c B per
+    sample each), the graphs' two-pass backward not."""
     graphs.release()
     b = 8192
     ops = TritonTileOps()
@@ -226,7 +232,9 @@ def test_graphed_loss_memory_within_the_rule(c):
         peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
     assert _replayed(loss)
     allowed = (2 * b * c * 2 + RULE(b)) / 2**20
-    assert max(peaks) <= allowed, (peaks, allowed)
+    eager_allowed = allowed + (2 * 4 * b * c / 2**20 if ops.path_for(img) == "onepass" else 0)
+    assert peaks[0] <= eager_allowed, (peaks, eager_allowed)
+    assert max(peaks[1:]) <= allowed, (peaks, allowed)
 
 
 @needs_cuda

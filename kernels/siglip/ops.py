@@ -23,7 +23,10 @@ from ..objective import ObjectiveTiles
 from .kernels import _sigmoid_fwd_kernel, _sigmoid_grad_kernel, _sigmoid_strip_kernel
 
 
-AUTO_BACKWARD = "twopass"  # what backward="auto" takes: flip once the GPU measures "onepass" faster
+# What backward="auto" takes on the strip path (16-bit CUDA inputs): one-pass measured 1.19-1.34x
+# faster for forward + backward at b = 16k-64k, c = 512-1024 (H200, scripts/bench_objective_backward.py);
+# elsewhere (the fused kernel) "auto" is two-pass.
+AUTO_BACKWARD = "onepass"
 
 
 class TritonSigmoidOps(ObjectiveTiles):
@@ -31,8 +34,8 @@ class TritonSigmoidOps(ObjectiveTiles):
     ("twopass") or one for both ("onepass", a strip path).
 
     Args as ``ObjectiveTiles`` (fp32_precision, strips, poison), and backward: "twopass",
-    "onepass" (not with strips="never") or "auto" (``AUTO_BACKWARD``: "twopass" until the GPU
-    measures the one-pass path faster).
+    "onepass" (not with strips="never") or "auto" (``AUTO_BACKWARD`` where the strip path
+    runs, i.e. 16-bit CUDA inputs; "twopass" elsewhere: see :meth:`path_for`).
     """
 
     name = "triton"
@@ -45,7 +48,13 @@ class TritonSigmoidOps(ObjectiveTiles):
             raise ValueError(f"backward must be 'auto', 'onepass' or 'twopass', got {backward!r}")
         if backward == "onepass" and strips == "never":
             raise ValueError("backward='onepass' is a strip path: it needs strips 'auto' or 'always'")
-        self.backward_path = AUTO_BACKWARD if backward == "auto" else backward
+        self.backward_path = backward
+
+    def path_for(self, img: Tensor) -> str:
+        """The backward path ("onepass" / "twopass") this ops takes for ``img``."""
+        if self.backward_path != "auto":
+            return self.backward_path
+        return AUTO_BACKWARD if self._use_strips(img) else "twopass"
 
     def forward(self, img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, diag: bool) -> Tensor:
         img, txt, scale, bias = _prep(img, txt, scale, bias)
@@ -63,7 +72,7 @@ class TritonSigmoidOps(ObjectiveTiles):
         dimg = self._out(dimg, img)
         dtxt = self._out(dtxt, txt)
         off = 0 if diag else img.shape[0] + txt.shape[0]
-        if self.backward_path == "onepass" and img.shape[0] and txt.shape[0]:
+        if self.path_for(img) == "onepass" and img.shape[0] and txt.shape[0]:
             part = self._grad_onepass(img, txt, (scale, bias, g), dimg, dtxt, acc_i, acc_t, dict(diag=off, G_ON_A=True))
             return dimg, dtxt, part[0], part[1]
         part = self._grad(img, txt, (scale, bias, g), dimg, acc_i, dict(diag=off, G_ON_A=True))

@@ -141,4 +141,10 @@ def test_onepass_backward_matches_twopass_and_float64(m, n, c, dtype, small_stri
     assert rel(da - base_a, want[0]) < tol and rel(db - base_b, want[1]) < tol
     with pytest.raises(ValueError, match="strip path"):
         TritonSigmoidOps(strips="never", backward="onepass")
-    assert TritonSigmoidOps().backward_path == "twopass"
+    from infclip.kernels.siglip import ops as ops_mod
+
+    auto = TritonSigmoidOps()  # "auto": one-pass on the strip path (16-bit CUDA), measured faster there
+    assert auto.backward_path == "auto" and ops_mod.AUTO_BACKWARD == "onepass"
+    assert auto.path_for(a.float().cpu()) == "twopass"
+    assert TritonSigmoidOps(strips="always").path_for(a) == "onepass"
+    assert TritonSigmoidOps(strips="never").path_for(a) == "twopass"

@@ -87,16 +87,11 @@ PAIRS_FIXED = 1 << 16
 
 
 def dense_ids(ids: Tensor) -> Tensor:
-    """(m,) int32 with dense_i == dense_j iff ids_i == ids_j: for an id shared by several rows,
-    its position of first occurrence in the sorted ids (>= 0); for an id of one row only,
-    -1 - i (negative and unique). A sort and two binary searches on the device, O(m log m), no
-    host sync. The kernels compare int32 in one instruction and hold half the registers of
-    int64, and their tile Bloom filters count only the ids >= 0 (rows that have a duplicate)."""
+    """(m,) int32 ranks with dense_i == dense_j iff ids_i == ids_j: each id's position of first
+    occurrence in the sorted ids (a sort and a binary search on the device, O(m log m), no host
+    sync). The kernels compare int32 in one instruction and hold half the registers of int64."""
     srt = torch.sort(ids).values
-    first = torch.searchsorted(srt, ids)
-    shared = torch.searchsorted(srt, ids, right=True) - first > 1
-    alone = -1 - torch.arange(ids.numel(), device=ids.device)
-    return torch.where(shared, first, alone).to(torch.int32)
+    return torch.searchsorted(srt, ids).to(torch.int32)
 
 
 def find_pairs(ids: Tensor, cap: int | None = None) -> list | None:

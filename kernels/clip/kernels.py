@@ -54,9 +54,7 @@ per-column group ids (int32 dense ranks on one process, int64 on the ring) are l
 vectors and, in the tile epilogue, every entry with equal ids is dropped from both
 directions with one integer compare (``_group_drop``): -inf logits in the forward (with the
 online max guarded for a row or column whose entries of a tile are all dropped), dX = 0 in
-the backward. The compare runs only in tiles that may hold a pair: each side's ids give a
-64-bit Bloom filter (``_bloom``; on one process the ids of rows without a duplicate are
-negative and set no bit), and a tile whose two filters share no bit skips it. A positive's own i == j is dropped too and restored by the diagonal handling
+the backward. A positive's own i == j is dropped too and restored by the diagonal handling
 that follows (the forward's DIAG tiles; ``_take_positives`` / FOLD in the backward), so no
 i != j test runs in any tile. The flag is a constexpr and the id pointers are None when it
 is off, so the off path compiles to the kernels of before.
@@ -117,32 +115,6 @@ def _load_ids(ptr, idx, HAS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit
-def _bloom(gid):
-    """int64 (scalar): a 64-bit Bloom filter of one tile side's group ids, bit (id mod 64) per
-    id that may have a partner. int32 ids are ``duplicates.dense_ids``, where an id of no
-    duplicate is negative (and unique): those set no bit. int64 ids (the ring) all set one.
-    Two sides whose filters share no bit hold no pair of equal ids, so the tile skips the
-    per-entry compare (``_may_share``): with ~1 % duplicate pairs most tiles do."""
-    if gid.dtype == tl.int32:
-        bits = tl.where(gid >= 0, tl.full(gid.shape, 1, tl.int64) << (gid & 63).to(tl.int64), 0)
-    else:
-        bits = tl.full(gid.shape, 1, tl.int64) << (gid & 63).to(tl.int64)
-    return tl.reduce(bits, 0, _or)
-
-
-@triton.jit
-def _may_share(bloom_a, gid_b):
-    """Whether a tile whose rows have Bloom filter ``bloom_a`` and whose columns have ids
-    ``gid_b`` may hold a duplicate pair (no false negatives)."""
-    return (bloom_a & _bloom(gid_b)) != 0
-
-
-@triton.jit
 def _group_drop(gid_a, gid_b):
     """(BM, BN) bool: entries whose row and column share a group id, i.e. duplicates that are
     not negatives. One integer compare per entry: a positive's own i == j (same id) is
@@ -185,7 +157,7 @@ def _take_positives(p, q, d_ii, e_o, rows, cols, row_ok, j0, d_vec, ds_row, BN: 
 
 @triton.jit
 def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr,
-              stride_cp, pid_m, col_start, gid_a, bloom_a, gid_b_ptr, j0, hi, K, s2, m_i, l_i,
+              stride_cp, pid_m, col_start, gid_a, gid_b_ptr, j0, hi, K, s2, m_i, l_i,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
               HAS_OFF: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
               HAS_GID: tl.constexpr):
@@ -199,11 +171,8 @@ def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
     if HAS_GID:  # duplicates leave both directions (a row of a tile may lose all its entries): one
-        # select on the dot products (-inf shifts and scales to -inf), the compare consumed at
-        # once; only in tiles whose Bloom filters meet (the rest hold no duplicate pair)
-        gid_b = tl.load(gid_b_ptr + j0 + c_ld)
-        if _may_share(bloom_a, gid_b):
-            dot = tl.where(_group_drop(gid_a, gid_b), float("-inf"), dot)
+        # select on the dot products (-inf shifts and scales to -inf), the compare consumed at once
+        dot = tl.where(_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld)), float("-inf"), dot)
     xr, xc = _shifted(dot, o_a, o_b, s2, HAS_OFF)
     if DIAG:  # the positives' dot products are the offsets: x_ii - s o_i = 0, exactly (any HAS_OFF);
         # after the group drop, which also hit i == j (their ids are equal)
@@ -245,7 +214,6 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
     row0, r, row_ok, r_ld, a_blk = row_block(pid_m, M, a_ptr, stride_a, BM)
     o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
     gid_a = _load_ids(gid_a_ptr, row0 + r_ld, HAS_GID, BM)
-    bloom_a = _bloom(gid_a) if HAS_GID else 0
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     lo = col_start + pid_s * cols_per_split
@@ -256,7 +224,7 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
         d_lo = tl.minimum(lo + (tl.maximum(row0 - lo, 0) // BN) * BN, hi)
         d_hi = tl.maximum(tl.minimum(lo + tl.cdiv(tl.maximum(row0 + BM - lo, 0), BN) * BN, hi), d_lo)
     args = (a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr, stride_cp,
-            pid_m, col_start, gid_a, bloom_a, gid_b_ptr)
+            pid_m, col_start, gid_a, gid_b_ptr)
     for j0 in tl.range(lo, d_lo, BN, warp_specialize=WS):
         m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32,
                              HAS_GID)
@@ -335,7 +303,6 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
     g_a = tl.where(row_ok, tl.load(g_a_ptr + row0 + r_ld).to(tl.float32) * inv_gn, 0.0)
     o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
     gid_a = _load_ids(gid_a_ptr, row0 + r_ld, HAS_GID, BM)
-    bloom_a = _bloom(gid_a) if HAS_GID else 0
     d = pid_c * DC + tl.arange(0, DC)
     d_ok = d < K
     acc = tl.zeros((BM, DC), dtype=tl.float32)
@@ -369,9 +336,7 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
         o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
         ok = row_ok[:, None] & col_ok[None, :]
         if HAS_GID:  # duplicates are not negatives: dX = 0 there (i == j: _take_positives below)
-            gid_b = tl.load(gid_b_ptr + j0 + c_ld)
-            if _may_share(bloom_a, gid_b):
-                ok = ok & ~_group_drop(gid_a, gid_b)
+            ok = ok & ~_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld))
         p, q, peak = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, FILTER)
         if HAS_DIAG:
             if _near_diag(row0, j0, BM, BN):
@@ -452,14 +417,9 @@ def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
     ok = row_ok[:, None] & col_ok[None, :]
     if HAS_GID:  # duplicates are not negatives: dX = 0 there (the store still writes those zeros);
-        # i == j is dropped too and put back below (_take_positives, FOLD); only in tiles whose
-        # Bloom filters meet
-        gid_a = tl.load(gid_a_ptr + row0 + r_ld)
-        gid_b = tl.load(gid_b_ptr + j0 + c_ld)
-        keep = ok  # (ok stays the store's mask)
-        if (_bloom(gid_a) & _bloom(gid_b)) != 0:
-            keep = ok & ~_group_drop(gid_a, gid_b)
-        p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, keep, HAS_OFF, False)
+        # i == j is dropped too and put back below (_take_positives, FOLD)
+        drop = _group_drop(tl.load(gid_a_ptr + row0 + r_ld), tl.load(gid_b_ptr + j0 + c_ld))
+        p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok & ~drop, HAS_OFF, False)
     else:
         p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, False)
     ds_row = tl.zeros((BM,), dtype=tl.float32)

@@ -1,7 +1,7 @@
 """Device JPEG decoders side by side: throughput, cost to the SMs, and pixel parity.
 
     python scripts/bench_decode.py --shards '/data/photos256/{00000..00031}.tar' \
-        [--backends hardware,cuda,nvjpeg] [--micro 1024] [--image-size 224]
+        [--backends hardware,cuda,nvjpeg] [--micro 1024] [--image-size 224] [--threads 2 --roi 0,1]
 
 For each backend of ``data.device_decoder`` (infclip/data/jpeg_backends.py) it times
 ``JpegDecoder`` (decode + bicubic resized crop) on one micro-batch of packed rows from the
@@ -154,22 +154,27 @@ def gil_share(dec: JpegDecoder, rows: PackedJpegs, seconds: float = 1.5) -> floa
     return beside / alone
 
 
-def bench_one(a, rows: PackedJpegs, ref: torch.Tensor, alone: float, name: str, threads: int) -> str:
-    """One table row: decoder ``name`` with ``threads`` decoder instances."""
+def bench_one(a, rows: PackedJpegs, ref: torch.Tensor, alone: float, name: str, threads: int,
+              roi: bool = False) -> str:
+    """One table row: decoder ``name`` with ``threads`` decoder instances (``roi``: only each
+    crop box decoded, ``data.decode_roi``)."""
     try:
-        dec = JpegDecoder(a.image_size, device="cuda", backend=name, decode_threads=threads)
+        dec = JpegDecoder(a.image_size, device="cuda", backend=name, decode_threads=threads, roi=roi)
     except RuntimeError as e:
         return f"| {name} | unavailable: {e} | | | | |"
+    if roi and not dec.roi:
+        return f"| {name} ROI | the {dec.backend.name} decoder decodes whole images only | | | | |"
     out = dec(rows)  # warm-up (handles, kernels)
     levels = ((out[:a.parity_n] - dec.normalizer.shift) / dec.normalizer.scale).round().cpu()
     d = (levels - ref).abs()
     rate = a.micro / timed(lambda: dec(rows), a.repeats)
     datas = rows.payloads()
-    engine_only = a.micro / timed(lambda: dec.backend.decode(datas, dec._stream), a.repeats)
+    regions = [h[1:5] for h in unpack_header(rows).tolist()] if dec.roi else None
+    engine_only = a.micro / timed(lambda: dec.backend.decode(datas, dec._stream, regions), a.repeats)
     print(f"  host phases per micro-batch ({name}, {threads}): {host_phases(dec, rows, a.repeats)}", flush=True)
     share = gil_share(dec, rows)
     tflops, beside = overlap(dec, rows, a.overlap_s)
-    return (f"| {dec.backend.name} x{threads} | {rate:,.0f} ({engine_only:,.0f}) | {beside:,.0f} | {tflops:.0f} ({alone:.0f}) "
+    return (f"| {dec.backend.name} x{threads}{' ROI' if dec.roi else ''} | {rate:,.0f} ({engine_only:,.0f}) | {beside:,.0f} | {tflops:.0f} ({alone:.0f}) "
             f"| {share:.2f} | {d.max():.0f} / {d.mean():.3f}, {100 * (d > 1).float().mean():.2f} % |")
 
 
@@ -183,6 +188,7 @@ def main() -> None:
     p.add_argument("--overlap-s", type=float, default=4.0)
     p.add_argument("--parity-n", type=int, default=128)
     p.add_argument("--threads", default="1,2", help="data.decode_threads values (nvImageCodec backends)")
+    p.add_argument("--roi", default="0", help="data.decode_roi values to run: 0, 1 or 0,1 (nvImageCodec backends)")
     a = p.parse_args()
     rows = packed_rows(a.shards, a.image_size, a.micro)
     head = unpack_header(rows)
@@ -196,10 +202,12 @@ def main() -> None:
              "| matmul TFLOP/s beside (alone) | Python thread's rate beside the decoder | parity vs CPU: max / mean levels, > 1 level |",
              "|---|---|---|---|---|---|"]
     for name in a.backends.split(","):
-        for threads in [int(t) for t in a.threads.split(",")] if name in ("hardware", "cuda") else [1]:
-            row = bench_one(a, rows, ref, alone, name, threads)
-            table.append(row)
-            print(row, flush=True)
+        nv = name in ("hardware", "cuda")
+        for threads in [int(t) for t in a.threads.split(",")] if nv else [1]:
+            for roi in [bool(int(r)) for r in a.roi.split(",")] if nv else [False]:
+                row = bench_one(a, rows, ref, alone, name, threads, roi)
+                table.append(row)
+                print(row, flush=True)
     print("\n".join(table))
 
 

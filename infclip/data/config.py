@@ -66,6 +66,11 @@ class DataConfig:
     # of a micro-batch at once: beside the towers a single decode chain waits on the busy SMs
     # between its stages (docs/data.md, "Decoding on the GPU").
     decode_threads: int = 2
+    # decode=device: decode only each sample's crop box (nvImageCodec's region-of-interest
+    # decode; the same pixels as cropping the full image), not the whole stored image: with
+    # the default crop scale (0.08-1 of the area) about half the pixels. nvImageCodec
+    # decoders only; others decode whole images. The startup line says when it is on.
+    decode_roi: bool = False
     # GB of device memory for decoded uint8 pixels kept from the gradient cache's first pass
     # for its replay (each kept sample is decoded once per step instead of twice; 3*S*S bytes
     # each). None: 40 % of the device memory free once the model is built. 0: decode twice.

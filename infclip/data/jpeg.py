@@ -261,6 +261,10 @@ class JpegDecoder(nn.Module):
     (``data.decode_threads``).
     ``chunk``: images resized together on a CPU device (bounds the reference's padded canvas:
     chunk x 3 x H x W floats); on CUDA the kernel takes a whole micro-batch at once.
+    ``roi`` (``data.decode_roi``): decode only each sample's crop box (nvImageCodec's
+    region-of-interest decode), not the whole stored image; the resize then reads the region
+    whole. Taken only where the backend decodes regions (``Backend.roi``); the same pixels
+    as cropping the full decode (libjpeg-turbo: bit for bit, tested).
 
     A sample no decoder can read (the device backend, then PIL on the host) is *dropped*:
     its slot holds zeros, :attr:`last_dropped` marks it for the engine (which leaves it out of
@@ -271,7 +275,7 @@ class JpegDecoder(nn.Module):
 
     def __init__(self, image_size: int, mean: Optional[Sequence[float]] = None,
                  std: Optional[Sequence[float]] = None, device: torch.device | str = "cpu", chunk: int = 256,
-                 backend: str = "auto", keep_bytes: int = 0, decode_threads: int = 1):
+                 backend: str = "auto", keep_bytes: int = 0, decode_threads: int = 1, roi: bool = False):
         super().__init__()
         from infclip.data.jpeg_backends import select_backend
         from infclip.data.transforms import Normalizer
@@ -280,6 +284,7 @@ class JpegDecoder(nn.Module):
         self.normalizer = Normalizer(mean, std).to(self.device)
         self.selection = select_backend(self.device, backend, decode_threads)
         self.backend = self.selection.backend
+        self.roi = bool(roi) and self.backend.roi
         self.failures = 0  # images the device backend failed on (re-decoded by PIL or dropped)
         self.drops: dict[str, int] = {}  # dropped samples by reason
         self.last_dropped: Optional[Tensor] = None  # bool (B,) of the last forward, None if none
@@ -311,7 +316,8 @@ class JpegDecoder(nn.Module):
     def describe(self) -> str:
         """The startup line's decoder part."""
         keep = f", decoded pixels kept between passes up to {self.keep_bytes / 2**30:.1f} GB"
-        return self.selection.describe() + (keep if self.keep_bytes else "")
+        roi = ", only each crop decoded (data.decode_roi)" if self.roi else ""
+        return self.selection.describe() + roi + (keep if self.keep_bytes else "")
 
     def stats(self) -> dict[str, float]:
         """Decoder counters for the progress line: images/s of decode work, fallbacks, drops."""
@@ -540,6 +546,8 @@ class JpegDecoder(nn.Module):
         # synchronizes the stream: the resize kernel reads them by pointer, after we return.
         self._hold[threading.get_ident()] = images
         boxes = rows.index[:, 1:5]
+        if self.roi:  # each image is its crop already: the box is the whole of it
+            boxes = torch.cat([torch.zeros_like(boxes[:, :2]), boxes[:, 2:]], 1)
         if self.device.type == "cuda":  # one launch, each image read through its own pointer
             out = resized_crop(images, boxes, self.size)
         else:  # the plain PyTorch statement of the same math, a chunk of images at a time
@@ -552,12 +560,15 @@ class JpegDecoder(nn.Module):
         return out, dropped
 
     def _decode(self, datas: list, header: list[list[int]]) -> tuple[list[Tensor], Optional[Tensor]]:
-        """(H, W, 3) uint8 per image on the device. An image the backend fails on is decoded
-        by PIL on the host (counted in ``failures``); one PIL cannot read either is dropped."""
+        """(H, W, 3) uint8 per image on the device (with ``roi``: its crop box, (h, w, 3)). An
+        image the backend fails on is decoded by PIL on the host (counted in ``failures``);
+        one PIL cannot read either is dropped."""
         from infclip.data.jpeg_backends import pil_decode
 
-        images = self.backend.decode(datas, self._stream)
-        bad = [k for k, im in enumerate(images) if im is None or tuple(im.shape[:2]) != (header[k][5], header[k][6])]
+        regions = [h[1:5] for h in header] if self.roi else None  # (top, left, height, width)
+        want = [(h[3], h[4]) if self.roi else (h[5], h[6]) for h in header]
+        images = self.backend.decode(datas, self._stream, regions)
+        bad = [k for k, im in enumerate(images) if im is None or tuple(im.shape[:2]) != want[k]]
         if not bad:
             return images, None
         dropped = torch.zeros(len(datas), dtype=torch.bool)
@@ -568,7 +579,10 @@ class JpegDecoder(nn.Module):
                 dropped[k] = True
                 reason = "undecodable" if im is None else "size_mismatch"
                 self.drops[reason] = self.drops.get(reason, 0) + 1
-                im = torch.zeros((header[k][5], header[k][6], 3), dtype=torch.uint8)
+                im = torch.zeros((*want[k], 3), dtype=torch.uint8)
+            elif self.roi:
+                t, x, h, w = header[k][1:5]
+                im = im[t:t + h, x:x + w].contiguous()
             images[k] = im.to(self.device, non_blocking=False)
         if dropped.any():
             warnings.warn(f"data.decode=device: {int(dropped.sum())} sample(s) of a micro-batch could not be "

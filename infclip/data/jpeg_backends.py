@@ -44,17 +44,26 @@ Bytes = np.ndarray  # uint8 (n,) view of one JPEG in host memory
 
 @dataclass
 class Backend:
-    """A decoder: ``decode(datas, stream) -> [(H,W,3) uint8 on device | None]``."""
+    """A decoder: ``decode(datas, stream, regions=None) -> [(H,W,3) uint8 on device | None]``.
+
+    ``regions`` (only where ``roi``): per image ``(top, left, height, width)``, and the
+    image returned is that region only (``data.decode_roi``: the training crop, decoded
+    without the pixels the crop throws away)."""
 
     name: str
     on_sms: bool  # decoding occupies the GPU's SMs (competes with the towers)
-    decode_fn: Callable[[Sequence[Bytes], Optional[torch.cuda.Stream]], list]
+    decode_fn: Callable[..., list]
     threads: int = 1  # decoder instances decoding parts of a batch at once
     lock: threading.Lock = field(default_factory=threading.Lock)
+    roi: bool = False  # decodes regions of interest (nvImageCodec backends)
 
-    def decode(self, datas: Sequence[Bytes], stream=None) -> list[Optional[Tensor]]:
+    def decode(self, datas: Sequence[Bytes], stream=None, regions: Optional[Sequence] = None) -> list[Optional[Tensor]]:
+        if regions is not None and not self.roi:
+            raise ValueError(f"the {self.name} decoder does not decode regions of interest")
         with self.lock:  # one decode at a time per decoder object (library state is per instance)
-            return self.decode_fn(datas, stream)
+            if regions is None:
+                return self.decode_fn(datas, stream)
+            return self.decode_fn(datas, stream, regions)
 
 
 _NOISE = ("nvjpeg2k", "nvJPEG2000", "nvtiff", "nvTIFF")  # codecs we never use: their absence is no news
@@ -121,29 +130,36 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, 
 
     reuse: list[list] = [[] for _ in decs]  # each instance's last output images (their buffers are reused)
 
-    def part(i: int, datas: Sequence[Bytes], handle: int) -> list:
+    def streams(datas: Sequence[Bytes], regions: Optional[Sequence]) -> list:
+        if regions is None:
+            return [nv.CodeStream(d) for d in datas]
+        return [nv.CodeStream(d).get_sub_code_stream(region=nv.Region(t, x, t + h, x + w))
+                for d, (t, x, h, w) in zip(datas, regions)]
+
+    def part(i: int, datas: Sequence[Bytes], handle: int, regions: Optional[Sequence] = None) -> list:
         # Decoding into the previous call's images saves a device allocation and free per
         # image. The caller guarantees stream order: what read them was enqueued on the
         # stream this decode (or its side stream, which waits for it) runs after.
         prev = reuse[i]
-        images = prev[:len(datas)] if len(prev) >= len(datas) else None
-        outs = decs[i].decode([nv.CodeStream(d) for d in datas], images=images, params=params, cuda_stream=handle)
-        if all(o is not None for o in outs) and len(outs) >= len(prev):
+        images = prev[:len(datas)] if (len(prev) >= len(datas) and regions is None) else None
+        outs = decs[i].decode(streams(datas, regions), images=images, params=params, cuda_stream=handle)
+        if regions is None and all(o is not None for o in outs) and len(outs) >= len(prev):
             reuse[i] = list(outs)
         return outs
 
-    def decode(datas: Sequence[Bytes], stream) -> list:
+    def decode(datas: Sequence[Bytes], stream, regions: Optional[Sequence] = None) -> list:
         handle = 0 if stream is None else stream.cuda_stream
         n = len(datas)
         if pool is None or stream is None or n < 2 * threads:
-            outs = part(0, datas, handle)
+            outs = part(0, datas, handle, regions)
         else:
             cuts = [n * i // threads for i in range(threads + 1)]
+            cut = (lambda a, b: None) if regions is None else (lambda a, b: regions[a:b])
             for s in side:  # their output memory may reuse blocks the caller's stream freed
                 s.wait_stream(stream)
-            futs = [pool.submit(part, i, datas[cuts[i]:cuts[i + 1]], side[i - 1].cuda_stream)
+            futs = [pool.submit(part, i, datas[cuts[i]:cuts[i + 1]], side[i - 1].cuda_stream, cut(cuts[i], cuts[i + 1]))
                     for i in range(1, threads)]
-            outs = part(0, datas[:cuts[1]], handle)
+            outs = part(0, datas[:cuts[1]], handle, cut(0, cuts[1]))
             for f in futs:
                 outs += f.result()
             for s in side:  # the caller's stream reads what they decoded
@@ -151,7 +167,7 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, 
         return [None if o is None else _as_tensor(o, device) for o in outs]
 
     return Backend(kind if kind != "cpu" else "cpu-nvimgcodec", on_sms=kind == "cuda", decode_fn=decode,
-                   threads=threads)
+                   threads=threads, roi=True)
 
 
 def _as_tensor(img, device: torch.device) -> Tensor:

@@ -122,7 +122,8 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
         transform = JpegPacker(size, cfg.data.jpeg_max_bytes, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio),
                                cpu_share=share, cpu_transform=_cpu_transform(cfg, size, built) if share else None)
         normalizer = JpegDecoder(size, built.mean, built.std, device=info.device, backend=cfg.data.device_decoder,
-                                 keep_bytes=_keep_bytes(cfg, info.device), decode_threads=cfg.data.decode_threads)
+                                 keep_bytes=_keep_bytes(cfg, info.device), decode_threads=cfg.data.decode_threads,
+                                 roi=cfg.data.decode_roi)
         why = f"{why}; decoder {normalizer.describe()}"
         if share:
             why += (f"; loader workers decode {100 * share:g} % of the samples (data.cpu_decode_share={share:g}, "

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from infclip.data import jpeg_backends
-from infclip.data.jpeg import JpegDecoder, JpegPacker, PackedJpegs
+from infclip.data.jpeg import JpegDecoder, JpegPacker, PackedJpegs, unpack_header
 from infclip.data.jpeg_backends import pil_decode, probe_jpeg, select_backend
 
 S = 32
@@ -174,3 +174,33 @@ def test_a_decode_ahead_never_reads_rows_the_step_already_decoded_and_released()
     dec._ahead_pool.shutdown(wait=True)
     assert dec.ahead_decoded == 0 and dec.failures == 0 and dec.drops == {}
     assert dec.decoded == 4
+
+
+def test_region_of_interest_decode_gives_the_full_decodes_pixels(monkeypatch):
+    """data.decode_roi: only each crop box is decoded (nvImageCodec), the output equals the
+    full decode's bit for bit; a backend without regions (PIL) decodes whole images; an image
+    the backend fails on is cropped from PIL's full decode."""
+    rows = packed(6, seed=50)
+    full = JpegDecoder(S)
+    roi = JpegDecoder(S, roi=True)
+    if full.backend.name != "cpu-nvimgcodec":
+        pytest.skip("nvImageCodec's CPU backend is not installed")  # (installed by the README's command)
+    assert roi.roi and "data.decode_roi" in roi.describe() and "data.decode_roi" not in full.describe()
+    assert torch.equal(roi(rows), full(rows))
+    seen = []
+    real = roi.backend.decode_fn
+
+    def spy(datas, stream, regions=None):
+        seen.append(regions)
+        outs = real(datas, stream, regions)
+        outs[1] = None  # the backend fails on one image: PIL decodes it whole, then it is cropped
+        return outs
+
+    monkeypatch.setattr(roi.backend, "decode_fn", spy)
+    assert torch.equal(roi(rows), full(rows)) and roi.failures == 1 and roi.drops == {}
+    assert seen[0] == unpack_header(rows)[:, 1:5].tolist()  # (top, left, height, width) per image
+    monkeypatch.setattr(jpeg_backends, "_nvimgcodec", lambda: None)
+    pil = JpegDecoder(S, roi=True)
+    assert pil.backend.name == "cpu-pil" and not pil.roi
+    with pytest.raises(ValueError, match="does not decode regions"):
+        pil.backend.decode(rows.payloads(), None, [[0, 0, 1, 1]] * 6)

@@ -121,7 +121,11 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, 
     dev_id = nv.NVIMGCODEC_DEVICE_CPU_ONLY if kind == "cpu" else (device.index or 0)
     threads = 1 if kind == "cpu" or device.type != "cuda" else max(1, int(threads))
     with _quiet_optional_codecs():
-        decs = [nv.Decoder(device_id=dev_id, backends=[nv.Backend(k) for k in kinds], options=":fancy_upsampling=1")
+        # enable_roi_fancy_upsampling: the engines' decoder refuses regions with fancy
+        # upsampling on nvJPEG < 13.2 (possible 1-pixel edge errors; parity is measured by
+        # scripts/bench_decode.py --roi 1); whole-image decodes are unaffected.
+        decs = [nv.Decoder(device_id=dev_id, backends=[nv.Backend(k) for k in kinds],
+                           options=":fancy_upsampling=1 :enable_roi_fancy_upsampling=1")
                 for _ in range(threads)]
     params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB,
                              allow_any_depth=False, sample_format=nv.SampleFormat.I_RGB)

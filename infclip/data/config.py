@@ -67,9 +67,9 @@ class DataConfig:
     # between its stages (docs/data.md, "Decoding on the GPU").
     decode_threads: int = 2
     # decode=device: decode only each sample's crop box (nvImageCodec's region-of-interest
-    # decode; the same pixels as cropping the full image), not the whole stored image: with
-    # the default crop scale (0.08-1 of the area) about half the pixels. nvImageCodec
-    # decoders only; others decode whole images. The startup line says when it is on.
+    # decode), not the whole stored image. Off: on the H200's engines it measured slower
+    # (12.9k vs 18.0k images/s) and up to 54 levels off at region edges (docs/data.md);
+    # on libjpeg-turbo it is exact. nvImageCodec decoders only; the startup line says when on.
     decode_roi: bool = False
     # GB of device memory for decoded uint8 pixels kept from the gradient cache's first pass
     # for its replay (each kept sample is decoded once per step instead of twice; 3*S*S bytes

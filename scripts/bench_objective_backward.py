@@ -1,11 +1,17 @@
 """SigLIP and NT-Xent Triton kernels: the two-pass backward against the one-pass one, one GPU run.
 
 For each objective and (c, b) of ``--shapes`` (bf16, L2-normalized random features): the
-forward + backward of the loss through its Triton ops with ``backward="twopass"`` and
-``backward="onepass"``, median (and min-max) of ``--reps`` CUDA-event timings after a warm-up
-(which also tunes), the one-pass gradients checked against the two-pass ones (relative
-Frobenius difference), and the ratio. ``AUTO_BACKWARD`` of ``kernels/siglip/ops.py`` and
-``kernels/nt_xent/ops.py`` is what ``backward="auto"`` takes: flip it where one-pass wins.
+forward + backward through its Triton ops with ``backward="twopass"`` and ``backward="onepass"``,
+median (and min-max) of ``--reps`` CUDA-event timings after a warm-up (which also tunes), the
+one-pass gradients checked against the two-pass ones (relative Frobenius difference), and the
+ratio. ``AUTO_BACKWARD`` of ``kernels/siglip/ops.py`` and ``kernels/nt_xent/ops.py`` is what
+``backward="auto"`` takes: flip it where one-pass wins.
+
+- ``siglip``: the whole one-process loss (one block pair: own images x own texts).
+- ``nt_xent``: one process's loss is its own block, F x F^T, which the strip path already runs
+  as one symmetric pass whatever ``backward`` says (``backward_own``): identical kernels. So
+  this row times what the choice changes, a ring's off-diagonal block pair (b rows of view
+  features against b rows of another rank's): ``forward`` + ``backward(..., mask_diag=False)``.
 
     python3 -u scripts/bench_objective_backward.py --out $OUT
     python3 -u scripts/bench_objective_backward.py --shapes 512x32768,1024x65536 --reps 5
@@ -31,8 +37,8 @@ if not CUDA:
 
 
 def _features(objective: str, b: int, c: int, device: str, seed: int):
-    """Leaf bf16 inputs and the loss closure of ``objective`` taking an ops object."""
-    from infclip.loss.nt_xent import _NTXentRows
+    """(leaves, closure of an ops object): SigLIP's leaf inputs and its loss (backward through
+    autograd), or for NT-Xent a dict the closure fills with the block's gradients."""
     from infclip.loss.siglip import _SigmoidRows
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -45,9 +51,18 @@ def _features(objective: str, b: int, c: int, device: str, seed: int):
         bias = torch.tensor(-10.0, device=device, requires_grad=True)
         leaves = (img, txt, scale, bias)
         return leaves, lambda ops: _SigmoidRows.apply(img, txt, scale, bias, ops, None).sum() / b
-    f = torch.cat([x[: b // 2], y[: b // 2]]).to(dtype).requires_grad_()  # 2N rows: two views
-    scale = torch.tensor(10.0, device=device, requires_grad=True)  # 1 / temperature 0.1
-    return (f, scale), lambda ops: _NTXentRows.apply(f, scale, ops, None).mean()
+    a, other = x.to(dtype), y.to(dtype)  # this rank's rows and another rank's (a ring block pair)
+    scale = torch.tensor(10.0, device=device)  # 1 / temperature 0.1
+    g = torch.full((b,), 1.0 / b, device=device)
+    out = {}
+
+    def block(ops):
+        lse = ops.forward(a, other, scale, False)
+        da, db, ds = ops.backward(a, other, scale, lse, g, False)
+        out["grads"] = (da, db, ds.reshape(1))
+        return None
+
+    return out, block
 
 
 def _ops(objective: str, backward: str):
@@ -88,13 +103,17 @@ def measure(objective: str, c: int, b: int, reps: int) -> dict:
         ops = _ops(objective, path)
 
         def step():
+            if isinstance(leaves, dict):  # nt_xent: the ring block's forward + backward
+                loss_of(ops)
+                return
             for t in leaves:
                 t.grad = None
             loss_of(ops).backward()
 
         ms = _time(step, reps)
         row[path] = (statistics.median(ms), min(ms), max(ms))
-        grads[path] = [t.grad.float().clone() for t in leaves]
+        got = leaves["grads"] if isinstance(leaves, dict) else [t.grad for t in leaves]
+        grads[path] = [t.float().clone() for t in got]
     diff = max(float((o - t).norm() / t.norm().clamp_min(1e-30)) for o, t in zip(grads["onepass"], grads["twopass"]))
     row["grad_rel_diff"] = diff
     row["speedup"] = row["twopass"][0] / row["onepass"][0]

@@ -263,8 +263,9 @@ class JpegDecoder(nn.Module):
     chunk x 3 x H x W floats); on CUDA the kernel takes a whole micro-batch at once.
     ``roi`` (``data.decode_roi``): decode only each sample's crop box (nvImageCodec's
     region-of-interest decode), not the whole stored image; the resize then reads the region
-    whole. Taken only where the backend decodes regions (``Backend.roi``); the same pixels
-    as cropping the full decode (libjpeg-turbo: bit for bit, tested).
+    whole. Taken only where the backend decodes regions (``Backend.roi``). libjpeg-turbo
+    decodes a region to the full decode's pixels bit for bit; the resize places its samples
+    relative to the box's offset in fp32, so at large offsets a value may differ by one level.
 
     A sample no decoder can read (the device backend, then PIL on the host) is *dropped*:
     its slot holds zeros, :attr:`last_dropped` marks it for the engine (which leaves it out of
@@ -402,14 +403,16 @@ class JpegDecoder(nn.Module):
         with self._lock:
             pending = self._inflight.get(key)
             if pending is None and key not in self._kept:
-                self._claimed.add(key)  # ours now: no decode-ahead may start on these rows
+                if self.keep_bytes:  # (decode-ahead runs only with a budget)
+                    self._claimed.add(key)  # ours now: no decode-ahead may start on these rows
                 return None
         if pending is not None:
             pending.wait()
         with self._lock:
             got = self._kept.get(key)
             if got is None:
-                self._claimed.add(key)
+                if self.keep_bytes:
+                    self._claimed.add(key)
                 return None
             if key in self._reread:  # the cache pass read of rows the replay reads again
                 self._reread.discard(key)

@@ -69,19 +69,21 @@ def timed(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def matmul_load(seconds: float) -> float:
-    """TFLOP/s of back-to-back 8192^3 bf16 matmuls for ``seconds``."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(4):
-            a @ a
-        torch.cuda.current_stream().synchronize()  # this stream only: a device-wide sync would wait for the decoder
-        n += 4
-    return 2 * 8192**3 * n / (time.perf_counter() - t0) / 1e12
+def matmul_load(seconds: float, stream=None) -> float:
+    """TFLOP/s of back-to-back 8192^3 bf16 matmuls for ``seconds`` on ``stream`` (the towers'
+    stand-in; None: the current stream, every SM; a green-context stream: its SMs only)."""
+    with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(4):
+                a @ a
+            torch.cuda.current_stream().synchronize()  # this stream only: a device-wide sync would wait for the decoder
+            n += 4
+        return 2 * 8192**3 * n / (time.perf_counter() - t0) / 1e12
 
 
-def overlap(dec: JpegDecoder, rows: torch.Tensor, seconds: float) -> tuple[float, float]:
+def overlap(dec: JpegDecoder, rows: torch.Tensor, seconds: float, stream=None) -> tuple[float, float]:
     """(matmul TFLOP/s while the decoder runs in a thread, decoder images/s meanwhile)."""
     stop, count = threading.Event(), [0, 0.0]
 
@@ -95,7 +97,7 @@ def overlap(dec: JpegDecoder, rows: torch.Tensor, seconds: float) -> tuple[float
 
     th = threading.Thread(target=loop)
     th.start()
-    tflops = matmul_load(seconds)
+    tflops = matmul_load(seconds, stream)
     stop.set()
     th.join()
     return tflops, count[0] / count[1]
@@ -155,15 +157,16 @@ def gil_share(dec: JpegDecoder, rows: PackedJpegs, seconds: float = 1.5) -> floa
 
 
 def bench_one(a, rows: PackedJpegs, ref: torch.Tensor, alone: float, name: str, threads: int,
-              roi: bool = False) -> str:
+              roi: bool = False, part=None) -> str:
     """One table row: decoder ``name`` with ``threads`` decoder instances (``roi``: only each
-    crop box decoded, ``data.decode_roi``)."""
+    crop box decoded, ``data.decode_roi``); the matmuls on ``part``'s stream (towers' SMs)."""
+    tag = "all" if part is None or part.stream is None else str(part.tower_sms)
     try:
         dec = JpegDecoder(a.image_size, device="cuda", backend=name, decode_threads=threads, roi=roi)
     except RuntimeError as e:
-        return f"| {name} | unavailable: {e} | | | | |"
+        return f"| {name} | {tag} | unavailable: {e} | | | | |"
     if roi and not dec.roi:
-        return f"| {name} ROI | the {dec.backend.name} decoder decodes whole images only | | | | |"
+        return f"| {name} ROI | {tag} | the {dec.backend.name} decoder decodes whole images only | | | | |"
     out = dec(rows)  # warm-up (handles, kernels)
     levels = ((out[:a.parity_n] - dec.normalizer.shift) / dec.normalizer.scale).round().cpu()
     d = (levels - ref).abs()
@@ -173,8 +176,8 @@ def bench_one(a, rows: PackedJpegs, ref: torch.Tensor, alone: float, name: str, 
     engine_only = a.micro / timed(lambda: dec.backend.decode(datas, dec._stream, regions), a.repeats)
     print(f"  host phases per micro-batch ({name}, {threads}): {host_phases(dec, rows, a.repeats)}", flush=True)
     share = gil_share(dec, rows)
-    tflops, beside = overlap(dec, rows, a.overlap_s)
-    return (f"| {dec.backend.name} x{threads}{' ROI' if dec.roi else ''} | {rate:,.0f} ({engine_only:,.0f}) | {beside:,.0f} | {tflops:.0f} ({alone:.0f}) "
+    tflops, beside = overlap(dec, rows, a.overlap_s, None if part is None else part.stream)
+    return (f"| {dec.backend.name} x{threads}{' ROI' if dec.roi else ''} | {tag} | {rate:,.0f} ({engine_only:,.0f}) | {beside:,.0f} | {tflops:.0f} ({alone:.0f}) "
             f"| {share:.2f} | {d.max():.0f} / {d.mean():.3f}, {100 * (d > 1).float().mean():.2f} % |")
 
 
@@ -189,6 +192,8 @@ def main() -> None:
     p.add_argument("--parity-n", type=int, default=128)
     p.add_argument("--threads", default="1,2", help="data.decode_threads values (nvImageCodec backends)")
     p.add_argument("--roi", default="0", help="data.decode_roi values to run: 0, 1 or 0,1 (nvImageCodec backends)")
+    p.add_argument("--reserve-sms", default="0", help="SMs kept free of the matmuls (data.decode_reserved_sms): "
+                   "0 (matmuls on every SM) and/or counts, e.g. 0,4,12")
     a = p.parse_args()
     rows = packed_rows(a.shards, a.image_size, a.micro)
     head = unpack_header(rows)
@@ -196,18 +201,23 @@ def main() -> None:
     print(f"{a.micro} rows, mean JPEG {kib:.1f} KiB, mean stored size "
           f"{head[:, 6].float().mean():.0f}x{head[:, 5].float().mean():.0f}", flush=True)
     ref = cpu_reference(rows, a.image_size, a.parity_n)
-    alone = matmul_load(a.overlap_s)
-    print(f"matmul alone: {alone:.0f} TFLOP/s", flush=True)
-    table = ["| decoder x decoder instances | images/s alone (decode only, no resize) | images/s beside matmuls "
+    from infclip.train.sm_partition import tower_stream
+
+    table = ["| decoder x decoder instances | matmul SMs | images/s alone (decode only, no resize) | images/s beside matmuls "
              "| matmul TFLOP/s beside (alone) | Python thread's rate beside the decoder | parity vs CPU: max / mean levels, > 1 level |",
-             "|---|---|---|---|---|---|"]
-    for name in a.backends.split(","):
-        nv = name in ("hardware", "cuda")
-        for threads in [int(t) for t in a.threads.split(",")] if nv else [1]:
-            for roi in [bool(int(r)) for r in a.roi.split(",")] if nv else [False]:
-                row = bench_one(a, rows, ref, alone, name, threads, roi)
-                table.append(row)
-                print(row, flush=True)
+             "|---|---|---|---|---|---|---|"]
+    for reserve in [int(r) for r in a.reserve_sms.split(",")]:
+        part = tower_stream("cuda", reserve)
+        print(f"reserve {reserve}: {part.describe()}", flush=True)
+        alone = matmul_load(a.overlap_s, part.stream)
+        print(f"matmul alone: {alone:.0f} TFLOP/s", flush=True)
+        for name in a.backends.split(","):
+            nv = name in ("hardware", "cuda")
+            for threads in [int(t) for t in a.threads.split(",")] if nv else [1]:
+                for roi in [bool(int(r)) for r in a.roi.split(",")] if nv else [False]:
+                    row = bench_one(a, rows, ref, alone, name, threads, roi, part)
+                    table.append(row)
+                    print(row, flush=True)
     print("\n".join(table))
 
 

@@ -83,6 +83,17 @@ class DataConfig:
     # 0.0: every sample goes to the GPU (the default). Refused with data.decode=cpu; ignored with
     # a note when data.decode=auto picks the CPU path.
     cpu_decode_share: float = 0.0
+    # decode=device: SMs kept free of the towers for the decoders' own kernels (colour
+    # conversion, crop-and-resize). The JPEG engines need no SMs, but each decode call runs
+    # small kernels that otherwise queue behind the towers' GEMMs, which hold every SM (the
+    # engines then idle: 18k images/s alone, 4-6k beside the towers on an H200). With N > 0
+    # the towers, loss and optimizer run on a CUDA green-context stream confined to all SMs
+    # but N (rounded so that at least N stay free: 128 of an H200's 132 for N = 4); the
+    # decoders may use every SM. Same kernels, same results; costs the towers N/132 of the
+    # chip. 0: off (the default until measured on a GPU: scripts/check_sm_partition.py and
+    # docs/data.md). Needs CUDA 12.4+ driver and torch >= 2.12 or NVIDIA's cuda-bindings; where
+    # neither works the startup line says so and the towers keep every SM.
+    decode_reserved_sms: int = 0
     # decode=device: files above this many bytes are re-encoded smaller by the worker (a guard
     # against huge files); the host keeps every other file at its own size (packed).
     jpeg_max_bytes: int = 1 << 20
@@ -127,6 +138,13 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.cpu_decode_share={share} means nothing with data.decode=cpu (the loader workers "
                          "decode every sample already): set data.cpu_decode_share=0, or data.decode=device "
                          "(or auto) to split decoding between the GPU and the workers")
+    reserved = cfg.decode_reserved_sms
+    if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
+        raise ValueError(f"data.decode_reserved_sms must be a whole number >= 0 (SMs kept free of the towers for "
+                         f"the GPU decoders' kernels; 0: off), got {reserved!r}")
+    if reserved > 0 and cfg.decode == "cpu":
+        raise ValueError(f"data.decode_reserved_sms={reserved} means nothing with data.decode=cpu (no decoding "
+                         "runs on the GPU): set data.decode_reserved_sms=0, or data.decode=device (or auto)")
     if cfg.jpeg_max_bytes < 1024:
         raise ValueError(f"data.jpeg_max_bytes must be >= 1024 (bytes per packed JPEG), got {cfg.jpeg_max_bytes}")
     if cfg.loader_batch <= 0:

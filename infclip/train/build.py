@@ -21,6 +21,7 @@ from infclip.train.distributed import DistInfo, all_ok, barrier, on_rank0
 from infclip.train.guard import WeightGuard
 from infclip.train.logger import MetricsLogger
 from infclip.train.optim import build_optimizer, build_scheduler
+from infclip.train.sm_partition import Partition, tower_stream
 
 
 @dataclass
@@ -41,6 +42,9 @@ class Parts:
     guard: Optional[WeightGuard] = None  # finite-weights check after every update (built in build)
     config: dict = field(default_factory=dict)  # the resolved config, saved in train.pt (resume compares it)
     overrides: list[str] = field(default_factory=list)  # this start's command-line overrides
+    # where the towers run: a green-context stream leaving SMs to the decoders
+    # (data.decode_reserved_sms; infclip.train.sm_partition), or the current stream
+    towers: Partition = field(default_factory=lambda: Partition(None, 0, 0))
 
 
 
@@ -63,7 +67,7 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
     if cfg.model.compile:  # in place: state-dict keys, locks and DDP see the same modules
         compile_towers(built.model)
     model = _wrap_ddp(built.model, info)
-    data, eval_cfg, normalizer = _build_data(cfg, info, built)
+    data, eval_cfg, normalizer, towers = _build_data(cfg, info, built)
     check_tasks(eval_cfg)  # open every eval dataset now: a wrong path fails before training
     optimizer = build_optimizer(built.model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.steps)
@@ -88,7 +92,7 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
     guard = WeightGuard([p for g in optimizer.param_groups for p in g["params"]],
                         abort=lambda: "an optimizer update made the weights non-finite (NaN/inf)")
     return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir,
-                 guard=guard, config=OmegaConf.to_container(cfg, resolve=True))
+                 guard=guard, config=OmegaConf.to_container(cfg, resolve=True), towers=towers)
 
 
 def _wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
@@ -114,6 +118,7 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
     size = cfg.data.image_size or built.image_size
     decode, why = resolve_decode(cfg, info.device)
     share = float(cfg.data.cpu_decode_share)
+    reserved, towers = int(cfg.data.decode_reserved_sms), Partition(None, 0, 0)
     if decode == "device":  # workers pack JPEG bytes + crop; the trainer decodes (data/jpeg.py)
         from infclip.data.jpeg import JpegDecoder, JpegPacker
 
@@ -125,6 +130,9 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
                                  keep_bytes=_keep_bytes(cfg, info.device), decode_threads=cfg.data.decode_threads,
                                  roi=cfg.data.decode_roi)
         why = f"{why}; decoder {normalizer.describe()}"
+        if reserved:  # after the decoder: its probe initialised CUDA on this device
+            towers = tower_stream(info.device, reserved)
+            why += f"; {towers.describe()} (data.decode_reserved_sms={reserved})"
         if share:
             why += (f"; loader workers decode {100 * share:g} % of the samples (data.cpu_decode_share={share:g}, "
                     f"+{3 * size * size * share / 1000:.0f} KB of host pixels per sample on average)")
@@ -133,6 +141,8 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
         normalizer = Normalizer(built.mean, built.std).to(info.device)
         if share:
             why += f"; data.cpu_decode_share={share:g} ignored: the loader workers decode every sample"
+        if reserved:
+            why += f"; data.decode_reserved_sms={reserved} ignored: no decoding runs on the GPU"
     if info.is_main:
         print(f"data: decode={decode} ({why})", flush=True)
     shards, num_samples, eval_cfg = None, None, _eval_config(cfg)
@@ -144,7 +154,7 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
         data_cfg, transform=transform, tokenizer=built.tokenizer, rank=info.rank,
         world_size=info.world_size, seed=cfg.seed, shards=shards, num_samples=num_samples,
     )
-    return data, eval_cfg, normalizer
+    return data, eval_cfg, normalizer, towers
 
 
 def _cpu_transform(cfg: Any, size: int, built: BuiltModel):

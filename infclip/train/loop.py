@@ -28,6 +28,7 @@ from infclip.train.guard import NonFiniteError
 from infclip.train.resume import last_finite_checkpoint, maybe_resume, resume_command
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
+from infclip.train.sm_partition import running_on
 from infclip.train.logger import _BOOKKEEPING, gpu_memory_gb, run_info
 from infclip.train.pipeline import (
     LoaderStalled, StallWatch, StepPipeline, StoppedWaiting, TensorFeed, build_step_pipeline, duplicate_warning,
@@ -75,7 +76,9 @@ def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dic
     changes = maybe_resume(cfg, info, parts, state)
     on_rank0(info, lambda: record_start(cfg, run_dir, overrides))
     parts.logger.start(state.step, run_info(overrides, info), changes)
-    with signals_handled(state):  # through the final checkpoint and eval (infclip.train.signals)
+    # through the final checkpoint and eval (infclip.train.signals); the steps on the towers'
+    # stream (data.decode_reserved_sms: SMs left free for the JPEG decoders' kernels)
+    with signals_handled(state), running_on(parts.towers):
         return fit(cfg, info, parts, state)
 
 

@@ -76,6 +76,9 @@ def test_wrong_type_is_rejected():
          r"loss.duplicates=mask needs loss.kind=clip with loss.impl=auto, torch or triton.*impl=vanilla"),
         (["loss.duplicates=positive", "loss.grad_filter=1e-3"], 1, r"loss.duplicates=positive needs .*grad_filter=0"),
         (["+model.lock_imag=true"], 1, r"did you mean model.lock_image\?"),
+        (["data.decode_reserved_sms=-4"], 1, r"data.decode_reserved_sms must be a whole number >= 0"),
+        (["data.decode=cpu", "data.decode_reserved_sms=4"], 1,
+         r"data.decode_reserved_sms=4 means nothing with data.decode=cpu .*set data.decode_reserved_sms=0"),
     ],
 )
 def test_validation_names_key_and_fix(overrides, world, match, monkeypatch):

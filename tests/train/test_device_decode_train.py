@@ -28,7 +28,13 @@ def _train(tmp_path, name: str, *overrides: str) -> dict[int, list[float]]:
 def test_device_decode_is_deterministic_across_offload_and_prefetch_and_close_to_cpu(tmp_path):
     ref = _train(tmp_path, "resident", "memory.offload=false", "memory.prefetch_steps=0")
     assert sorted(ref) == [1, 2, 3, 4]
-    assert _train(tmp_path, "offload", "memory.offload=true", "memory.prefetch_steps=2") == ref
+    # data.decode_reserved_sms moves the towers to a green-context stream on a GPU; on a CPU
+    # device the startup line says why not, and nothing else changes
+    proc = run(train_cmd(tmp_path / "data", tmp_path / "offload", *STEPS, "memory.offload=true",
+                         "memory.prefetch_steps=2", "data.decode_reserved_sms=4"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "; towers on all SMs (not a CUDA device) (data.decode_reserved_sms=4)" in proc.stdout
+    assert losses_by_step(tmp_path / "offload") == ref
     cpu = _train(tmp_path, "cpu", "data.decode=cpu")
     for step in ref:  # same crops, pixels within one level: the same training up to noise
         assert abs(cpu[step][0] - ref[step][0]) < 0.02 * abs(ref[step][0]), (step, cpu[step], ref[step])

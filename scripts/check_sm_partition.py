@@ -1,0 +1,104 @@
+"""Towers on a green-context stream (``data.decode_reserved_sms``): same results, what it costs.
+
+    python scripts/check_sm_partition.py [--reserve 4,12] [--batch 256]
+
+For each reserve it builds the partitioned stream (infclip/train/sm_partition.py) and prints
+one table row: which API made it, bf16 8192^3 matmul TFLOP/s on it against every SM, and
+whether a compiled ViT-B/32 forward + backward (open_clip) and the Triton CLIP loss forward +
+backward give bit-identical results on it and on the ordinary stream, with their times.
+Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def rate(fn, stream, seconds: float = 2.0) -> float:
+    """Calls of ``fn`` per second on ``stream`` (synchronized on it only)."""
+    with torch.cuda.stream(stream):
+        fn()
+        stream.synchronize()
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            fn()
+            n += 1
+        stream.synchronize()
+        return n / (time.perf_counter() - t0)
+
+
+def tower_step(model, images, tokens):
+    """Forward + backward of both towers: (loss, gradient of every parameter)."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        img, txt = model.encode_image(images), model.encode_text(tokens)
+    loss = (img.float() @ txt.float().T).logsumexp(1).mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def loss_step(img, txt, scale):
+    from infclip.loss import clip_loss
+
+    i, t = img.detach().requires_grad_(), txt.detach().requires_grad_()
+    loss = clip_loss(i, t, scale)
+    loss.backward()
+    return loss.detach(), [i.grad, t.grad]
+
+
+def same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reserve", default="4,12")
+    p.add_argument("--batch", type=int, default=256)
+    a = p.parse_args()
+    import open_clip
+
+    from infclip.train.sm_partition import tower_stream
+
+    import torch.cuda.green_contexts as g
+    print("torch", torch.__version__, "GreenContext:", [n for n in dir(g.GreenContext) if not n.startswith("__")], flush=True)
+    torch.manual_seed(0)
+    model = open_clip.create_model("ViT-B-32").cuda()
+    model.train()
+    model.encode_image = torch.compile(model.encode_image)
+    model.encode_text = torch.compile(model.encode_text)
+    images = torch.randn(a.batch, 3, 224, 224, device="cuda")
+    tokens = torch.randint(1, 49000, (a.batch, 77), device="cuda")
+    img = torch.nn.functional.normalize(torch.randn(32768, 512, device="cuda"), dim=1).bfloat16()
+    txt = torch.nn.functional.normalize(torch.randn(32768, 512, device="cuda"), dim=1).bfloat16()
+    scale = torch.tensor(14.3, device="cuda", requires_grad=True)
+    mat = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    base = torch.cuda.current_stream()
+    ref_tower, ref_loss = tower_step(model, images, tokens), loss_step(img, txt, scale)
+    tflops0 = rate(lambda: mat @ mat, base) * 2 * 8192**3 / 1e12
+    towers0 = rate(lambda: tower_step(model, images, tokens), base) * a.batch
+    loss0 = 1e3 / rate(lambda: loss_step(img, txt, scale), base)
+    print("| reserve | stream | matmul TFLOP/s (all SMs) | towers fwd+bwd samples/s (all SMs) | towers identical | loss 32k fwd+bwd ms (all SMs) | loss identical |")
+    print("|---|---|---|---|---|---|---|")
+    for reserve in [int(r) for r in a.reserve.split(",")]:
+        part = tower_stream("cuda", reserve)
+        if part.stream is None:
+            print(f"| {reserve} | {part.describe()} | | | | | |", flush=True)
+            continue
+        s = part.stream
+        s.wait_stream(base)
+        with torch.cuda.stream(s):
+            tw, ls = tower_step(model, images, tokens), loss_step(img, txt, scale)
+        base.wait_stream(s)
+        torch.cuda.synchronize()
+        tflops = rate(lambda: mat @ mat, s) * 2 * 8192**3 / 1e12
+        towers = rate(lambda: tower_step(model, images, tokens), s) * a.batch
+        loss_ms = 1e3 / rate(lambda: loss_step(img, txt, scale), s)
+        print(f"| {reserve} | {part.describe()} | {tflops:.0f} ({tflops0:.0f}) | {towers:,.0f} ({towers0:,.0f}) "
+              f"| {same(tw, ref_tower)} | {loss_ms:.2f} ({loss0:.2f}) | {same(ls, ref_loss)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

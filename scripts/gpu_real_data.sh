@@ -15,6 +15,9 @@
 #            scikit-image photos bundled the same way), into /tmp/photos256 and /tmp/photos512
 #   decode - scripts/bench_decode.py at both sides (hardware, cuda, nvjpeg)
 #   loader - scripts/bench_data.py-style loader-alone rates for decode=cpu and device (14 workers)
+#   partition - data.decode_reserved_sms: scripts/check_sm_partition.py (green-context stream:
+#            same results, matmul / tower rates), then bench_decode.py with the matmuls on all
+#            SMs and on all but RESERVE_SMS (default 0,4,12) beside the hardware decoder
 #   train  - scripts/bench_trainer.py RUNS on the SIDE-px shards
 # Knobs: N256 N512 SHARD_SIDES DECODE_SIDES SIDE RUNS STEPS WORKERS PHOTOS PHOTO_SCRIPT (a folder holding
 #        data/write_photo_shards.py and its infclip, when not this checkout) TRAIN_S
@@ -47,6 +50,11 @@ if has decode; then
     timeout 200 $PY scripts/bench_decode.py --shards "$(spec $side)" --overlap-s 3 2>&1 \
         | grep -v "^\[\|WARNING" | tee -a $OUT/decode.txt
   done
+fi
+if has partition; then
+  timeout 200 $PY scripts/check_sm_partition.py --reserve "${CHECK_RESERVE:-4,12}" 2>&1 | grep -v "Warning" | tee -a $OUT/partition.txt
+  timeout 240 $PY scripts/bench_decode.py --shards "$(spec ${SIDE:-256})" --backends hardware --threads 2 \
+      --reserve-sms "${RESERVE_SMS:-0,4,12}" --overlap-s 3 2>&1 | grep -v "^\[\|WARNING" | tee -a $OUT/partition.txt
 fi
 if has train; then
   timeout "${TRAIN_S:-560}" $PY scripts/bench_trainer.py --shards "$(spec ${SIDE:-256})" --workers "${WORKERS:-14}" \

@@ -81,9 +81,9 @@ def tower_stream(device: torch.device | str, reserve: int) -> Partition:
 def _torch_green_stream(idx: int, n: int):
     from torch.cuda.green_contexts import GreenContext
 
-    ctx = GreenContext.create(num_sms=n, device_id=idx)
-    if not hasattr(ctx, "Stream"):  # torch < 2.12: only make-current on the default stream
+    if not hasattr(GreenContext, "Stream"):  # torch < 2.12: only make-current on the default stream
         raise RuntimeError("this torch's GreenContext has no Stream()")
+    ctx = GreenContext.create(num_sms=n, device_id=idx)
     return ctx.Stream(), ctx, n
 
 

@@ -275,3 +275,32 @@ class Normalizer(torch.nn.Module):
         out = images.to(torch.float32) * self.scale + self.shift
         return out.to(dtype)
 
+
+
+def pil_library() -> str:
+    """The CPU path's image library as the startup line names it, e.g. ``Pillow 13.0.0
+    (libjpeg-turbo 3.2.0)`` or ``Pillow-SIMD 12.1.1.post0 (libjpeg-turbo 2.1.5)``.
+
+    Both decode and resize every ``data.decode=cpu`` sample, so they set its pixels and the
+    loader's rate: Pillow-SIMD resizes ~1.5x faster (docs/benchmarks.md) within one level of
+    Pillow, and JPEG decodes differ between libjpeg-turbo versions (docs/data.md). A later
+    ``pip install`` that pulls Pillow back in replaces Pillow-SIMD silently; this line shows it."""
+    from importlib import metadata
+
+    import PIL
+    from PIL import features
+
+    name = "Pillow"
+    for dist in ("Pillow-SIMD", "pillow-simd"):
+        try:
+            if metadata.version(dist) == PIL.__version__:
+                name = "Pillow-SIMD"
+                break
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        jpeg = features.version("libjpeg_turbo")
+        lib = f"libjpeg-turbo {jpeg}" if jpeg else f"libjpeg {features.version('jpg')}"
+    except Exception:  # a build without JPEG support
+        lib = "no JPEG support"
+    return f"{name} {PIL.__version__} ({lib})"

@@ -137,8 +137,11 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
             why += (f"; loader workers decode {100 * share:g} % of the samples (data.cpu_decode_share={share:g}, "
                     f"+{3 * size * size * share / 1000:.0f} KB of host pixels per sample on average)")
     else:
+        from infclip.data.transforms import pil_library
+
         transform = _cpu_transform(cfg, size, built)
         normalizer = Normalizer(built.mean, built.std).to(info.device)
+        why += f"; loader workers decode with {pil_library()}"
         if share:
             why += f"; data.cpu_decode_share={share:g} ignored: the loader workers decode every sample"
         if reserved:

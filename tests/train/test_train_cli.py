@@ -129,6 +129,9 @@ def test_augmentations_and_preprocess_overrides_train_and_reach_the_export(tmp_p
                      "model.image_mean=[0.5,0.5,0.5]", "model.image_std=[0.5,0.5,0.5]",
                      "model.image_interpolation=bilinear", "model.image_resize_mode=squash")
     assert "data: decode=cpu (auto: data.color_jitter, data.gray_scale_prob, data.re_prob augment" in proc.stdout
+    from infclip.data.transforms import pil_library  # the library that made the pixels, named
+
+    assert f"; loader workers decode with {pil_library()})" in proc.stdout
     assert all(math.isfinite(v) for v in losses(run_dir).values())
     folder = run_dir / "checkpoints" / "step_00000002"
     pp = json.loads((folder / "open_clip_config.json").read_text())["preprocess_cfg"]

@@ -94,7 +94,12 @@ def matmul_peak_tflops(n: int = 8192, reps: int = 10) -> float:
 
 
 def time_ms(fn, reps: int) -> float:
-    """Median of ``reps`` timed calls after one warm-up (CUDA events; wall clock off CUDA,
+    """Median of ``reps`` timed calls after one warm-up (:func:`times_ms`)."""
+    return statistics.median(times_ms(fn, reps))
+
+
+def times_ms(fn, reps: int) -> list[float]:
+    """ms of each of ``reps`` timed calls after one warm-up (CUDA events; wall clock off CUDA,
     for dry runs of the scripts)."""
     fn()
     cuda = torch.cuda.is_available()
@@ -112,7 +117,7 @@ def time_ms(fn, reps: int) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
 
 
 def _init_single_rank_group() -> None:

@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from bench_loss import times_ms  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -75,25 +76,6 @@ def _ops(objective: str, backward: str):
     return TritonMaskedLSEOps(backward=backward)
 
 
-def _time(step, reps: int) -> list[float]:
-    """ms of each of ``reps`` runs of ``step`` after one warm-up."""
-    step()
-    out = []
-    for _ in range(reps):
-        if CUDA:
-            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            z.record()
-            torch.cuda.synchronize()
-            out.append(a.elapsed_time(z))
-        else:
-            t0 = time.perf_counter()
-            step()
-            out.append(1e3 * (time.perf_counter() - t0))
-    return out
-
-
 def measure(objective: str, c: int, b: int, reps: int) -> dict:
     device = "cuda" if CUDA else "cpu"
     leaves, loss_of = _features(objective, b, c, device, seed=b + c)
@@ -110,7 +92,7 @@ def measure(objective: str, c: int, b: int, reps: int) -> dict:
                 t.grad = None
             loss_of(ops).backward()
 
-        ms = _time(step, reps)
+        ms = times_ms(step, reps)
         row[path] = (statistics.median(ms), min(ms), max(ms))
         got = leaves["grads"] if isinstance(leaves, dict) else [t.grad for t in leaves]
         grads[path] = [t.float().clone() for t in got]

@@ -31,10 +31,26 @@ def cdiv(x: int, y: int) -> int:
     return (x + y - 1) // y
 
 
+_SM_BUDGET: dict[int, int] = {}  # device index -> SMs the loss may count on (set_sm_budget)
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached: the loss is host-bound at small b)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Streaming multiprocessors of a CUDA device the loss's persistent grids are sized for:
+    all of them, or the budget :func:`set_sm_budget` gave (cached: the loss is host-bound at
+    small b)."""
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return min(total, _SM_BUDGET.get(index, total))
+
+
+def set_sm_budget(device: torch.device, sms: int) -> None:
+    """Size persistent grids for ``sms`` SMs of ``device`` from now on: the loss runs on a
+    stream confined to that many (a green context, ``data.decode_reserved_sms``), where a
+    grid for every SM would leave a second, mostly idle wave of programs."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _SM_BUDGET[index] = int(sms)
+    sm_count.cache_clear()
 
 
 def tma_ok(*ts: Tensor) -> bool:

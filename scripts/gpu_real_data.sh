@@ -21,6 +21,7 @@
 #   train  - scripts/bench_trainer.py RUNS on the SIDE-px shards
 # Knobs: N256 N512 SHARD_SIDES DECODE_SIDES SIDE RUNS STEPS WORKERS PHOTOS PHOTO_SCRIPT (a folder holding
 #        data/write_photo_shards.py and its infclip, when not this checkout) TRAIN_S
+#        CHECK_RESERVE RESERVE_SMS (the partition part: at most 150 + 240 s)
 set -o pipefail
 PARTS="${PARTS:-setup,shards,decode}"
 COMMIT="${1:-unknown}"
@@ -52,7 +53,7 @@ if has decode; then
   done
 fi
 if has partition; then
-  timeout 200 $PY scripts/check_sm_partition.py --reserve "${CHECK_RESERVE:-4,12}" 2>&1 | grep -v "Warning" | tee -a $OUT/partition.txt
+  timeout 150 $PY scripts/check_sm_partition.py --reserve "${CHECK_RESERVE:-4,12}" 2>&1 | grep -v "Warning" | tee -a $OUT/partition.txt
   timeout 240 $PY scripts/bench_decode.py --shards "$(spec ${SIDE:-256})" --backends hardware --threads 2 \
       --reserve-sms "${RESERVE_SMS:-0,4,12}" --overlap-s 3 2>&1 | grep -v "^\[\|WARNING" | tee -a $OUT/partition.txt
 fi

@@ -87,12 +87,12 @@ class DataConfig:
     # conversion, crop-and-resize). The JPEG engines need no SMs, but each decode call runs
     # small kernels that otherwise queue behind the towers' GEMMs, which hold every SM (the
     # engines then idle: 18k images/s alone, 4-6k beside the towers on an H200). With N > 0
-    # the towers, loss and optimizer run on a CUDA green-context stream confined to all SMs
-    # but N (rounded so that at least N stay free: 128 of an H200's 132 for N = 4); the
-    # decoders may use every SM. Same kernels, same results; costs the towers N/132 of the
-    # chip. 0: off (the default until measured on a GPU: scripts/check_sm_partition.py and
-    # docs/data.md). Needs CUDA 12.4+ driver and torch >= 2.12 or NVIDIA's cuda-bindings; where
-    # neither works the startup line says so and the towers keep every SM.
+    # the towers, loss and optimizer run on a CUDA green-context stream confined to the SMs
+    # left when N are taken off and the rest is rounded down to the driver's partition granule
+    # (H100/H200: 8; N = 4 gives the towers 128 of 132). The decoders may use every SM.
+    # Needs NVIDIA's cuda-bindings (pip install 'infclip[hwdecode]') and a driver with
+    # green-context streams (CUDA 12.5+); else the startup line says why and the towers keep
+    # every SM. 0: off (the default until measured on a GPU: scripts/check_sm_partition.py).
     decode_reserved_sms: int = 0
     # decode=device: files above this many bytes are re-encoded smaller by the worker (a guard
     # against huge files); the host keeps every other file at its own size (packed).

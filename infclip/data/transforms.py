@@ -276,7 +276,6 @@ class Normalizer(torch.nn.Module):
         return out.to(dtype)
 
 
-
 def pil_library() -> str:
     """The CPU path's image library as the startup line names it, e.g. ``Pillow 13.0.0
     (libjpeg-turbo 3.2.0)`` or ``Pillow-SIMD 12.1.1.post0 (libjpeg-turbo 2.1.5)``.
@@ -290,14 +289,11 @@ def pil_library() -> str:
     import PIL
     from PIL import features
 
-    name = "Pillow"
-    for dist in ("Pillow-SIMD", "pillow-simd"):
-        try:
-            if metadata.version(dist) == PIL.__version__:
-                name = "Pillow-SIMD"
-                break
-        except metadata.PackageNotFoundError:
-            continue
+    try:  # (a Pillow installed over Pillow-SIMD may leave its record behind: the versions differ)
+        simd = metadata.version("pillow-simd") == PIL.__version__
+    except metadata.PackageNotFoundError:
+        simd = False
+    name = "Pillow-SIMD" if simd else "Pillow"
     try:
         jpeg = features.version("libjpeg_turbo")
         lib = f"libjpeg-turbo {jpeg}" if jpeg else f"libjpeg {features.version('jpg')}"

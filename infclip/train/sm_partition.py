@@ -5,17 +5,21 @@ small CUDA kernels (nvImageCodec's colour conversion, our crop-and-resize): besi
 whose GEMMs hold every SM, each of them queues until a tower kernel ends, and the decode chain
 fell from ~18k images/s alone to 4-6k (docs/benchmarks.md). A *green context* confines the
 kernels of a stream to a subset of the SMs. :func:`tower_stream` returns such a stream with
-all SMs but ``reserve`` of them; the trainer runs the towers, the loss and the optimizer on it,
-while the decoders stay on ordinary streams, which may use every SM, the reserved ones
-included, so their kernels start at once.
+all SMs but (at least) ``reserve`` of them; the trainer runs the towers, the loss and the
+optimizer on it, while the decoders stay on ordinary streams, which may use every SM, the
+reserved ones included, so their kernels start at once.
 
-Invariant: the partition changes where kernels run, never what they compute (same kernels,
-same order on one stream): a run with and without it is bit-identical (checked on the GPU by
-``scripts/check_sm_partition.py``).
+Expected, to be confirmed on a GPU by ``scripts/check_sm_partition.py``: the same kernels in
+the same order on one stream, so the same results (the loss's persistent grids are sized for
+the partition's SMs, :func:`infclip.kernels.launching.set_sm_budget`; cuBLAS and Inductor size
+theirs for the whole device).
 
-Two ways to make the stream, the first that works: torch's ``GreenContext(...).Stream()``
-(torch >= 2.12), else the CUDA driver's green-context calls through NVIDIA's ``cuda-bindings``
-package (``cuGreenCtxStreamCreate``), wrapped as a ``torch.cuda.ExternalStream``.
+The stream is made with the CUDA driver's green-context calls through NVIDIA's
+``cuda-bindings`` package (``cuGreenCtxStreamCreate``; torch's own ``GreenContext`` needs that
+package too on torch 2.14 and has no stream before 2.12) and wrapped as a
+``torch.cuda.ExternalStream``. Partitions live until the process ends: a context destroyed
+while the caching allocator still holds blocks recorded on its stream would be used after
+its end.
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-# SM partitions on sm_90 come in multiples of 8 SMs (CUDA driver API, "Green Contexts").
-GRANULE = {9: 8, 10: 8, 8: 2}
+_ALIVE: dict[tuple[int, int], "Partition"] = {}  # (device, tower SMs) -> partition, never freed
 
 
 @dataclass
@@ -38,77 +41,93 @@ class Partition:
     tower_sms: int
     total_sms: int
     reason: str = ""
-    _keep: Any = None  # the green context (and driver handles): they must outlive the stream
+    handles: Any = None  # the driver's green context and stream (kept, never destroyed)
 
     def describe(self) -> str:
         if self.stream is None:
             return f"towers on all SMs ({self.reason})" if self.reason else "towers on all SMs"
-        return (f"towers confined to {self.tower_sms} of {self.total_sms} SMs (green context), "
+        return (f"towers confined to {self.tower_sms} of {self.total_sms} SMs (CUDA green context), "
                 f"{self.total_sms - self.tower_sms} kept free for the decoders' kernels")
 
 
-def tower_sm_count(total: int, reserve: int, major: int) -> int:
-    """SMs left to the towers: ``total - reserve`` rounded *down* to the partition granule of
-    compute capability ``major`` (so at least ``reserve`` stay free); 0 when nothing is left."""
-    g = GRANULE.get(major, 8)
-    return max(0, (total - reserve) // g * g)
+def tower_sm_count(total: int, reserve: int, granule: int) -> int:
+    """SMs left to the towers: ``total - reserve`` rounded *down* to a multiple of the
+    partition ``granule`` (so at least ``reserve`` stay free); 0 when nothing is left."""
+    return max(0, (total - reserve) // granule * granule)
 
 
 def tower_stream(device: torch.device | str, reserve: int) -> Partition:
-    """A stream whose kernels run on all but (at least) ``reserve`` SMs of ``device``.
-
-    Never raises: where green contexts are unavailable (CPU, old driver or torch, no
-    ``cuda-bindings``) it returns an unpartitioned :class:`Partition` whose reason says why."""
+    """A stream whose kernels run on all but (at least) ``reserve`` SMs of ``device``, the
+    same object for the same request. Where green contexts cannot be made (CPU, no
+    ``cuda-bindings``, an old driver) it returns an unpartitioned :class:`Partition` whose
+    reason says why; it raises only what CUDA itself raises for ``device``."""
     device = torch.device(device)
     if device.type != "cuda" or reserve <= 0:
         return Partition(None, 0, 0, "" if reserve <= 0 else "not a CUDA device")
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(idx)
-    total = props.multi_processor_count
-    n = tower_sm_count(total, reserve, props.major)
+    total = torch.cuda.get_device_properties(idx).multi_processor_count
+    try:
+        driver, dev, sms = _driver_sm_resource(idx)
+    except Exception as e:  # no cuda-bindings, a driver without green contexts
+        return Partition(None, 0, total, f"no green context: {_first_line(e)}")
+    n = tower_sm_count(total, reserve, _granule(sms))
     if n <= 0:
         return Partition(None, 0, total, f"{reserve} reserved SMs leave none of {total} for the towers")
-    errors = []
-    for label, maker in (("torch GreenContext", "_torch_green_stream"), ("cuda-bindings", "_driver_green_stream")):
+    if (idx, n) not in _ALIVE:
         try:
-            stream, keep, got = globals()[maker](idx, n)
-            return Partition(stream, got, total, _keep=keep)
-        except Exception as e:  # an API this torch / driver lacks, or a refused partition
-            errors.append(f"{label}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}")
-    return Partition(None, 0, total, "no green context: " + "; ".join(errors))
+            stream, handles, got = _driver_green_stream(driver, dev, sms, idx, n)
+        except Exception as e:  # a refused split or context
+            return Partition(None, 0, total, f"no green context: {_first_line(e)}")
+        _ALIVE[(idx, n)] = Partition(stream, got, total, handles=handles)
+        from infclip.kernels.launching import set_sm_budget
+
+        set_sm_budget(torch.device("cuda", idx), got)  # persistent loss grids fill the partition
+    return _ALIVE[(idx, n)]
 
 
-def _torch_green_stream(idx: int, n: int):
-    from torch.cuda.green_contexts import GreenContext
-
-    if not hasattr(GreenContext, "Stream"):  # torch < 2.12: only make-current on the default stream
-        raise RuntimeError("this torch's GreenContext has no Stream()")
-    ctx = GreenContext.create(num_sms=n, device_id=idx)
-    return ctx.Stream(), ctx, n
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
 
 
 def _check(result):
-    """cuda-bindings return (CUresult, *values): the values, or raise naming the error."""
+    """cuda-bindings return ``(CUresult, *values)``: the values (one, or a list), or raise
+    naming the error."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         raise RuntimeError(f"CUDA driver error {err!r}")
     return values[0] if len(values) == 1 else values
 
 
-def _driver_green_stream(idx: int, n: int):
-    from cuda.bindings import driver as cu
+def _driver_sm_resource(idx: int):
+    """(the cuda-bindings driver module, CUdevice, the device's whole SM resource)."""
+    from cuda.bindings import driver
 
-    torch.cuda.init()
-    _check(cu.cuInit(0))
-    dev = _check(cu.cuDeviceGet(idx))
-    sms = _check(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
-    groups, count, _rest = _check(cu.cuDevSmResourceSplitByCount(1, sms, 0, n))
-    got = groups[0].sm.smCount if count == 1 else 0
-    if got < n or got >= int(sms.sm.smCount):  # (n is a whole number of granules already)
+    torch.cuda.init()  # the primary context first: a green context retains it
+    _check(driver.cuInit(0))
+    dev = _check(driver.cuDeviceGet(idx))
+    sms = _check(driver.cuDeviceGetDevResource(dev, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    return driver, dev, sms
+
+
+def _granule(sms) -> int:
+    """SM count granule of a partition, as the driver reports it (``minSmPartitionSize`` and
+    ``smCoscheduledAlignment`` of the device's SM resource, newer drivers), else Hopper's 8."""
+    sm = getattr(sms, "sm", None)
+    sizes = [int(getattr(sm, k, 0) or 0) for k in ("minSmPartitionSize", "smCoscheduledAlignment")]
+    return max(sizes + [1]) if any(sizes) else 8
+
+
+def _driver_green_stream(driver, dev, sms, idx: int, n: int):
+    """(ExternalStream, handles, SMs it got): a green context of ``n`` of the device's SMs and
+    a non-blocking stream of it. Refuses a split that is smaller than ``n`` or leaves nothing
+    free. The handles are returned to be kept: nothing here is ever destroyed."""
+    groups, count, _rest = _check(driver.cuDevSmResourceSplitByCount(1, sms, 0, n))
+    got = int(groups[0].sm.smCount) if count == 1 else 0
+    if got < n or got >= int(sms.sm.smCount):
         raise RuntimeError(f"the driver split off {count} group(s) of {got} SMs for {n}")
-    desc = _check(cu.cuDevResourceGenerateDesc([groups[0]], 1))
-    green = _check(cu.cuGreenCtxCreate(desc, dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
-    handle = _check(cu.cuGreenCtxStreamCreate(green, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+    desc = _check(driver.cuDevResourceGenerateDesc([groups[0]], 1))
+    green = _check(driver.cuGreenCtxCreate(desc, dev, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+    handle = _check(driver.cuGreenCtxStreamCreate(green, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
     stream = torch.cuda.ExternalStream(int(handle), device=torch.device("cuda", idx))
     return stream, (green, handle), got
 

@@ -1,33 +1,38 @@
 """data.decode_reserved_sms: the towers' green-context stream (infclip/train/sm_partition.py).
 
-CPU: the SM arithmetic, the fallbacks and what the startup line says. CUDA: a step on the
-partitioned stream gives bit-identical results and leaves the caller's stream as it was (the
-speed is measured by scripts/check_sm_partition.py and scripts/bench_decode.py)."""
+CPU: the SM arithmetic, the driver call sequence (against a stand-in for cuda-bindings'
+driver module), the fallbacks and what the startup line says, the loss's grid budget. CUDA: a
+step on the partitioned stream gives bit-identical results and leaves the caller's stream as
+it was (the speed: scripts/check_sm_partition.py and scripts/bench_decode.py)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib.util
+import sys
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
+from infclip.kernels import launching
 from infclip.train import sm_partition as smp
 
 
-@pytest.mark.parametrize("total, reserve, major, towers", [
-    (132, 4, 9, 128),  # H100 / H200 SXM: 4 free
-    (132, 1, 9, 128),  # rounded down to the granule of 8: at least the reserve stays free
-    (132, 12, 9, 120),
-    (114, 4, 9, 104),  # H100 PCIe
-    (108, 4, 8, 104),  # A100: granule 2
-    (108, 3, 8, 104),
-    (8, 4, 9, 0),  # nothing left for the towers
+@pytest.mark.parametrize("total, reserve, granule, towers", [
+    (132, 4, 8, 128),  # H100 / H200 SXM: 4 free
+    (132, 1, 8, 128),  # rounded down to the granule: at least the reserve stays free
+    (132, 12, 8, 120),
+    (114, 4, 8, 104),  # H100 PCIe
+    (108, 3, 2, 104),  # A100: granule 2
+    (132, 4, 16, 128),
+    (132, 12, 16, 112),
+    (8, 4, 8, 0),  # nothing left for the towers
 ])
-def test_towers_keep_whole_granules_and_at_least_the_reserve_stays_free(total, reserve, major, towers):
-    got = smp.tower_sm_count(total, reserve, major)
+def test_towers_keep_whole_granules_and_at_least_the_reserve_stays_free(total, reserve, granule, towers):
+    got = smp.tower_sm_count(total, reserve, granule)
     assert got == towers
     assert total - got >= reserve or got == 0
-    assert got % smp.GRANULE[major] == 0
+    assert got % granule == 0
 
 
 def test_no_reserve_or_no_cuda_device_leaves_the_towers_on_every_sm():
@@ -39,64 +44,128 @@ def test_no_reserve_or_no_cuda_device_leaves_the_towers_on_every_sm():
         assert torch.ones(2).sum().item() == 2.0
 
 
-def _fake_gpu(monkeypatch, sms: int = 132, major: int = 9):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda i: SimpleNamespace(multi_processor_count=sms, major=major))
+class _FakeDriver(ModuleType):
+    """cuda.bindings.driver's calls as tower_stream uses them: (CUresult, *values) tuples."""
+
+    def __init__(self, sms: int = 132, granule: int = 8, short: int = 0):
+        super().__init__("cuda.bindings.driver")
+        self.calls: list[tuple] = []
+        self.sms, self.granule, self.short = sms, granule, short
+        self.CUdevResourceType = SimpleNamespace(CU_DEV_RESOURCE_TYPE_SM="SM")
+        self.CUgreenCtxCreate_flags = SimpleNamespace(CU_GREEN_CTX_DEFAULT_STREAM="DEFAULT_STREAM")
+        self.CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING="NON_BLOCKING")
+
+    def _res(self, n: int):
+        return SimpleNamespace(sm=SimpleNamespace(smCount=n, minSmPartitionSize=self.granule,
+                                                  smCoscheduledAlignment=self.granule))
+
+    def __getattr__(self, name):
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+
+        def call(*args):
+            self.calls.append((name, *args))
+            if name == "cuInit":
+                return (0,)
+            if name == "cuDeviceGet":
+                return 0, f"dev{args[0]}"
+            if name == "cuDeviceGetDevResource":
+                return 0, self._res(self.sms)
+            if name == "cuDevSmResourceSplitByCount":
+                n = args[3] - self.short
+                return 0, [self._res(n)], 1, self._res(self.sms - n)
+            return 0, {"cuDevResourceGenerateDesc": "desc", "cuGreenCtxCreate": "green",
+                       "cuGreenCtxStreamCreate": 0xBEEF}[name]
+        return call
 
 
-def test_when_no_green_context_can_be_made_the_reasons_are_named(monkeypatch):
-    _fake_gpu(monkeypatch)
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A 132-SM device 0 behind a stand-in driver module; a fresh partition cache and budget."""
+    def install(**kw):
+        driver = _FakeDriver(**kw)
+        bindings = ModuleType("cuda.bindings")
+        bindings.driver = driver
+        monkeypatch.setitem(sys.modules, "cuda", ModuleType("cuda"))
+        monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+        monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+        monkeypatch.setattr(torch.cuda, "init", lambda: None)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda i: SimpleNamespace(multi_processor_count=driver.sms, major=9))
+        monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: ("stream", handle, str(device)))
+        monkeypatch.setattr(smp, "_ALIVE", {})
+        monkeypatch.setattr(launching, "_SM_BUDGET", {})
+        launching.sm_count.cache_clear()
+        return driver
 
-    def old_torch(idx, n):
-        raise RuntimeError("this torch's GreenContext has no Stream()")
+    yield install
+    launching.sm_count.cache_clear()
 
-    def no_bindings(idx, n):
-        raise ModuleNotFoundError("No module named 'cuda'")
 
-    monkeypatch.setattr(smp, "_torch_green_stream", old_torch)
-    monkeypatch.setattr(smp, "_driver_green_stream", no_bindings)
+def test_the_driver_builds_a_green_stream_once_and_the_loss_grids_follow_it(fake_gpu):
+    driver = fake_gpu()
+    part = smp.tower_stream("cuda:0", 4)
+    assert part.stream == ("stream", 0xBEEF, "cuda:0")
+    assert (part.tower_sms, part.total_sms) == (128, 132)
+    assert part.describe() == ("towers confined to 128 of 132 SMs (CUDA green context), "
+                               "4 kept free for the decoders' kernels")
+    names = [c[0] for c in driver.calls]
+    assert names == ["cuInit", "cuDeviceGet", "cuDeviceGetDevResource", "cuDevSmResourceSplitByCount",
+                     "cuDevResourceGenerateDesc", "cuGreenCtxCreate", "cuGreenCtxStreamCreate"]
+    split = driver.calls[3]
+    assert split[1] == 1 and split[3:] == (0, 128)  # one group of at least 128 SMs
+    assert driver.calls[5][2:] == ("dev0", "DEFAULT_STREAM") and driver.calls[6][2:] == ("NON_BLOCKING", 0)
+    assert launching.sm_count(torch.device("cuda", 0)) == 128  # persistent grids for the partition
+    again = smp.tower_stream("cuda:0", 1)  # 1 rounds to the same 128: the same partition, kept
+    assert again is part and [c[0] for c in driver.calls].count("cuGreenCtxCreate") == 1
+
+
+def test_the_driver_s_granule_sets_the_rounding(fake_gpu):
+    fake_gpu(granule=16)
+    assert smp.tower_stream("cuda:0", 12).tower_sms == 112
+
+
+def test_a_split_smaller_than_asked_is_refused_with_the_reason(fake_gpu):
+    driver = fake_gpu(short=8)
     part = smp.tower_stream("cuda:0", 4)
     assert part.stream is None and part.total_sms == 132
-    assert "torch GreenContext: this torch's GreenContext has no Stream()" in part.reason
-    assert "cuda-bindings: No module named 'cuda'" in part.reason
-    assert part.describe().startswith("towers on all SMs (no green context: ")
+    assert part.describe() == "towers on all SMs (no green context: the driver split off 1 group(s) of 120 SMs for 128)"
+    assert "cuGreenCtxCreate" not in [c[0] for c in driver.calls]
+    assert launching._SM_BUDGET == {}  # the loss keeps its grids for every SM
 
 
-def test_the_first_maker_that_works_is_taken_with_the_sms_it_gave(monkeypatch):
-    _fake_gpu(monkeypatch)
-    asked = []
-
-    def fails(idx, n):
-        asked.append(("torch", n))
-        raise RuntimeError("refused")
-
-    def works(idx, n):
-        asked.append(("driver", n))
-        return "stream", "ctx", n
-
-    monkeypatch.setattr(smp, "_torch_green_stream", fails)
-    monkeypatch.setattr(smp, "_driver_green_stream", works)
-    part = smp.tower_stream("cuda:0", 12)
-    assert asked == [("torch", 120), ("driver", 120)]
-    assert (part.stream, part.tower_sms, part.total_sms) == ("stream", 120, 132)
-    assert part.describe() == ("towers confined to 120 of 132 SMs (green context), "
-                               "12 kept free for the decoders' kernels")
+def test_without_cuda_bindings_the_line_says_so(fake_gpu, monkeypatch):
+    fake_gpu()
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import fails as if not installed
+    part = smp.tower_stream("cuda:0", 4)
+    assert part.stream is None
+    assert part.describe().startswith("towers on all SMs (no green context: ") and "cuda.bindings" in part.reason
 
 
-def test_a_reserve_that_leaves_nothing_is_not_attempted(monkeypatch):
-    _fake_gpu(monkeypatch, sms=8)
-    monkeypatch.setattr(smp, "_torch_green_stream", lambda *a: pytest.fail("must not be called"))
+def test_a_reserve_that_leaves_nothing_is_not_attempted(fake_gpu):
+    driver = fake_gpu(sms=8)
     part = smp.tower_stream("cuda:0", 4)
     assert part.stream is None and "leave none of 8" in part.reason
+    assert "cuDevSmResourceSplitByCount" not in [c[0] for c in driver.calls]
+
+
+@pytest.fixture
+def own_budget(monkeypatch):
+    """The loss's grid budget set by this test only: later tests size grids for every SM."""
+    monkeypatch.setattr(launching, "_SM_BUDGET", {})
+    launching.sm_count.cache_clear()
+    yield
+    launching.sm_count.cache_clear()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_step_on_the_towers_stream_is_bit_identical_and_the_stream_is_restored():
+def test_a_step_on_the_towers_stream_is_bit_identical_and_the_stream_is_restored(own_budget):
     part = smp.tower_stream("cuda", 4)
-    if part.stream is None:
-        pytest.skip(part.describe())  # no green contexts on this machine: nothing to compare
+    if part.stream is None and importlib.util.find_spec("cuda.bindings") is None:
+        pytest.skip(part.describe())  # no cuda-bindings here: nothing to compare
+    assert part.stream is not None, part.describe()
     torch.manual_seed(0)
     lin = torch.nn.Linear(512, 512, device="cuda")
     x = torch.randn(4096, 512, device="cuda")

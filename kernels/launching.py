@@ -183,7 +183,7 @@ def finish_accumulator(out: Tensor, acc: Tensor, accumulate: bool) -> None:
         out.add_(acc) if accumulate else out.copy_(acc)
 
 
-def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: bool,
+def strip_backward(a: Tensor, b: Tensor, out: Tensor | None, rows: int, accumulate: bool,
                    fill: Callable[[int, int, Tensor], Tensor | None], alloc=torch.empty,
                    fixup: Callable[[int, int, Tensor], None] | None = None,
                    then: Callable[[int, int, Tensor], None] | None = None) -> Tensor | None:
@@ -195,7 +195,9 @@ def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: boo
     given, adds to the strip's fp32 product (r, c) before its one rounding to out's dtype
     (then the product goes through an fp32 (rows, c) temporary). then(r0, r, scratch), if
     given, runs once the strip's product is done and before the next fill: the one-pass
-    backward's second product, P^T @ a[strip], from the same scratch."""
+    backward's second product, P^T @ a[strip], from the same scratch. ``out`` None: no first
+    product (and no fixup) at all, only the fills and ``then`` (a one-pass backward whose rows'
+    gradient is not wanted)."""
     m, n = a.shape[0], b.shape[0]
     rows = max(1, min(rows, m))
     scratch = alloc(rows, n, device=a.device, dtype=a.dtype)
@@ -203,7 +205,9 @@ def strip_backward(a: Tensor, b: Tensor, out: Tensor, rows: int, accumulate: boo
     for r0 in range(0, m, rows):
         r = min(rows, m - r0)
         parts.append(fill(r0, r, scratch))
-        if fixup is None:
+        if out is None:
+            pass
+        elif fixup is None:
             product_into(out[r0:r0 + r], scratch[:r], b, accumulate)
         else:
             prod = mm_f32(scratch[:r], b)

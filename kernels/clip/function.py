@@ -57,19 +57,21 @@ def loss_forward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, gr
 
 def loss_backward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, row: Tensor, col: Tensor,
                   pos: Tensor, g: Tensor, out: tuple[Tensor, Tensor] | None = None, groups: Tensor | None = None,
-                  w_diag: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  w_diag: Tensor | None = None, need: tuple[bool, bool] = (True, True)
+                  ) -> tuple[Tensor | None, Tensor | None, Tensor]:
     """(dimg, dtxt in the input dtype, dscale fp32 0-d) of ``loss_forward`` for upstream g (0-d);
     ``out``: (dimg, dtxt) buffers to write them into (else fresh tensors). groups: as
     ``loss_forward``. w_diag (b,): the positives' weight in -sum_i g_diag_i x_ii is
     g_lse_i w_diag_i instead of 2 g_lse_i (a multi-positive loss: its within-group softmax
-    shares, summed over both directions)."""
+    shares, summed over both directions). need: which of (dimg, dtxt) to compute (the other
+    is None; ``TritonTileOps.backward``)."""
     b = img.shape[0]
     g_lse = (0.5 / b * g.float()).expand(b).contiguous()
     g_diag = 2 * g_lse if w_diag is None else g_lse * w_diag  # 2 g_lse: exactly g_row + g_col (CLIP)
     dimg, dtxt = out if out is not None else (None, None)
     kw = {} if groups is None else {"groups": (groups, groups)}
     return ops.backward(img, txt, scale, row, col, g_lse, g_lse, dimg, dtxt, out_dtype=img.dtype, g_diag=g_diag,
-                        offsets=(pos, pos), overwrite=out is not None, **kw)
+                        offsets=(pos, pos), overwrite=out is not None, need=need, **kw)
 
 
 class TritonCLIPLoss(torch.autograd.Function):
@@ -97,8 +99,9 @@ class TritonCLIPLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         img, txt, scale, row, col, pos = ctx.saved_tensors
-        dimg, dtxt, ds = loss_backward(ctx.ops, img, txt, scale, row, col, pos, g, groups=ctx.groups)
-        need = ctx.needs_input_grad
+        need = ctx.needs_input_grad  # a locked tower's features: their gradient is never formed
+        dimg, dtxt, ds = loss_backward(ctx.ops, img, txt, scale, row, col, pos, g, groups=ctx.groups,
+                                       need=(need[0], need[1]))
         return (dimg if need[0] else None, dtxt if need[1] else None,
                 ds.to(scale.dtype) if need[2] else None, None, None)
 

@@ -202,12 +202,13 @@ def _gids(gid_a: Tensor | None, gid_b: Tensor | None) -> tuple:
 
 
 def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
-                     g_b: Tensor, out: Tensor, rows: int, cfg: StripConfig, prec: str,
+                     g_b: Tensor, out: Tensor | None, rows: int, cfg: StripConfig, prec: str,
                      alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
                      off_b: Tensor | None = None, fold: bool = False, gid_a: Tensor | None = None,
                      gid_b: Tensor | None = None, accumulate: bool = False, then=None) -> Tensor:
     """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
-    dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype. g_d, off_a,
+    dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype (None: no
+    product, only the fills for ``then`` and ds). g_d, off_a,
     off_b: as in ``grad_rows``. fold (with g_d): the positives' folded fp32 s dX_ii go into
     P (one rounding to the input dtype, then the plain product into ``out``) instead of
     an fp32 product per strip plus the host's fp32 fixup + s dX_ii b_i. gid_a (m,), gid_b (n,):
@@ -253,7 +254,7 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
 
 
 def grad_onepass_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
-                        g_b: Tensor, out_a: Tensor, acc_b: Tensor, rows: int, cfg: StripConfig, prec: str,
+                        g_b: Tensor, out_a: Tensor | None, acc_b: Tensor, rows: int, cfg: StripConfig, prec: str,
                         alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
                         off_b: Tensor | None = None, fold: bool = False, accumulate: bool = False,
                         gid_a: Tensor | None = None, gid_b: Tensor | None = None) -> Tensor:
@@ -263,7 +264,8 @@ def grad_onepass_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_
     for fresh gradients. Each logits tile is computed once: 8 b^2 c FLOPs for forward +
     backward instead of 10. The positives (g_d): folded into P (``fold``), both products
     carry them; otherwise (fixup) P's diagonal is zero and s dX_ii a_i is added to
-    acc_b[i] in fp32 here, as s dX_ii b_i is to out_a's fp32 product."""
+    acc_b[i] in fp32 here, as s dX_ii b_i is to out_a's fp32 product. out_a None: a's
+    gradient is not wanted (a locked tower): its product is skipped, 6 b^2 c in all."""
     if acc_b.dtype != torch.float32 or acc_b.shape != b.shape:
         raise ValueError(f"acc_b must be an fp32 {tuple(b.shape)} accumulator, got {acc_b.dtype} {tuple(acc_b.shape)}")
 

@@ -143,15 +143,22 @@ class TritonTileOps:
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
                  g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,
                  dtxt: Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                 g_diag: Tensor | None = None, offsets=None, overwrite: bool = False, groups=None
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+                 g_diag: Tensor | None = None, offsets=None, overwrite: bool = False, groups=None,
+                 need: tuple[bool, bool] = (True, True)) -> tuple[Tensor | None, Tensor | None, Tensor]:
         """(dimg, dtxt, dscale); fresh outputs are ``out_dtype`` (fp32 by the protocol).
 
         offsets: row_lse / col_lse are relative to s * offsets (as ``forward``). g_diag (m,)
         (square block pair, offsets = the positives' dot products): the gradient of
         -sum_i g_diag_i x_ii, folded into dX_ii in fp32 before any rounding (ds too).
         overwrite: the given dimg / dtxt are written, not accumulated into (as fresh outputs
-        of their dtype: the CUDA graphs' static gradients). groups: as ``forward``."""
+        of their dtype: the CUDA graphs' static gradients). groups: as ``forward``.
+        need: which of (dimg, dtxt) are wanted; an unwanted one is returned as None and costs
+        no product (LiT's locked image tower: the one-pass backward forms dX once and skips
+        dX @ txt, 6 b^2 c instead of 8 for forward + backward; the two-pass path runs one of
+        its passes). What is computed is bit-identical to the same gradient of a call that
+        wants both (ds: equal up to summation order when only dtxt is wanted)."""
+        if not any(need):  # only dscale: one direction's pass carries it
+            need = (True, False)
         img, txt, scale = _prep(img, txt, scale)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
         gid_row, gid_col = _groups(groups, img.shape[0], txt.shape[0])
@@ -159,20 +166,24 @@ class TritonTileOps:
         row_lse, col_lse, g_row, g_col = vecs
         prec = self._prec(img)
         acc_i, acc_t = dimg is not None and not overwrite, dtxt is not None and not overwrite
-        dimg = self._out(dimg, img, out_dtype)
-        dtxt = self._out(dtxt, txt, out_dtype)
+        dimg = self._out(dimg, img, out_dtype) if need[0] else None
+        dtxt = self._out(dtxt, txt, out_dtype) if need[1] else None
         if g_diag is not None:
             if img.shape[0] != txt.shape[0] or o_row is None:
                 raise ValueError(f"g_diag needs a square block pair ({img.shape[0]} x {txt.shape[0]}) and "
                                  "the offsets (the positives' dot products)")
             g_diag = g_diag.float().contiguous()
-        if self._one_pass(img, txt):
+        if self._one_pass(img, txt) and need[1]:  # (dimg alone: the two-pass path's one pass is one pass)
             return dimg, dtxt, self._grad_onepass(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, acc_i,
                                                   acc_t, prec, g_diag, o_row, o_col, gid_row, gid_col)
-        ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec, g_diag,
-                        o_row, o_col, gid_row, gid_col)
-        self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, False, prec, g_diag,
-                   o_col, o_row, gid_col, gid_row)
+        ds = None
+        if need[0]:
+            ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec, g_diag,
+                            o_row, o_col, gid_row, gid_col)
+        if need[1]:
+            ds_t = self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, ds is None, prec, g_diag,
+                              o_col, o_row, gid_col, gid_row)
+            ds = ds_t if ds is None else ds
         return dimg, dtxt, ds
 
     def fused_loss(self, img: Tensor, txt: Tensor, scale: Tensor, groups: Tensor | None = None) -> Tensor:
@@ -234,7 +245,7 @@ class TritonTileOps:
         rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],
                                  temp=not self.fold)
         cfg = self._strip_cfg(img, txt, prec, scale, rows)
-        acc = fp32_accumulator(dtxt, acc_t)
+        acc = fp32_accumulator(dtxt, acc_t)  # (dimg may be None: not wanted, no product)
         ds = launch.grad_onepass_strips(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc, rows, cfg, prec,
                                         alloc=self._alloc, g_d=g_d, off_a=o_row, off_b=o_col, fold=self.fold,
                                         accumulate=acc_i, gid_a=gid_row, gid_b=gid_col)

@@ -53,6 +53,10 @@ IMPLS = {
     "inf_cl": (torch.bfloat16, 131072, None),
     "triton_bf16": (torch.bfloat16, 1 << 20, None),
     "triton_fixup_bf16": (torch.bfloat16, 1 << 20, None),  # strip path with strip_positives="fixup"
+    # LiT: image features of a locked tower need no gradient (opt in with --impls; the FLOP
+    # count of the % column stays 8 b^2 c, so its "% of peak" reads as a speed, not a utilization)
+    "triton_lit_bf16": (torch.bfloat16, 1 << 20, None),
+    "vanilla_lit_bf16": (torch.bfloat16, 131072, None),
     "triton_fp32_tf32": (torch.float32, 65536, (512,)),
     "torch_bf16": (torch.bfloat16, 16384, (512,)),
 }
@@ -175,18 +179,19 @@ def objective_loss_fn(impl: str):
     return lambda i, t, s: nt_xent_loss(torch.cat([i[: len(i) // 2], t[: len(t) // 2]]), 0.1, impl=kind)
 
 
-def _inputs(b: int, c: int, dtype: torch.dtype):
+def _inputs(b: int, c: int, dtype: torch.dtype, locked_image: bool = False):
+    """(img, txt, logit_scale) leaves; ``locked_image``: the image features need no gradient (LiT)."""
     gen = torch.Generator(device="cuda").manual_seed(b + c)
     img = torch.nn.functional.normalize(torch.randn(b, c, device="cuda", generator=gen), dim=-1)
     txt = torch.nn.functional.normalize(torch.randn(b, c, device="cuda", generator=gen), dim=-1)
     logit_scale = torch.tensor(math.log(1 / 0.07), device="cuda", requires_grad=True)
-    return img.to(dtype).requires_grad_(), txt.to(dtype).requires_grad_(), logit_scale
+    return img.to(dtype).requires_grad_(not locked_image), txt.to(dtype).requires_grad_(), logit_scale
 
 
 def measure(impl: str, b: int, c: int, reps: int, peak: float) -> Row:
     """One (impl, b, c) point: ms (median), extra peak GB, effective TFLOP/s."""
     fn = loss_fn(impl)
-    img, txt, logit_scale = _inputs(b, c, IMPLS[impl][0])
+    img, txt, logit_scale = _inputs(b, c, IMPLS[impl][0], locked_image="_lit" in impl)
     state = {}
 
     def step():
@@ -449,7 +454,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="8192,16384,32768,65536,131072,262144,1048576")
     p.add_argument("--dims", default="512,768,1024")
-    p.add_argument("--impls", default=",".join(k for k in IMPLS if k not in OBJECTIVE_IMPLS and k != "triton_fixup_bf16"))
+    p.add_argument("--impls", default=",".join(k for k in IMPLS if k not in OBJECTIVE_IMPLS and k != "triton_fixup_bf16"
+                                               and "_lit" not in k))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-s", type=float, default=90.0, help="skip a point estimated to take longer")
     p.add_argument("--commit", default=None, help="commit to report (default: git rev-parse --short HEAD)")

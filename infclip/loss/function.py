@@ -66,7 +66,8 @@ class _LSEPair(torch.autograd.Function):
             from infclip.loss import ring
 
             dimg, dtxt, dscale = ring.ring_backward(img, txt, scale, row, col, g_row, g_col, ctx.ops,
-                                                    ctx.group, pos, dup, *pos_lse)
+                                                    ctx.group, pos, dup, *pos_lse,
+                                                    need_img=ctx.needs_input_grad[0])
         # No all-reduce of dscale: each rank returns the part of d(sum of all ranks'
         # losses)/ds that flows through its own rows; DDP's gradient averaging then gives
         # exactly the single-process gradient of the global mean loss.

@@ -255,9 +255,11 @@ class _Pool:
 def ring_backward(
     img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
     g_row: Tensor, g_col: Tensor, ops, group, pos: Tensor, dup=None, pos_row: Tensor | None = None,
-    pos_col: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    pos_col: Tensor | None = None, need_img: bool = True,
+) -> tuple[Tensor | None, Tensor, Tensor]:
     """(dimg (m, c), dtxt (m, c), dscale 0-d) in the accumulation dtype (fp32, fp64 for fp64).
+    need_img False (LiT's locked image tower): no dI is formed, dimg is None, on tile backends
+    that skip an unwanted side (``takes_need``: the Triton tiles; not with duplicates).
 
     dimg, dtxt: d(sum over all ranks' losses)/d(local features); dscale: this rank's part.
     One-pass backends (``sums_in_place``) sum each tile straight into the fp32 dI sum and
@@ -277,7 +279,9 @@ def ring_backward(
     blocks, bufs = _blocks(txt, torch.stack(meta), dup), []
     pool = _Pool(txt, acc)
     into = sums_in_place(ops, img)
-    dimg = torch.zeros(img.shape, dtype=acc, device=img.device) if into else None
+    skip_img = not need_img and dup is None and getattr(ops, "takes_need", False)
+    need = {"need": (False, True)} if skip_img else {}
+    dimg = torch.zeros(img.shape, dtype=acc, device=img.device) if into and not skip_img else None
     dscale = torch.zeros((), dtype=acc, device=img.device)
     dt_out = None  # finished dT accumulator of the block of the previous step
     for k in range(ring.world):
@@ -287,8 +291,8 @@ def ring_backward(
         g_diag = _g_diag(g_row, g_col, pos_row, pos_col) if k == 0 else None
         sums = (dimg, pool.take(zero=True)) if into else (None, None)
         di, dt, ds = _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, *blocks[:2], *sums,
-                                    **_groups(dup, blocks))
-        if not into:
+                                    **_groups(dup, blocks), **need)
+        if not into and di is not None:
             dimg = di.to(acc) if dimg is None else dimg.add_(di)
         dscale += ds
         ring.wait(works)
@@ -345,13 +349,14 @@ def backward_extra_bytes(m: int, c: int, esize: int, in_place: bool) -> dict[str
 
 
 def _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, txt, meta, dimg=None, dtxt=None,
-                   **groups) -> tuple[Tensor, Tensor, Tensor]:
+                   **groups) -> tuple[Tensor | None, Tensor, Tensor]:
     """(dI, dT, ds) of one tile: summed into ``dimg`` / ``dtxt`` (fp32) when given, else fresh,
     in the input dtype where ``ops`` can write it.
 
     ``meta`` (3 or 4, n): the text block's final column loss (LSE less its positives' logits),
     its upstream gradient g_col and its positives' dot products (and, "positive", its
-    within-group LSEs). g_diag: the diagonal block's. groups: the tiles' ``groups`` keyword.
+    within-group LSEs). g_diag: the diagonal block's. groups: the tiles' ``groups`` keyword
+    (and ``need``, passed through to backends with ``takes_need``).
     """
     fresh = dimg is None and getattr(ops, "writes_out_dtype", False)
     kw = {"out_dtype": img.dtype} if fresh else {}

@@ -79,6 +79,7 @@ class TritonTileOps:
 
     name = "triton"
     writes_out_dtype = True  # backward(..., out_dtype=img.dtype) writes fresh grads directly
+    takes_need = True  # backward(need=): an unwanted feature gradient costs no product (a locked tower)
 
     def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
                  grad_filter: tuple[float, int] | None = None, strip_positives: str = "fold",

@@ -259,7 +259,7 @@ def ring_backward(
 ) -> tuple[Tensor | None, Tensor, Tensor]:
     """(dimg (m, c), dtxt (m, c), dscale 0-d) in the accumulation dtype (fp32, fp64 for fp64).
     need_img False (LiT's locked image tower): no dI is formed, dimg is None, on tile backends
-    that skip an unwanted side (``takes_need``: the Triton tiles; not with duplicates).
+    that skip an unwanted side (``takes_need``: the Triton tiles; not with duplicates "positive").
 
     dimg, dtxt: d(sum over all ranks' losses)/d(local features); dscale: this rank's part.
     One-pass backends (``sums_in_place``) sum each tile straight into the fp32 dI sum and
@@ -279,7 +279,8 @@ def ring_backward(
     blocks, bufs = _blocks(txt, torch.stack(meta), dup), []
     pool = _Pool(txt, acc)
     into = sums_in_place(ops, img)
-    skip_img = not need_img and dup is None and getattr(ops, "takes_need", False)
+    # ("positive" adds its sparse same-group terms into dimg: it keeps the image side)
+    skip_img = not need_img and (dup is None or dup.mode == "mask") and getattr(ops, "takes_need", False)
     need = {"need": (False, True)} if skip_img else {}
     dimg = torch.zeros(img.shape, dtype=acc, device=img.device) if into and not skip_img else None
     dscale = torch.zeros((), dtype=acc, device=img.device)

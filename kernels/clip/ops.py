@@ -158,15 +158,14 @@ class TritonTileOps:
         dX @ txt, 6 b^2 c instead of 8 for forward + backward; the two-pass path runs one of
         its passes). What is computed is bit-identical to the same gradient of a call that
         wants both (ds: equal up to summation order when only dtxt is wanted)."""
-        if not any(need):  # only dscale: one direction's pass carries it
-            need = (True, False)
         img, txt, scale = _prep(img, txt, scale)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
         gid_row, gid_col = _groups(groups, img.shape[0], txt.shape[0])
         vecs = [v.float().contiguous() for v in (row_lse, col_lse, g_row, g_col)]
         row_lse, col_lse, g_row, g_col = vecs
         prec = self._prec(img)
-        acc_i, acc_t = dimg is not None and not overwrite, dtxt is not None and not overwrite
+        acc_i = dimg is not None and not overwrite and need[0]
+        acc_t = dtxt is not None and not overwrite and need[1]
         dimg = self._out(dimg, img, out_dtype) if need[0] else None
         dtxt = self._out(dtxt, txt, out_dtype) if need[1] else None
         if g_diag is not None:
@@ -174,12 +173,13 @@ class TritonTileOps:
                 raise ValueError(f"g_diag needs a square block pair ({img.shape[0]} x {txt.shape[0]}) and "
                                  "the offsets (the positives' dot products)")
             g_diag = g_diag.float().contiguous()
-        if self._one_pass(img, txt) and need[1]:  # (dimg alone: the two-pass path's one pass is one pass)
+        if self._one_pass(img, txt):
             return dimg, dtxt, self._grad_onepass(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, acc_i,
                                                   acc_t, prec, g_diag, o_row, o_col, gid_row, gid_col)
         ds = None
-        if need[0]:
-            ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc_i, True, prec, g_diag,
+        if need[0] or not need[1]:  # (d scale alone: the image pass, its gradient dropped)
+            out = dimg if need[0] else self._out(None, img, out_dtype)
+            ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, out, acc_i, True, prec, g_diag,
                             o_row, o_col, gid_row, gid_col)
         if need[1]:
             ds_t = self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, ds is None, prec, g_diag,
@@ -242,10 +242,15 @@ class TritonTileOps:
         """dimg (+)= s dX @ txt and dtxt (+)= s dX^T @ img from one fill per strip of image
         rows (``launch.grad_onepass_strips``); returns ds. dtxt is summed over the strips in
         fp32: in dtxt itself when it is fp32, else in a fresh fp32 (n, c) accumulator that
-        is rounded into dtxt once at the end."""
+        is rounded into dtxt once at the end. dimg / dtxt None: not wanted (no product for
+        it; both None: the fills alone, for ds), the other one bit for bit as with both."""
         rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],
                                  temp=not self.fold)
         cfg = self._strip_cfg(img, txt, prec, scale, rows)
+        if dtxt is None:  # the same fills and P @ txt, without the second product
+            return launch.grad_rows_strips(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, rows, cfg, prec,
+                                           alloc=self._alloc, g_d=g_d, off_a=o_row, off_b=o_col, fold=self.fold,
+                                           accumulate=acc_i, gid_a=gid_row, gid_b=gid_col)
         acc = fp32_accumulator(dtxt, acc_t)  # (dimg may be None: not wanted, no product)
         ds = launch.grad_onepass_strips(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc, rows, cfg, prec,
                                         alloc=self._alloc, g_d=g_d, off_a=o_row, off_b=o_col, fold=self.fold,

@@ -17,6 +17,15 @@ def strips16(monkeypatch):
     monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 16)
 
 
+@pytest.fixture
+def products(monkeypatch):
+    """Shapes of the strip products P @ b (``launching.product_into``) made from now on."""
+    made = []
+    real = launching.product_into
+    monkeypatch.setattr(launching, "product_into", lambda *a, **k: made.append(tuple(a[0].shape)) or real(*a, **k))
+    return made
+
+
 def _problem(b: int, c: int, scale: float, dtype):
     img, txt = (x.to(dtype) for x in _pair(b, c, seed=b + c, peaked=scale >= 100))
     s = torch.tensor(scale, device=DEV)
@@ -26,55 +35,69 @@ def _problem(b: int, c: int, scale: float, dtype):
     return img, txt, s, row, col, pos, g, ref
 
 
+OUTPUTS = ["fresh", "fresh_fp32", "accumulate_fp32"]
+
+
 @pytest.mark.parametrize("need", [(False, True), (True, False), (False, False)], ids=["txt", "img", "scale"])
 @pytest.mark.parametrize("path", ["onepass", "twopass"])
+@pytest.mark.parametrize("strips", ["always", "auto"])
+@pytest.mark.parametrize("output", OUTPUTS)
 @pytest.mark.parametrize("positives", ["fold", "fixup"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("b,c,scale", [(37, 40, 10.0), (70, 200, 100.0)])
-def test_only_the_wanted_gradient_is_formed_and_it_is_the_full_call_s(strips16, b, c, scale, dtype, positives,
-                                                                       path, need):
+@pytest.mark.parametrize("dtype,b,c,scale", [(torch.float32, 37, 40, 10.0), (torch.bfloat16, 37, 40, 10.0),
+                                             (torch.bfloat16, 70, 200, 100.0)], ids=["fp32", "bf16", "bf16_peaked"])
+def test_only_the_wanted_gradient_is_formed_and_it_is_the_full_call_s(strips16, dtype, b, c, scale, positives,
+                                                                       output, strips, path, need):
     img, txt, s, row, col, pos, g, ref = _problem(b, c, scale, dtype)
-    ops = TritonTileOps(poison=True, strips="always", strip_positives=positives, backward=path)
-    kw = dict(out_dtype=dtype, g_diag=g[0] + g[1], offsets=(pos, pos))
-    full = ops.backward(img, txt, s, row, col, g[0], g[1], **kw)
-    got = ops.backward(img, txt, s, row, col, g[0], g[1], need=need, **kw)
+    ops = TritonTileOps(poison=True, strips=strips, strip_positives=positives, backward=path)
+    out_dtype = dtype if output == "fresh" else torch.float32
+    kw = dict(out_dtype=out_dtype, g_diag=g[0] + g[1], offsets=(pos, pos))
+
+    def bufs():  # the given fp32 buffers of "accumulate_fp32" (fresh copies per call)
+        if output != "accumulate_fp32":
+            return None, None
+        gen = torch.Generator().manual_seed(7)
+        return (torch.randn(b, c, generator=gen).to(DEV), torch.randn(b, c, generator=gen).to(DEV))
+
+    full = ops.backward(img, txt, s, row, col, g[0], g[1], *bufs(), **kw)
+    got = ops.backward(img, txt, s, row, col, g[0], g[1], *bufs(), need=need, **kw)
     for k in (0, 1):
         if need[k]:
             assert torch.equal(got[k], full[k]), (k, _rel(got[k], full[k].double()))
         else:
-            assert got[k] is None or (need == (False, False) and k == 0)  # (scale alone: one pass runs)
+            assert got[k] is None
     # d scale: the same pass's sum, or (dtxt alone) the other direction's: equal up to summation order
     assert abs(got[2].item() - ref[2].item()) <= 1e-5 * max(1.0, abs(ref[2].item())) + abs(full[2] - ref[2]).item()
 
 
-def test_the_one_pass_backward_skips_the_locked_side_s_product(strips16, monkeypatch):
-    """dtxt alone: every strip is filled once and its P^T @ img accumulated; no P @ txt."""
+@pytest.mark.parametrize("need, made", [((True, True), 5), ((False, True), 0), ((True, False), 5),
+                                        ((False, False), 0)])
+def test_the_one_pass_backward_makes_only_the_wanted_products(strips16, monkeypatch, products, need, made):
+    """Every strip is filled once; P @ txt only for dimg, P^T @ img only for dtxt."""
     img, txt, s, row, col, pos, g, _ = _problem(70, 40, 10.0, torch.bfloat16)
-    products, accumulated = [], []
-    real_product, real_addmm = launching.product_into, launch.addmm_f32_
-    monkeypatch.setattr(launching, "product_into", lambda *a, **k: products.append(1) or real_product(*a, **k))
+    accumulated = []
+    real_addmm = launch.addmm_f32_
     monkeypatch.setattr(launch, "addmm_f32_", lambda *a, **k: accumulated.append(1) or real_addmm(*a, **k))
     ops = TritonTileOps(strips="always", backward="onepass")
     ops.backward(img, txt, s, row, col, g[0], g[1], out_dtype=img.dtype, g_diag=g[0] + g[1], offsets=(pos, pos),
-                 need=(False, True))
-    assert products == [] and len(accumulated) == 5  # 70 rows in 16-row strips
-    ops.backward(img, txt, s, row, col, g[0], g[1], out_dtype=img.dtype, g_diag=g[0] + g[1], offsets=(pos, pos))
-    assert len(products) == 5 and len(accumulated) == 10
+                 need=need)
+    assert len(products) == made and len(accumulated) == (5 if need[1] else 0)  # 70 rows in 16-row strips
 
 
 @pytest.mark.parametrize("path", ["onepass", "twopass"])
-def test_a_locked_image_side_through_autograd(strips16, path):
+def test_a_locked_image_side_through_autograd(strips16, products, path):
     """clip_loss_triton with image features that need no gradient (LiT): the text gradient
-    and d scale of a call where both need one; the image side gets none."""
+    and d scale of a call where both need one, from fewer products (one-pass: none of
+    P @ txt; two-pass: the text pass's only)."""
     img, txt = (x.bfloat16() for x in _pair(70, 40, seed=3))
     ops = TritonTileOps(strips="always", backward=path, cuda_graphs="never")
     both = [x.detach().clone().requires_grad_() for x in (img, txt)]
     s_both = torch.tensor(14.0, device=DEV, requires_grad=True)
     clip_loss_triton(*both, s_both, ops=ops).backward()
+    made_both = len(products)
     locked, t = img.detach().clone(), txt.detach().clone().requires_grad_()
     s = torch.tensor(14.0, device=DEV, requires_grad=True)
-    loss = clip_loss_triton(locked, t, s, ops=ops)
-    loss.backward()
-    assert locked.grad is None
+    clip_loss_triton(locked, t, s, ops=ops).backward()
     assert torch.equal(t.grad, both[1].grad)
     assert abs(s.grad.item() - s_both.grad.item()) <= 1e-5 * max(1.0, abs(s_both.grad.item()))
+    made_locked = len(products) - made_both
+    assert (made_both, made_locked) == ((5, 0) if path == "onepass" else (10, 5))

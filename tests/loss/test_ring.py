@@ -131,35 +131,39 @@ def test_loopback_ring_triton_onepass_in_place(monkeypatch, dtype):
             assert e1 <= 1.1 * e2 + 1e-6, errs
 
 
+@pytest.mark.parametrize("dup", [None, "mask"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["onepass_in_place", "twopass_fresh"])
-def test_loopback_ring_forms_no_image_gradient_for_locked_images(monkeypatch, in_place):
-    """LiT on a ring: image features without gradient. The Triton tiles form no dI (no
-    product for it), and the text gradient and d scale are those of the same ring with both
-    sides wanted: bit-identical dT, d scale up to summation order."""
+def test_loopback_ring_forms_no_image_gradient_for_locked_images(monkeypatch, in_place, dup):
+    """LiT on a ring: image features without gradient. The Triton tiles form no dI (one-pass:
+    no P @ T product at all; two-pass: half the products), and the text gradient and d scale
+    are those of the same ring with both sides wanted: bit-identical dT, d scale up to
+    summation order; also with duplicates masked."""
     from infclip.kernels import launching
     from infclip.kernels.clip import TritonTileOps, launch
     from infclip.loss import _tiled_loss, ring
+    from infclip.loss.duplicates import Duplicates
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 16)
     monkeypatch.setattr(ring, "sums_in_place", lambda ops, img: in_place)
+    products = []
+    real = launching.product_into
+    monkeypatch.setattr(launching, "product_into", lambda *a, **k: products.append(1) or real(*a, **k))
     world, m = 2, 37
     img, txt, scale = global_batch(1, m, seed=5)
+    ids = Duplicates("mask", torch.arange(m) // 3) if dup else None  # groups of three
     ops = TritonTileOps(poison=True, strips="always", backward="onepass" if in_place else "twopass",
                         cuda_graphs="never")
     img, txt = img.bfloat16(), txt.bfloat16()
     both = [x.clone().requires_grad_() for x in (img, txt, scale)]
-    _tiled_loss(*both, ops, ring.LoopbackRing(world)).backward()
-    products = []
-    real = launching.product_into
-    monkeypatch.setattr(launching, "product_into", lambda *a, **k: products.append(a[0].shape) or real(*a, **k))
+    _tiled_loss(*both, ops, ring.LoopbackRing(world), ids).backward()
+    made_both = len(products)
     locked, t, s = img.clone(), txt.clone().requires_grad_(), scale.clone().requires_grad_()
-    _tiled_loss(locked, t, s, ops, ring.LoopbackRing(world)).backward()
-    assert locked.grad is None
+    _tiled_loss(locked, t, s, ops, ring.LoopbackRing(world), ids).backward()
     assert torch.equal(t.grad, both[1].grad)
     assert abs(s.grad.item() - both[2].grad.item()) <= 1e-5 * max(1.0, abs(both[2].grad.item()))
-    if in_place:  # one-pass: the dT products only (addmm into the fp32 sums), no P @ T
-        assert products == []
+    strips = world * 3  # block pairs x 16-row strips of 37 rows
+    assert (made_both, len(products) - made_both) == ((strips, 0) if in_place else (2 * strips, strips))
 
 
 # -- ranks (child side) ---------------------------------------------------------------------

@@ -113,11 +113,12 @@ class _SigmoidRows(torch.autograd.Function):
     def backward(ctx, g_row):
         img, txt, scale, bias = ctx.saved_tensors
         g_row = g_row.contiguous()
-        if ctx.group is None:
-            grads = ctx.ops.backward(img, txt, scale, bias, g_row, True)
+        wants = ctx.needs_input_grad
+        if ctx.group is None:  # a locked tower's features (LiT): no gradient formed for them
+            need = {"need": (wants[0], wants[1])} if getattr(ctx.ops, "takes_need", False) else {}
+            grads = ctx.ops.backward(img, txt, scale, bias, g_row, True, **need)
         else:
             grads = _ring_backward(img, txt, scale, bias, g_row, ctx.ops, ctx.group)
-        wants = ctx.needs_input_grad
         outs = [g.to(x.dtype) if w else None for g, x, w in zip(grads, (img, txt, scale, bias), wants)]
         return (*outs, None, None)
 

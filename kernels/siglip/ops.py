@@ -64,19 +64,30 @@ class TritonSigmoidOps(ObjectiveTiles):
         return self._row_forward(_sigmoid_fwd_kernel, img, txt, (scale, bias), 0 if diag else m + n,
                                  lambda part: part.sum(0))
 
+    takes_need = True  # backward(need=): an unwanted feature gradient costs no product (a locked tower)
+
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, g_row: Tensor, diag: bool,
-                 dimg: Tensor | None = None, dtxt: Tensor | None = None):
+                 dimg: Tensor | None = None, dtxt: Tensor | None = None, need: tuple[bool, bool] = (True, True)):
+        """need: which of (dimg, dtxt) are wanted; an unwanted one is None and costs no product
+        (the one-pass backward fills each strip once either way; the two-pass path runs only the
+        wanted passes). What is computed is bit-identical to a call that wants both (ds, dt:
+        equal up to summation order when only dtxt is wanted on the two-pass path)."""
         img, txt, scale, bias = _prep(img, txt, scale, bias)
         g = g_row.float().contiguous()
-        acc_i, acc_t = dimg is not None, dtxt is not None
-        dimg = self._out(dimg, img)
-        dtxt = self._out(dtxt, txt)
+        acc_i, acc_t = dimg is not None and need[0], dtxt is not None and need[1]
+        dimg = self._out(dimg, img) if need[0] else None
+        dtxt = self._out(dtxt, txt) if need[1] else None
         off = 0 if diag else img.shape[0] + txt.shape[0]
+        vecs, rows_flags = (scale, bias, g), dict(diag=off, G_ON_A=True)
         if self.path_for(img) == "onepass" and img.shape[0] and txt.shape[0]:
-            part = self._grad_onepass(img, txt, (scale, bias, g), dimg, dtxt, acc_i, acc_t, dict(diag=off, G_ON_A=True))
+            part = self._grad_onepass(img, txt, vecs, dimg, dtxt, acc_i, acc_t, rows_flags)
             return dimg, dtxt, part[0], part[1]
-        part = self._grad(img, txt, (scale, bias, g), dimg, acc_i, dict(diag=off, G_ON_A=True))
-        self._grad(txt, img, (scale, bias, g), dtxt, acc_t, dict(diag=off, G_ON_A=False))
+        part = None
+        if need[0] or not need[1]:  # (ds and dt alone: the image pass, its gradient dropped)
+            part = self._grad(img, txt, vecs, dimg if need[0] else self._out(None, img), acc_i, rows_flags)
+        if need[1]:
+            part_t = self._grad(txt, img, vecs, dtxt, acc_t, dict(diag=off, G_ON_A=False))
+            part = part_t if part is None else part
         return dimg, dtxt, part[0], part[1]
 
     # -- the family's pieces used by ObjectiveTiles._grad --
@@ -90,15 +101,18 @@ class TritonSigmoidOps(ObjectiveTiles):
     def _grad_onepass(self, a, b, vecs, out_a, out_b, acc_a, acc_b, flags) -> Tensor:
         """out_a (+)= s dX @ b and out_b (+)= s dX^T @ a from one fill per strip of a's rows;
         returns (ds, dt). out_b is summed in fp32: in itself when fp32, else in a fresh fp32
-        accumulator rounded into it once."""
+        accumulator rounded into it once. out_a / out_b None: not wanted, no product for it."""
         rows = self._strip_rows(a, b)
+        tune_dtype = a.dtype if out_a is None else out_a.dtype
 
         def run_strips(cfg, a_sub, b_sub):
             sub = self._sub_vecs(vecs, flags, a_sub.shape[0], b_sub.shape[0])
-            self._strips(a_sub, b_sub, sub, torch.empty(a_sub.shape, device=a.device, dtype=out_a.dtype), False,
+            self._strips(a_sub, b_sub, sub, torch.empty(a_sub.shape, device=a.device, dtype=tune_dtype), False,
                          rows, cfg, flags)
 
         cfg = self._pick("strip", a, b, self._strip_candidates(a.shape[1], a.element_size()), run_strips)
+        if out_b is None:  # the same fills and P @ b, without the second product
+            return self._strips(a, b, vecs, out_a, acc_a, rows, cfg, flags)
         acc = fp32_accumulator(out_b, acc_b)
 
         def second(r0: int, r: int, scratch: Tensor) -> None:

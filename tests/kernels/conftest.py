@@ -23,3 +23,15 @@ def small_strips(monkeypatch):
     monkeypatch.setattr(launch, "STRIP_BYTES_PER_COLUMN", 0)
     monkeypatch.setattr(launch, "STRIP_MIN_ROWS", 16)
     monkeypatch.setattr(launch, "STRIP_TEMP_BYTES", 0)  # the folded positives' scratch takes its room
+
+
+@pytest.fixture
+def products(monkeypatch):
+    """Shapes of the strip products P @ b (``launching.product_into``) made from now on: which
+    feature gradients a backward formed (the locked-side tests)."""
+    from infclip.kernels import launching
+
+    made = []
+    real = launching.product_into
+    monkeypatch.setattr(launching, "product_into", lambda *a, **k: made.append(tuple(a[0].shape)) or real(*a, **k))
+    return made

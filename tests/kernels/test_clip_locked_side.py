@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infclip.kernels import launching
 from infclip.kernels.clip import TritonTileOps, clip_loss_triton, launch
 from test_clip_onepass import DEV, _clip_case, _pair, _rel
 
@@ -15,15 +14,6 @@ from test_clip_onepass import DEV, _clip_case, _pair, _rel
 @pytest.fixture
 def strips16(monkeypatch):
     monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 16)
-
-
-@pytest.fixture
-def products(monkeypatch):
-    """Shapes of the strip products P @ b (``launching.product_into``) made from now on."""
-    made = []
-    real = launching.product_into
-    monkeypatch.setattr(launching, "product_into", lambda *a, **k: made.append(tuple(a[0].shape)) or real(*a, **k))
-    return made
 
 
 def _problem(b: int, c: int, scale: float, dtype):

@@ -40,17 +40,19 @@ def sm_count(device: torch.device) -> int:
     all of them, or the budget :func:`set_sm_budget` gave (cached: the loss is host-bound at
     small b)."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return min(total, _SM_BUDGET.get(index, total))
+    return min(total, _SM_BUDGET.get(_index(device), total))
 
 
 def set_sm_budget(device: torch.device, sms: int) -> None:
     """Size persistent grids for ``sms`` SMs of ``device`` from now on: the loss runs on a
     stream confined to that many (a green context, ``data.decode_reserved_sms``), where a
     grid for every SM would leave a second, mostly idle wave of programs."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    _SM_BUDGET[index] = int(sms)
+    _SM_BUDGET[_index(device)] = int(sms)
     sm_count.cache_clear()
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def tma_ok(*ts: Tensor) -> bool:
@@ -205,11 +207,9 @@ def strip_backward(a: Tensor, b: Tensor, out: Tensor | None, rows: int, accumula
     for r0 in range(0, m, rows):
         r = min(rows, m - r0)
         parts.append(fill(r0, r, scratch))
-        if out is None:
-            pass
-        elif fixup is None:
+        if out is not None and fixup is None:
             product_into(out[r0:r0 + r], scratch[:r], b, accumulate)
-        else:
+        elif out is not None:
             prod = mm_f32(scratch[:r], b)
             fixup(r0, r, prod)
             out[r0:r0 + r].add_(prod) if accumulate else out[r0:r0 + r].copy_(prod)

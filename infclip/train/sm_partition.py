@@ -68,7 +68,10 @@ def tower_stream(device: torch.device | str, reserve: int) -> Partition:
     total = torch.cuda.get_device_properties(idx).multi_processor_count
     try:
         driver, dev, sms = _driver_sm_resource(idx)
-    except Exception as e:  # no cuda-bindings, a driver without green contexts
+    except ImportError:
+        return Partition(None, 0, total, "no green context: NVIDIA's cuda.bindings is not installed; "
+                                         "pip install -e \".[hwdecode]\" adds it")
+    except Exception as e:  # a driver without green contexts
         return Partition(None, 0, total, f"no green context: {_first_line(e)}")
     n = tower_sm_count(total, reserve, _granule(sms))
     if n <= 0:

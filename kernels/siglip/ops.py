@@ -40,6 +40,7 @@ class TritonSigmoidOps(ObjectiveTiles):
 
     name = "triton"
     family = "sigmoid"
+    takes_need = True  # backward(need=): an unwanted feature gradient costs no product (a locked tower)
 
     def __init__(self, fp32_precision: str = "ieee", *, strips: str = "auto", poison: bool = False,
                  backward: str = "auto"):
@@ -63,8 +64,6 @@ class TritonSigmoidOps(ObjectiveTiles):
             return torch.zeros(m, device=img.device)
         return self._row_forward(_sigmoid_fwd_kernel, img, txt, (scale, bias), 0 if diag else m + n,
                                  lambda part: part.sum(0))
-
-    takes_need = True  # backward(need=): an unwanted feature gradient costs no product (a locked tower)
 
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, bias: Tensor, g_row: Tensor, diag: bool,
                  dimg: Tensor | None = None, dtxt: Tensor | None = None, need: tuple[bool, bool] = (True, True)):

@@ -34,6 +34,9 @@ class ModelConfig:
     lock_text: bool = False  # freeze the text tower
     lock_text_unlocked_layers: int = 0  # last N text layers stay trainable
     grad_checkpointing: bool = False  # activation checkpointing inside the towers
+    # a ViT's patchify convolution as one GEMM on the GPU (cuDNN's bf16 kernel for it runs at
+    # ~30 TFLOP/s on Hopper; infclip/patch_embed.py). Same weights and state-dict keys.
+    patch_embed_matmul: bool = True
     compile: bool = False  # torch.compile the towers in place (state-dict keys unchanged), as open_clip's --torchcompile
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
     init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)
@@ -157,6 +160,9 @@ class LoggingConfig:
     # rank 0 also writes the logged scalars (the numbers of metrics.jsonl) as TensorBoard event
     # files into <run_dir>/tensorboard/ (needs `pip install tensorboard`)
     tensorboard: bool = False
+    # profile this step (1-based; 0: none) under the PyTorch profiler: every kernel and copy of
+    # the process, the decoders' included; trace and GPU-time summary in <run_dir>/profile/
+    profile_step: int = 0
 
 
 @dataclass
@@ -292,7 +298,7 @@ def validate(cfg: Any, world_size: int) -> None:
 
 _POSITIVE = ("steps", "optim.lr", "optim.eps", "checkpoint.keep_last", "max_nonfinite", "memory.stream_rows")
 _NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps", "memory.prefetch_steps",
-                 "logging.every_n_steps", "checkpoint.every_n_steps")
+                 "logging.every_n_steps", "checkpoint.every_n_steps", "logging.profile_step")
 
 
 def _validate_numbers(cfg: Any) -> None:

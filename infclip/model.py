@@ -23,6 +23,7 @@ import open_clip
 import torch
 
 from infclip.config import ConfigError
+from infclip.patch_embed import patchify_as_matmul
 
 _CONFIG_DIR = Path(__file__).parent / "model_configs"
 open_clip.add_model_config(_CONFIG_DIR)
@@ -106,6 +107,8 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
             model.logit_scale.fill_(cfg.init_logit_scale)
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
+    if getattr(cfg, "patch_embed_matmul", False):
+        patchify_as_matmul(model)
     pp = model.visual.preprocess_cfg
     size = pp["size"] if isinstance(pp["size"], int) else pp["size"][0]
     return BuiltModel(model, open_clip.get_tokenizer(name), size, tuple(pp["mean"]), tuple(pp["std"]), preprocess_val,

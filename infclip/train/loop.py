@@ -26,6 +26,7 @@ from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
 from infclip.train.guard import NonFiniteError
 from infclip.train.resume import last_finite_checkpoint, maybe_resume, resume_command
+from infclip.train.profiling import profiled_step
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
 from infclip.train.sm_partition import running_on
@@ -96,7 +97,12 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
     try:
         while state.step < cfg.steps:
             try:
-                metrics = train_step(cfg, info, parts, state, pipeline)
+                with profiled_step(parts.run_dir, state.step + 1, info.rank,
+                                   cfg.logging.profile_step == state.step + 1) as profile:
+                    metrics = train_step(cfg, info, parts, state, pipeline)
+                if profile is not None:
+                    on_rank0(info, lambda: print(f"profile: step {state.step + 1} in {profile} "
+                                                 f"(trace beside it)", flush=True))
             except StoppedWaiting:  # single rank: abandon the step, stop as after the last one
                 _abandon_step(state)
                 state.stop_requested, state.stop_signal = True, state.signal_received

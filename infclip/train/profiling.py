@@ -1,0 +1,109 @@
+"""One training step under the PyTorch profiler (``logging.profile_step=N``).
+
+Step N (1-based, counted from the run's first step) runs inside ``torch.profiler.profile``
+with the CUDA activity on. CUPTI records every kernel and copy of the process, whichever
+thread or library launched it: the towers, the loss, the resize kernel of the decode
+threads and the JPEG decoders' own kernels (nvImageCodec / nvJPEG on their internal
+streams). Rank r writes into ``<run_dir>/profile/``:
+
+* ``step_N_rank_r.json.gz``: the Chrome trace (open in Perfetto or chrome://tracing);
+* ``step_N_rank_r.md``: what the GPU did in the step, read off that trace: the step's wall
+  time, the time any kernel ran (union over streams) and so the GPU's idle share, then per
+  stream and per kernel name the busy time, count and mean duration.
+
+Invariant: profiling changes no result of the step (the profiler observes only).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` spans (microseconds)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def summarize_trace(events: list[dict], wall_s: float, top: int = 25) -> str:
+    """Markdown summary of a Chrome trace's GPU events (``cat`` in ``GPU_CATS``, ``ts`` and
+    ``dur`` in microseconds): busy time of the GPU (union over streams) against ``wall_s``,
+    per stream, and the ``top`` kernel names by total time."""
+    gpu = [e for e in events if e.get("cat") in GPU_CATS and "dur" in e]
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
+    busy = busy_us(spans) / 1e6
+    lines = [f"step wall time {wall_s:.3f} s; GPU busy (any kernel or copy, union over streams) {busy:.3f} s "
+             f"= {100 * busy / max(wall_s, 1e-9):.1f} %; {len(gpu)} GPU events", ""]
+    per_stream: dict = defaultdict(list)
+    for e, s in zip(gpu, spans):
+        per_stream[e.get("args", {}).get("stream", "?")].append((s, e))
+    lines += ["| stream | busy s | events | top kernel |", "|---|---|---|---|"]
+    for stream, items in sorted(per_stream.items(), key=lambda kv: -busy_us([s for s, _ in kv[1]])):
+        names: dict = defaultdict(float)
+        for _, e in items:
+            names[e.get("name", "?")] += float(e["dur"])
+        head = max(names, key=names.get)
+        lines.append(f"| {stream} | {busy_us([s for s, _ in items]) / 1e6:.3f} | {len(items)} | {head[:70]} |")
+    by_name: dict = defaultdict(lambda: [0.0, 0])
+    for e in gpu:
+        by_name[e.get("name", "?")][0] += float(e["dur"])
+        by_name[e.get("name", "?")][1] += 1
+    lines += ["", "| kernel / copy | total s | count | mean us |", "|---|---|---|---|"]
+    for name, (dur, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {name[:90]} | {dur / 1e6:.3f} | {n} | {dur / n:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+@contextmanager
+def profiled_step(run_dir: Path, step: int, rank: int, enabled: bool) -> Iterator[Optional[Path]]:
+    """Profile the enclosed step when ``enabled`` (the CPU activity, and CUDA's where there is
+    a GPU: all threads' kernels) and
+    write its trace and summary; yields the summary's path (None when not profiling)."""
+    if not enabled:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    out = Path(run_dir) / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"step_{step}_rank_{rank}"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        yield stem.with_suffix(".md")
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        events = json.loads(raw.read_text()).get("traceEvents", [])
+        part = Path(tmp) / "trace.json.gz"
+        with open(raw, "rb") as src, gzip.open(part, "wb") as dst:
+            dst.write(src.read())
+        os.replace(part, stem.with_suffix(".json.gz"))
+    summary = stem.with_suffix(".md")
+    part = summary.with_suffix(".md.part")
+    part.write_text(summarize_trace(events, wall))
+    os.replace(part, summary)

@@ -232,8 +232,32 @@ def _median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def openclip_wds_problem() -> str | None:
+    """Why open_clip_train's webdataset loader cannot read shards with the installed
+    webdataset, or None. webdataset after 0.2.86 yields an empty end-of-shard dict from
+    ``tar_file_expander``, which open_clip_train 3.3's ``group_by_keys_nothrow`` indexes
+    (``KeyError: 'fname'`` in its first loader batch)."""
+    import inspect
+
+    import webdataset
+    from webdataset.tariterators import tar_file_expander
+
+    eof = inspect.signature(tar_file_expander).parameters.get("eof_value")
+    if eof is None or eof.default is None:
+        return None
+    return (f"open_clip_train cannot read webdataset shards with webdataset {webdataset.__version__}: its "
+            "tar_file_expander yields an empty end-of-shard sample that open_clip_train's group_by_keys_nothrow "
+            "fails on (KeyError: 'fname'). Install webdataset==0.2.86 for the open_clip runs (infclip "
+            "supports it), or pass --openclip-data synthetic.")
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
+    if a.openclip_data == "wds" and any(r.startswith("openclip") for r in a.runs.split(",")):
+        problem = openclip_wds_problem()
+        if problem:
+            print(problem, file=sys.stderr)
+            raise SystemExit(2)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.logs).mkdir(parents=True, exist_ok=True)
     spec = ensure_shards(a)

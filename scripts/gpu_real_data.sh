@@ -9,7 +9,8 @@
 # Parts:
 #   setup  - install the carried wheels (.whl/*.whl, into the image's own site-packages: the
 #            nvidia-* wheels share the `nvidia` package folder with torch's CUDA libraries)
-#            and this checkout (no deps)
+#            and this checkout (no deps). Carry webdataset==0.2.86: open_clip_train 3.3's loader
+#            fails on later versions' end-of-shard marker (scripts/bench_trainer.py checks)
 #   shards - data/write_photo_shards.py: N256 samples at 256 px and N512 at 512 px from the
 #            photos in PHOTOS (a folder exported with --export-photos; the GPU image has no
 #            scikit-image photos bundled the same way), into /tmp/photos256 and /tmp/photos512

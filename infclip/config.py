@@ -34,7 +34,7 @@ class ModelConfig:
     lock_text: bool = False  # freeze the text tower
     lock_text_unlocked_layers: int = 0  # last N text layers stay trainable
     grad_checkpointing: bool = False  # activation checkpointing inside the towers
-    # a ViT's patchify convolution as one GEMM on the GPU (cuDNN's bf16 kernel for it runs at
+    # a ViT's patchify convolution as one GEMM on the GPU in bf16/fp16 (cuDNN's bf16 kernel for it runs at
     # ~30 TFLOP/s on Hopper; infclip/patch_embed.py). Same weights and state-dict keys.
     patch_embed_matmul: bool = True
     compile: bool = False  # torch.compile the towers in place (state-dict keys unchanged), as open_clip's --torchcompile

@@ -10,8 +10,9 @@ TFLOP/s; its weight gradient ``wgrad_alg1_engine`` 10 ms): 0.9 s of a ViT-B/32 3
 
 :func:`patchify_as_matmul` re-classes such convolutions in place (same module, same
 ``weight`` Parameter, same state-dict keys; checkpoints and open_clip see nothing new).
-Invariant: the output equals the convolution's up to summation order (float64: 1e-12);
-off CUDA, or for an input whose sides are not multiples of p, it *is* the convolution.
+Invariant: the output equals the convolution's up to summation order (float64: 1e-12). It
+takes the GEMM only on CUDA in bf16/fp16 (autocast or a low-precision input); in fp32, off
+CUDA, or for an input whose sides are not multiples of p, it *is* the convolution.
 """
 
 from __future__ import annotations
@@ -35,14 +36,21 @@ def patch_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
     return y.reshape(b, gh, gw, out).permute(0, 3, 1, 2)
 
 
+def low_precision(x: Tensor) -> bool:
+    """Whether the convolution of ``x`` would compute in bf16/fp16 (autocast or the dtype)."""
+    return torch.is_autocast_enabled(x.device.type) or x.dtype in (torch.bfloat16, torch.float16)
+
+
 class PatchMatmulConv2d(nn.Conv2d):
-    """``nn.Conv2d`` with kernel = stride, padding 0: on CUDA, :func:`patch_matmul`."""
+    """``nn.Conv2d`` with kernel = stride, padding 0: on CUDA in bf16/fp16,
+    :func:`patch_matmul`; in fp32 (e.g. the eval command's default precision, whose numbers
+    match open_clip's to the last digit) and off CUDA, the convolution itself."""
 
     def forward(self, x: Tensor) -> Tensor:  # (B, C, H, W) -> (B, out, H/p, W/q)
         p, q = self.kernel_size
-        if not x.is_cuda or x.shape[-2] % p or x.shape[-1] % q:
+        if not x.is_cuda or not low_precision(x) or x.shape[-2] % p or x.shape[-1] % q:
             return super().forward(x)
-        return patch_matmul(x, self.weight, self.bias)
+        return patch_matmul(x, self.weight, self.bias)  # under autocast F.linear casts as conv2d would
 
 
 def is_patchify(m: nn.Module) -> bool:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infclip.patch_embed import PatchMatmulConv2d, is_patchify, patch_matmul, patchify_as_matmul
+from infclip.patch_embed import PatchMatmulConv2d, is_patchify, low_precision, patch_matmul, patchify_as_matmul
 
 
 @pytest.mark.parametrize("shape", [(3, 3, 224, 224, 768, 32), (2, 3, 64, 48, 40, 16), (1, 1, 30, 45, 7, 15)])
@@ -58,10 +58,25 @@ def test_open_clip_vit_keeps_its_keys_and_outputs():
         assert torch.equal(model.encode_image(x), ref)
 
 
+def test_gemm_only_in_low_precision():
+    x = torch.zeros(1, 3, 8, 8)
+    assert not low_precision(x) and low_precision(x.bfloat16()) and low_precision(x.half())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert low_precision(x)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMM path runs on CUDA")
-def test_cuda_module_takes_the_gemm_and_matches_the_convolution():
-    conv = nn.Conv2d(3, 64, 16, stride=16, bias=False).cuda().double()
-    x = torch.randn(4, 3, 224, 224, device="cuda", dtype=torch.float64)
-    ref = conv(x)
+def test_cuda_bf16_takes_the_gemm_fp32_the_convolution():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 64, 16, stride=16, bias=False).cuda()
+    x = torch.randn(4, 3, 224, 224, device="cuda")
+    ref32, ref64 = conv(x), F.conv2d(x.double(), conv.weight.double(), stride=16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref16 = conv(x)
     patchify_as_matmul(conv)
-    torch.testing.assert_close(conv(x), ref, rtol=0, atol=1e-10)
+    assert torch.equal(conv(x), ref32)  # fp32: the convolution itself
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = conv(x)
+    assert got.dtype == torch.bfloat16
+    # no worse than cuDNN's bf16 convolution against float64
+    assert (got.double() - ref64).abs().max() <= 1.5 * (ref16.double() - ref64).abs().max()

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from infclip.config import ConfigError, micro_size
 from infclip.loss.ring import global_mean_loss
 from infclip.train.lit import LockPlan, lock_plan
+from infclip.train.profiling import mark_phase_end
 from infclip.train.offload import InputStager
 from infclip.train.pipeline import RowsReleased, TensorFeed
 
@@ -478,6 +479,7 @@ class _Clock:
 
     def lap(self, name: str) -> None:
         t = self._now()
+        mark_phase_end(name)  # a profiled step's summary splits the step here
         self.laps[name] = t - self._t
         if self.peaks is not None:
             self.peaks[name] = torch.cuda.max_memory_allocated(self.device)

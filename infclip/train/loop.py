@@ -26,7 +26,7 @@ from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
 from infclip.train.guard import NonFiniteError
 from infclip.train.resume import last_finite_checkpoint, maybe_resume, resume_command
-from infclip.train.profiling import profiled_step
+from infclip.train.profiling import mark_phase_end, profiled_step
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
 from infclip.train.sm_partition import running_on
@@ -174,7 +174,8 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
     feed = pipeline.next()
     parts.model.train()
     lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
-    parts.engine.measure_timings = _logged(cfg, state.step + 1)  # phase timings sync CUDA
+    # phase timings sync CUDA (a profiled step too: its summary splits the step at the syncs)
+    parts.engine.measure_timings = _logged(cfg, state.step + 1) or cfg.logging.profile_step == state.step + 1
     out = parts.engine.step_feed(_simclr_views(cfg, info, state, feed))
     feed.wait_complete()  # every row arrived, so the feed's data position is set
     state.data_state, wait = feed.data_state, feed.wait_s
@@ -182,6 +183,7 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
     _maybe_inject_nan(parts, state.step + 1)
     t1 = time.perf_counter()
     applied, overflow, grad_norm = _optimizer_step(cfg, parts, out)
+    mark_phase_end("optimizer")
     t_opt = time.perf_counter() - t1
     step_time = time.perf_counter() - t0
     return {

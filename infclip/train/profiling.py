@@ -8,8 +8,10 @@ streams). Rank r writes into ``<run_dir>/profile/``:
 
 * ``step_N_rank_r.json.gz``: the Chrome trace (open in Perfetto or chrome://tracing);
 * ``step_N_rank_r.md``: what the GPU did in the step, read off that trace: the step's wall
-  time, the time any kernel ran (union over streams) and so the GPU's idle share, then per
-  stream and per kernel name the busy time, count and mean duration.
+  time, the time any kernel ran (union over streams) and so the GPU's idle share; the same per
+  phase (cache pass, loss, replay, optimizer: the engine marks each phase's end after a CUDA
+  sync); per stream and per kernel name the busy time, count and mean duration; and the
+  longest stretches the GPU sat idle, with the GPU events on either side.
 
 Invariant: profiling changes no result of the step (the profiler observes only).
 """
@@ -29,6 +31,14 @@ from typing import Iterator, Optional
 import torch
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+PHASE_MARK = "infclip.phase_end."  # a CPU range marking the end of a step phase (after its CUDA sync)
+
+
+def mark_phase_end(name: str) -> None:
+    """Mark the end of phase ``name`` in a profiled step (an empty profiler range; outside a
+    profile it costs about a microsecond). The engine marks its phases after synchronizing."""
+    with torch.profiler.record_function(PHASE_MARK + name):
+        pass
 
 
 def busy_us(spans: list[tuple[float, float]]) -> float:
@@ -42,19 +52,61 @@ def busy_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _clip(spans: list[tuple[float, float]], a: float, b: float) -> list[tuple[float, float]]:
+    return [(max(x, a), min(y, b)) for x, y in spans if y > a and x < b]
+
+
+def _gaps(gpu: list[dict], spans: list[tuple[float, float]], t0: float, top: int) -> list[str]:
+    """The ``top`` longest stretches with no GPU event between the first and the last one:
+    offset from the step's start, length, the GPU events around them."""
+    order = sorted(range(len(spans)), key=lambda k: spans[k][0])
+    gaps, end, last = [], float("-inf"), None
+    for k in order:
+        a, b = spans[k]
+        if last is not None and a > end:
+            gaps.append((a - end, end, last, k))
+        if b > end:
+            end, last = b, k
+    lines = ["", "| GPU idle at (ms into the step) | for ms | after | before |", "|---|---|---|---|"]
+    for length, at, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"| {(at - t0) / 1e3:.1f} | {length / 1e3:.2f} | {gpu[before].get('name', '?')[:50]} | "
+                     f"{gpu[after].get('name', '?')[:50]} |")
+    return lines
+
+
+def _phases(events: list[dict], spans: list[tuple[float, float]], t0: float, t1: float) -> list[str]:
+    """Wall and GPU-busy time of each phase between the engine's marks (``PHASE_MARK``)."""
+    marks = sorted((float(e["ts"]), e["name"][len(PHASE_MARK):]) for e in events
+                   if str(e.get("name", "")).startswith(PHASE_MARK))
+    if not marks:
+        return []
+    lines = ["", "| phase (ends at its mark) | wall s | GPU busy s | busy % |", "|---|---|---|---|"]
+    for (a, name), b in zip([(t0, None)] + marks, marks + [(t1, "after the optimizer")]):
+        label = b[1]
+        busy = busy_us(_clip(spans, a, b[0])) / 1e6
+        wall = (b[0] - a) / 1e6
+        lines.append(f"| {label} | {wall:.3f} | {busy:.3f} | {100 * busy / max(wall, 1e-12):.1f} |")
+    return lines
+
+
 def summarize_trace(events: list[dict], wall_s: float, top: int = 25) -> str:
     """Markdown summary of a Chrome trace's GPU events (``cat`` in ``GPU_CATS``, ``ts`` and
-    ``dur`` in microseconds): busy time of the GPU (union over streams) against ``wall_s``,
-    per stream, and the ``top`` kernel names by total time."""
+    ``dur`` in microseconds): busy time of the GPU (union over streams) against ``wall_s``;
+    per phase of the step where the engine marked them (``PHASE_MARK`` ranges); per stream;
+    the ``top`` kernel names by total time; the longest stretches the GPU sat idle."""
     gpu = [e for e in events if e.get("cat") in GPU_CATS and "dur" in e]
     spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
+    timed = [e for e in events if "ts" in e and e.get("ph") in ("X", "i", "I", None)]
+    t0 = min((float(e["ts"]) for e in timed), default=0.0)
+    t1 = max((float(e["ts"]) + float(e.get("dur", 0)) for e in timed), default=0.0)
     busy = busy_us(spans) / 1e6
     lines = [f"step wall time {wall_s:.3f} s; GPU busy (any kernel or copy, union over streams) {busy:.3f} s "
-             f"= {100 * busy / max(wall_s, 1e-9):.1f} %; {len(gpu)} GPU events", ""]
+             f"= {100 * busy / max(wall_s, 1e-9):.1f} %; {len(gpu)} GPU events"]
+    lines += _phases(events, spans, t0, t1)
     per_stream: dict = defaultdict(list)
     for e, s in zip(gpu, spans):
         per_stream[e.get("args", {}).get("stream", "?")].append((s, e))
-    lines += ["| stream | busy s | events | top kernel |", "|---|---|---|---|"]
+    lines += ["", "| stream | busy s | events | top kernel |", "|---|---|---|---|"]
     for stream, items in sorted(per_stream.items(), key=lambda kv: -busy_us([s for s, _ in kv[1]])):
         names: dict = defaultdict(float)
         for _, e in items:
@@ -68,6 +120,8 @@ def summarize_trace(events: list[dict], wall_s: float, top: int = 25) -> str:
     lines += ["", "| kernel / copy | total s | count | mean us |", "|---|---|---|---|"]
     for name, (dur, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"| {name[:90]} | {dur / 1e6:.3f} | {n} | {dur / n:.1f} |")
+    if gpu:
+        lines += _gaps(gpu, spans, t0, top=10)
     return "\n".join(lines) + "\n"
 
 

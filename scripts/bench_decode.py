@@ -28,8 +28,9 @@ from infclip.data.pipeline import build_train_data
 from infclip.kernels.resize import resized_crop, resized_crop_reference
 
 
-def packed_rows(spec: str, size: int, micro: int) -> PackedJpegs:
-    """One loader batch of packed rows (pinned), as data.decode=device workers ship them."""
+def packed_rows(spec: str, size: int, micro: int, pin: bool = True) -> PackedJpegs:
+    """One loader batch of packed rows (pinned unless ``pin`` is off), as data.decode=device
+    workers ship them."""
     import open_clip
 
     cfg = DataConfig(kind="wds", workers=4, loader_batch=micro, shuffle_buffer=0, resampled=True)
@@ -38,6 +39,8 @@ def packed_rows(spec: str, size: int, micro: int) -> PackedJpegs:
     it = data.batches()
     rows = next(it)[0]
     it.close()
+    if not pin:
+        return PackedJpegs(rows.index, rows.data)
     return PackedJpegs(rows.index.pin_memory(), rows.data.pin_memory())
 
 

@@ -1,0 +1,39 @@
+"""scripts/probe_decode_formats.py on the CPU backend (libjpeg-turbo through nvImageCodec): the
+same table the GPU run prints, with the formats the host decoder takes and refuses."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_probe_prints_a_row_per_format_and_counts_refusals(shards):
+    pytest.importorskip("nvidia.nvimgcodec")
+    paths = shards([40, 40])
+    spec = str(Path(paths[0]).parent / "{00000..00001}.tar")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_decode_formats.py"), "--shards", spec,
+                           "--backend", "cpu", "--micro", "32", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, NVIMGCODEC_LOG_LEVEL="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    rows = {r[0].lstrip("| "): r for r in table[-3:]}
+    assert set(rows) == {"rgb", "rgb_nofancy", "yuv"}
+    for fmt in ("rgb", "rgb_nofancy"):  # decoded, every image, at some positive rate
+        assert rows[fmt][1] == "0" and float(rows[fmt][2].replace(",", "")) > 0
+    # planar YCbCr of 4:2:0 JPEGs: libjpeg-turbo's decoder refuses every one (the engines may not)
+    assert rows["yuv"][1] == "32" and rows["yuv"][2] == "— (all refused)"
+
+
+def test_probe_refuses_a_gpu_backend_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_decode_formats.py"), "--shards", "x"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "needs a CUDA device; use --backend cpu" in proc.stderr

@@ -54,10 +54,12 @@ class PatchMatmulConv2d(nn.Conv2d):
 
 
 def is_patchify(m: nn.Module) -> bool:
-    """A 2-D convolution whose kernel tiles the image: kernel = stride, no padding, dilation
-    1, one group, no padding mode other than zeros."""
-    return (type(m) is nn.Conv2d and m.kernel_size == m.stride and m.padding == (0, 0)
-            and m.dilation == (1, 1) and m.groups == 1 and m.padding_mode == "zeros")
+    """A 2-D convolution that cuts an image into patches: kernel = stride > 1, no padding,
+    dilation 1, one group, zeros padding mode, at most 4 input channels (RGB(A), grey). The
+    1x1 convolutions of ResNets (kernel = stride = 1) are left alone."""
+    return (type(m) is nn.Conv2d and m.kernel_size == m.stride and m.kernel_size != (1, 1)
+            and m.in_channels <= 4 and m.padding == (0, 0) and m.dilation == (1, 1) and m.groups == 1
+            and m.padding_mode == "zeros")
 
 
 def patchify_as_matmul(model: nn.Module) -> list[str]:

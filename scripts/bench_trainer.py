@@ -239,8 +239,11 @@ def openclip_wds_problem() -> str | None:
     (``KeyError: 'fname'`` in its first loader batch)."""
     import inspect
 
-    import webdataset
-    from webdataset.tariterators import tar_file_expander
+    try:
+        import webdataset
+        from webdataset.tariterators import tar_file_expander
+    except ImportError:
+        return "open_clip's webdataset runs need webdataset: pip install webdataset==0.2.86"
 
     eof = inspect.signature(tar_file_expander).parameters.get("eof_value")
     if eof is None or eof.default is None:

@@ -38,10 +38,16 @@ def test_patch_matmul_gradients_equal_the_convolution():
 
 def test_only_patchify_convolutions_are_reclassed():
     model = nn.Sequential(nn.Conv2d(3, 8, 4, stride=4), nn.Conv2d(8, 8, 3, stride=1, padding=1),
-                          nn.Conv2d(8, 8, 2, stride=2, padding=1), nn.Conv2d(8, 8, 2, stride=2, groups=2))
-    assert [is_patchify(m) for m in model] == [True, False, False, False]
+                          nn.Conv2d(8, 8, 2, stride=2, padding=1), nn.Conv2d(8, 8, 2, stride=2, groups=2),
+                          nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 2, stride=2))
+    assert [is_patchify(m) for m in model] == [True, False, False, False, False, False]
     assert patchify_as_matmul(model) == ["0"]
     assert type(model[0]) is PatchMatmulConv2d and all(type(m) is nn.Conv2d for m in model[1:])
+
+
+def test_a_resnet_keeps_every_convolution():
+    model = open_clip.create_model("RN50")
+    assert patchify_as_matmul(model) == []
 
 
 def test_open_clip_vit_keeps_its_keys_and_outputs():

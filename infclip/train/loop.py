@@ -93,6 +93,7 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
                                    _stall_watch(cfg, info, parts, state))
     parts.engine.next_feed = pipeline.peek  # a decoding normalizer starts on the next step during the replay
     parts.logger.set_start(state.step)
+    _warn_unreached_profile(cfg, info, state)
     t_run = time.perf_counter()
     try:
         while state.step < cfg.steps:
@@ -125,6 +126,14 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
     finally:  # stop the loader workers now, also when a step raised (they ignore SIGTERM)
         pipeline.close()
     return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
+
+
+def _warn_unreached_profile(cfg: Any, info: DistInfo, state: State) -> None:
+    """logging.profile_step names a step this process will not run: say so at the start."""
+    n = cfg.logging.profile_step
+    if n and not state.step < n <= cfg.steps:
+        on_rank0(info, lambda: print(f"warning: logging.profile_step={n} is outside the steps this run trains "
+                                     f"({state.step + 1}..{cfg.steps}): no step is profiled", flush=True))
 
 
 def _stall_watch(cfg: Any, info: DistInfo, parts: Parts, state: State) -> StallWatch:
@@ -183,6 +192,8 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
     _maybe_inject_nan(parts, state.step + 1)
     t1 = time.perf_counter()
     applied, overflow, grad_norm = _optimizer_step(cfg, parts, out)
+    if cfg.logging.profile_step == state.step + 1 and info.device.type == "cuda":
+        torch.cuda.synchronize(info.device)  # the profile's optimizer phase holds its kernels
     mark_phase_end("optimizer")
     t_opt = time.perf_counter() - t1
     step_time = time.perf_counter() - t0

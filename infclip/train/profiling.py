@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections import defaultdict
@@ -94,7 +95,7 @@ def summarize_trace(events: list[dict], wall_s: float, top: int = 25) -> str:
     ``dur`` in microseconds): busy time of the GPU (union over streams) against ``wall_s``;
     per phase of the step where the engine marked them (``PHASE_MARK`` ranges); per stream;
     the ``top`` kernel names by total time; the longest stretches the GPU sat idle."""
-    gpu = [e for e in events if e.get("cat") in GPU_CATS and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in GPU_CATS and "dur" in e and "ts" in e]
     spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
     timed = [e for e in events if "ts" in e and e.get("ph") in ("X", "i", "I", None)]
     t0 = min((float(e["ts"]) for e in timed), default=0.0)
@@ -152,11 +153,12 @@ def profiled_step(run_dir: Path, step: int, rank: int, enabled: bool) -> Iterato
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
-        events = json.loads(raw.read_text()).get("traceEvents", [])
         part = Path(tmp) / "trace.json.gz"
         with open(raw, "rb") as src, gzip.open(part, "wb") as dst:
-            dst.write(src.read())
+            shutil.copyfileobj(src, dst, 1 << 24)  # traces of large steps run to GBs: streamed
         os.replace(part, stem.with_suffix(".json.gz"))
+        with open(raw, "rb") as src:
+            events = json.load(src).get("traceEvents", [])
     summary = stem.with_suffix(".md")
     part = summary.with_suffix(".md.part")
     part.write_text(summarize_trace(events, wall))

@@ -59,3 +59,10 @@ def test_summary_splits_the_step_at_the_phase_marks_and_lists_idle_gaps():
     # longest idle stretch first: 2 ms between the two forward kernels, 1 ms into the step
     assert gaps.splitlines()[2] == "| 1.0 | 2.00 | fwd | fwd |"
     assert "| 4.5 | 0.50 | loss | bwd |" in gaps
+
+
+def test_a_profile_step_past_the_run_is_named_at_the_start(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(tmp_path, f"run_dir={run_dir}", "steps=1", "eval.tasks=[]", "logging.profile_step=5")
+    assert "warning: logging.profile_step=5 is outside the steps this run trains (1..1)" in proc.stdout
+    assert not (run_dir / "profile").exists()

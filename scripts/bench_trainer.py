@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT", ".bench"), help="trainer.json / trainer.md")
     p.add_argument("--logs", default="/tmp/bench_trainer_logs", help="one log per run")
     p.add_argument("--extra", default="", help="extra overrides for our runs (space-separated)")
+    p.add_argument("--profile-step", type=int, default=0,
+                   help="our runs: profile this step (logging.profile_step) and copy its summary to "
+                        "OUT/profile_<kind>_<batch>.md (the profiler slows that step: leave it out of the "
+                        "median with --steps one more than it)")
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval (s) in our trainer's process (GIL hand-over latency between "
                         "the training and decoding threads; Python's default is 0.005)")
@@ -167,10 +172,16 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
            f"steps={steps}", "schedule.warmup_fraction=0", "logging.every_n_steps=1", "logging.progress=false",
            "logging.wandb_mode=disabled", "checkpoint.every_n_steps=0", "eval.tasks=[]", f"run_dir={run_dir}",
            f"model.compile={str(kind.endswith('compile')).lower()}", *a.extra.split(), *overrides]
+    if a.profile_step:
+        cmd.append(f"logging.profile_step={a.profile_step}")
     out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{global_batch}{'_'.join([''] + overrides)[:80]}.log")
     mfile = run_dir / "metrics.jsonl"
     recs = [json.loads(x) for x in mfile.read_text().splitlines()] if mfile.exists() else []
-    steps_ = [r for r in recs if "samples_per_s" in r]
+    steps_ = [r for r in recs if "samples_per_s" in r and r.get("step") != a.profile_step]
+    summary = run_dir / "profile" / f"step_{a.profile_step}_rank_0.md"
+    if a.profile_step and summary.exists():
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"profile_{kind}_{global_batch}{'_'.join([''] + overrides)}")[:100]
+        shutil.copyfile(summary, Path(a.out) / f"{name}.md")
     steady = steps_[1:] or steps_
     pick = lambda k: _median(r.get(k, float("nan")) for r in steady)  # noqa: E731
     res = {"samples_per_s": pick("samples_per_s"), "step_s": pick("step_time"),

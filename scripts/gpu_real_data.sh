@@ -23,6 +23,7 @@
 # Knobs: N256 N512 SHARD_SIDES DECODE_SIDES SIDE RUNS STEPS WORKERS PHOTOS PHOTO_SCRIPT (a folder holding
 #        data/write_photo_shards.py and its infclip, when not this checkout) TRAIN_S
 #        CHECK_RESERVE RESERVE_SMS (the partition part: at most 150 + 240 s)
+#        PROFILE_STEP (train: profile that step of our runs; summaries OUT/profile_*.md)
 set -o pipefail
 PARTS="${PARTS:-setup,shards,decode}"
 COMMIT="${1:-unknown}"
@@ -61,6 +62,6 @@ fi
 if has train; then
   timeout "${TRAIN_S:-560}" $PY scripts/bench_trainer.py --shards "$(spec ${SIDE:-256})" --workers "${WORKERS:-14}" \
       --runs "${RUNS:-openclip_compile:32768,ours_compile:32768}" --steps "${STEPS:-4}" --out $OUT \
-      --timeout "${RUN_S:-300}" 2>&1 | grep -v "^\[\|WARNING" | tee -a $OUT/train.txt
+      --timeout "${RUN_S:-300}" --profile-step "${PROFILE_STEP:-0}" 2>&1 | grep -v "^\[\|WARNING" | tee -a $OUT/train.txt
   tail -n 60 /tmp/bench_trainer_logs/*.log > $OUT/train_logs.txt 2>/dev/null
 fi

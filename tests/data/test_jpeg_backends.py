@@ -205,3 +205,37 @@ def test_region_of_interest_decode_gives_the_full_decodes_pixels(monkeypatch):
     assert pil.backend.name == "cpu-pil" and not pil.roi
     with pytest.raises(ValueError, match="does not decode regions"):
         pil.backend.decode(rows.payloads(), None, [[0, 0, 1, 1]] * 6)
+
+
+class _CaiOwner:
+    """Stands in for a decoder's device image: exposes a tensor's geometry as
+    ``__cuda_array_interface__`` (strides in bytes; None when C-contiguous, as the protocol allows)."""
+
+    def __init__(self, t, typestr="|u1", omit_strides=False):
+        self.t = t
+        self.__cuda_array_interface__ = {
+            "shape": tuple(t.shape), "typestr": typestr, "data": (t.data_ptr(), False), "version": 3,
+            "strides": None if omit_strides else tuple(s * t.element_size() for s in t.stride())}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "row_padded", "no_strides"])
+def test_device_image_gives_the_resize_index_a_tensor_would(layout):
+    from infclip.data.jpeg_backends import DeviceImage
+    from infclip.kernels.resize import crop_index
+
+    base = torch.randint(0, 255, (20, 40, 3), dtype=torch.uint8)
+    t = base[:, :31] if layout == "row_padded" else base  # rows pitched wider than the image
+    img = DeviceImage(_CaiOwner(t, omit_strides=layout == "no_strides"), torch.device("cpu"))
+    assert img.shape == tuple(t.shape) and img.dim() == 3 and img.dtype == torch.uint8
+    assert img.data_ptr() == t.data_ptr() and img.stride() == t.stride()
+    boxes = torch.tensor([[2, 3, 10, 20]])
+    assert torch.equal(crop_index([img], boxes), crop_index([t], boxes))
+
+
+def test_device_image_refuses_what_is_no_uint8_image():
+    from infclip.data.jpeg_backends import DeviceImage
+
+    with pytest.raises(ValueError, match="not \\(H, W, C\\) uint8"):
+        DeviceImage(_CaiOwner(torch.zeros(4, 4, 3), typestr="<f4"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="not \\(H, W, C\\) uint8"):
+        DeviceImage(_CaiOwner(torch.zeros(4, 4, dtype=torch.uint8)), torch.device("cpu"))

@@ -19,6 +19,8 @@
 #   partition - data.decode_reserved_sms: scripts/check_sm_partition.py (green-context stream:
 #            same results, matmul / tower rates), then bench_decode.py with the matmuls on all
 #            SMs and on all but RESERVE_SMS (default 0,4,12) beside the hardware decoder
+#   probe  - scripts/probe_decode_formats.py on the SIDE-px shards (RGB / RGB without fancy
+#            upsampling / planar YCbCr on the engines: kernels per image, rates beside matmuls)
 #   train  - scripts/bench_trainer.py RUNS on the SIDE-px shards
 # Knobs: N256 N512 SHARD_SIDES DECODE_SIDES SIDE RUNS STEPS WORKERS PHOTOS PHOTO_SCRIPT (a folder holding
 #        data/write_photo_shards.py and its infclip, when not this checkout) TRAIN_S
@@ -58,6 +60,10 @@ if has partition; then
   timeout 150 $PY scripts/check_sm_partition.py --reserve "${CHECK_RESERVE:-4,12}" 2>&1 | grep -v "Warning" | tee -a $OUT/partition.txt
   timeout 240 $PY scripts/bench_decode.py --shards "$(spec ${SIDE:-256})" --backends hardware --threads 2 \
       --reserve-sms "${RESERVE_SMS:-0,4,12}" --overlap-s 3 2>&1 | grep -v "^\[\|WARNING" | tee -a $OUT/partition.txt
+fi
+if has probe; then
+  timeout 240 $PY scripts/probe_decode_formats.py --shards "$(spec ${SIDE:-256})" 2>&1 \
+      | grep -v "^\[\|WARNING" | tee -a $OUT/probe.txt
 fi
 if has train; then
   timeout "${TRAIN_S:-560}" $PY scripts/bench_trainer.py --shards "$(spec ${SIDE:-256})" --workers "${WORKERS:-14}" \

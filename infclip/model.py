@@ -107,7 +107,7 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
             model.logit_scale.fill_(cfg.init_logit_scale)
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
-    if getattr(cfg, "patch_embed_matmul", False):
+    if cfg.patch_embed_matmul:
         patchify_as_matmul(model)
     pp = model.visual.preprocess_cfg
     size = pp["size"] if isinstance(pp["size"], int) else pp["size"][0]

@@ -128,8 +128,7 @@ def host_phases(dec: JpegDecoder, rows: PackedJpegs, repeats: int) -> str:
         with torch.cuda.stream(dec._stream):
             tick("resize launch", lambda: resized_crop(images, rows.index[:, 1:5], dec.size))
             tick("reference resize of 256", lambda: resized_crop_reference(
-                [im if isinstance(im, torch.Tensor) else im.tensor() for im in images[:256]], rows.index[:256, 1:5],
-                dec.size))
+                [torch.as_tensor(im) for im in images[:256]], rows.index[:256, 1:5], dec.size))
         tick("stream sync", dec._stream.synchronize)
     cells = []
     for name, v in phases.items():

@@ -177,12 +177,12 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{global_batch}{'_'.join([''] + overrides)[:80]}.log")
     mfile = run_dir / "metrics.jsonl"
     recs = [json.loads(x) for x in mfile.read_text().splitlines()] if mfile.exists() else []
-    steps_ = [r for r in recs if "samples_per_s" in r and r.get("step") != a.profile_step]
+    steps_ = step_records(recs, a.profile_step)
     summary = run_dir / "profile" / f"step_{a.profile_step}_rank_0.md"
     if a.profile_step and summary.exists():
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"profile_{kind}_{global_batch}{'_'.join([''] + overrides)}")[:100]
         shutil.copyfile(summary, Path(a.out) / f"{name}.md")
-    steady = steps_[1:] or steps_
+    steady = steps_[1:] or steps_  # the first step (compile, warm-up) is not counted
     pick = lambda k: _median(r.get(k, float("nan")) for r in steady)  # noqa: E731
     res = {"samples_per_s": pick("samples_per_s"), "step_s": pick("step_time"),
            "data_wait_s": pick("time_data_wait"), "cache_s": pick("time_cache_pass"), "loss_s": pick("time_loss"),
@@ -195,6 +195,11 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
                "samples_per_s": float("nan"), "steps_seen": 0}
     subprocess.run(["rm", "-rf", str(run_dir / "checkpoints")])
     return res
+
+
+def step_records(recs: list[dict], profile_step: int = 0) -> list[dict]:
+    """A run's per-step metrics records, the profiled step (slowed by the profiler) left out."""
+    return [r for r in recs if "samples_per_s" in r and not (profile_step and r.get("step") == profile_step)]
 
 
 def _decoder_line(out: str) -> str:

@@ -92,7 +92,8 @@ class DataConfig:
     # (H100/H200: 8; N = 4 gives the towers 128 of 132). The decoders may use every SM.
     # Needs NVIDIA's cuda-bindings (pip install 'infclip[hwdecode]') and a driver with
     # green-context streams (CUDA 12.5+); else the startup line says why and the towers keep
-    # every SM. 0: off (the default until measured on a GPU: scripts/check_sm_partition.py).
+    # every SM. 0: off (measured on an H200: the towers lost 10 % on 128 of 132 SMs, training
+    # 2.5-4 %, more than the decoders gained; docs/data.md).
     decode_reserved_sms: int = 0
     # decode=device: files above this many bytes are re-encoded smaller by the worker (a guard
     # against huge files); the host keeps every other file at its own size (packed).

@@ -169,7 +169,7 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, 
                 outs += f.result()
             for s in side:  # the caller's stream reads what they decoded
                 stream.wait_stream(s)
-        return [None if o is None else _as_tensor(o, device) for o in outs]
+        return [None if o is None else _as_image(o, device) for o in outs]
 
     return Backend(kind if kind != "cpu" else "cpu-nvimgcodec", on_sms=kind == "cuda", decode_fn=decode,
                    threads=threads, roi=True)
@@ -180,8 +180,8 @@ class DeviceImage:
     pointer, shape and strides, read off the decoder's ``__cuda_array_interface__``; no torch
     tensor is built for it (``torch.as_tensor`` took ~23 us an image in the decode thread, 1.5 s
     of a 65,536-image LiT step, H200). Holds ``owner`` (the decoder's image, which owns the
-    memory) so the memory lives as long as this does. ``tensor()`` / ``cpu()`` for the rare
-    reader of its pixels (the probe, the PyTorch reference resize)."""
+    memory) so the memory lives as long as this does. A reader of its pixels (the probe's
+    ``cpu()``, a reference resize) makes a tensor of it: ``torch.as_tensor(image)``."""
 
     __slots__ = ("owner", "ptr", "shape", "strides", "device")
     dtype = torch.uint8
@@ -208,14 +208,11 @@ class DeviceImage:
     def stride(self) -> tuple[int, int, int]:  # in elements (= bytes for uint8)
         return self.strides
 
-    def tensor(self) -> Tensor:
-        return torch.as_tensor(self, device=self.device)
-
     def cpu(self) -> Tensor:
-        return self.tensor().cpu()
+        return torch.as_tensor(self, device=self.device).cpu()
 
 
-def _as_tensor(img, device: torch.device):
+def _as_image(img, device: torch.device):
     """An nvImageCodec image (interleaved RGB): on CUDA a :class:`DeviceImage` (no copy, no
     tensor), else an (H, W, 3) uint8 host tensor."""
     if device.type == "cuda":

@@ -98,8 +98,7 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
     try:
         while state.step < cfg.steps:
             try:
-                with profiled_step(parts.run_dir, state.step + 1, info.rank,
-                                   cfg.logging.profile_step == state.step + 1) as profile:
+                with profiled_step(parts.run_dir, state.step + 1, info.rank, _profiled(cfg, state)) as profile:
                     metrics = train_step(cfg, info, parts, state, pipeline)
                 if profile is not None:
                     on_rank0(info, lambda: print(f"profile: step {state.step + 1} in {profile} "
@@ -126,6 +125,11 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
     finally:  # stop the loader workers now, also when a step raised (they ignore SIGTERM)
         pipeline.close()
     return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
+
+
+def _profiled(cfg: Any, state: State) -> bool:
+    """Whether the step about to run is logging.profile_step."""
+    return cfg.logging.profile_step == state.step + 1
 
 
 def _warn_unreached_profile(cfg: Any, info: DistInfo, state: State) -> None:
@@ -184,7 +188,7 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
     parts.model.train()
     lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
     # phase timings sync CUDA (a profiled step too: its summary splits the step at the syncs)
-    parts.engine.measure_timings = _logged(cfg, state.step + 1) or cfg.logging.profile_step == state.step + 1
+    parts.engine.measure_timings = _logged(cfg, state.step + 1) or _profiled(cfg, state)
     out = parts.engine.step_feed(_simclr_views(cfg, info, state, feed))
     feed.wait_complete()  # every row arrived, so the feed's data position is set
     state.data_state, wait = feed.data_state, feed.wait_s
@@ -192,7 +196,7 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
     _maybe_inject_nan(parts, state.step + 1)
     t1 = time.perf_counter()
     applied, overflow, grad_norm = _optimizer_step(cfg, parts, out)
-    if cfg.logging.profile_step == state.step + 1 and info.device.type == "cuda":
+    if _profiled(cfg, state) and info.device.type == "cuda":
         torch.cuda.synchronize(info.device)  # the profile's optimizer phase holds its kernels
     mark_phase_end("optimizer")
     t_opt = time.perf_counter() - t1

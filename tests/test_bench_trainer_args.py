@@ -1,0 +1,42 @@
+"""scripts/bench_trainer.py's checks before any run: open_clip's webdataset loader against the
+installed webdataset, and which step records count towards a run's medians."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_trainer  # noqa: E402
+
+
+def test_an_end_of_shard_marker_refuses_open_clip_runs_before_anything_runs(monkeypatch, tmp_path, capsys):
+    import webdataset.tariterators as t
+
+    def expander(data, handler=None, select_files=None, rename_files=None, eof_value={}):  # noqa: B006
+        return iter(())
+
+    monkeypatch.setattr(t, "tar_file_expander", expander)
+    shards = tmp_path / "never_written"
+    with pytest.raises(SystemExit) as e:
+        bench_trainer.main(["--runs", "openclip_compile:32768", "--shards", str(shards), "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "KeyError: 'fname'" in err and "webdataset==0.2.86" in err
+    assert not shards.exists()  # refused before the shards were written or anything ran
+
+
+def test_no_end_of_shard_marker_is_no_problem(monkeypatch):
+    import webdataset.tariterators as t
+
+    monkeypatch.setattr(t, "tar_file_expander", lambda data, handler=None: iter(()))
+    assert bench_trainer.openclip_wds_problem() is None
+    monkeypatch.setattr(t, "tar_file_expander", lambda data, handler=None, eof_value=None: iter(()))
+    assert bench_trainer.openclip_wds_problem() is None
+
+
+def test_the_profiled_step_is_left_out_of_the_records():
+    recs = [{"event": "start"}, *({"step": k, "samples_per_s": 100.0 * k} for k in (1, 2, 3, 4))]
+    assert [r["step"] for r in bench_trainer.step_records(recs)] == [1, 2, 3, 4]
+    assert [r["step"] for r in bench_trainer.step_records(recs, profile_step=3)] == [1, 2, 4]

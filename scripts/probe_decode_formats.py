@@ -20,6 +20,13 @@ while bf16 8192^3 matmuls run on another stream (and their TFLOP/s beside the de
 from ``torch.profiler`` over one decode call, GPU kernels per image, the streams they ran on
 and the most frequent kernel. ``--backend cpu`` runs the same table on the host's
 libjpeg-turbo (no GPU columns; it refuses ``yuv`` for 4:2:0 images).
+
+``--trace``: after the table, one decode call per format under ``torch.profiler`` while the
+matmuls run in another thread: the device operations per image by kind (kernels, copies by
+direction, memsets: a device-to-device copy or a memset may run on the SMs and wait behind the
+GEMMs as a kernel does) and the CUDA runtime/driver calls of every thread but the matmuls',
+longest first (a call that waits for the device, such as ``cudaFree`` or a stream
+synchronisation, shows as a long total).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=1024, help="images per decode call")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--overlap-s", type=float, default=3.0)
+    p.add_argument("--trace", action="store_true", help="device operations and CUDA API calls of one call beside matmuls")
     a = p.parse_args(argv)
     a.formats = a.formats.split(",")
     bad = [f for f in a.formats if f not in FORMATS]
@@ -129,6 +137,66 @@ def kernels(run, n: int) -> tuple[float, int, str]:
     return sum(names.values()) / n, len(streams), top
 
 
+def op_kind(name: str) -> str:
+    """The kind of a device operation from its profiler name: ``kernel``, ``memset`` or
+    ``copy <direction>`` (e.g. ``copy DtoD``; ``Memcpy HtoD (Pinned -> Device)`` -> ``copy HtoD``)."""
+    if name.startswith("Memset"):
+        return "memset"
+    if name.startswith("Memcpy"):
+        parts = name.split()
+        return "copy " + (parts[1] if len(parts) > 1 else "?")
+    return "kernel"
+
+
+def trace_summary(device_ops: list, api_calls: list, n: int, skip_thread, top: int = 10) -> list[str]:
+    """Lines describing one profiled decode call of ``n`` images.
+
+    ``device_ops``: names of the GPU operations; ``api_calls``: (thread, name, microseconds) of
+    the CUDA runtime/driver calls. Calls made on ``skip_thread`` (the matmul load's) are left
+    out; the rest are grouped by (thread, name), longest total first, ``top`` of them."""
+    kinds = Counter(op_kind(o) for o in device_ops)
+    lines = ["  device operations per image: " + (", ".join(f"{k} {v / n:.2f}" for k, v in sorted(kinds.items())) or "none")]
+    totals: dict = {}
+    for thread, name, us in api_calls:
+        if thread != skip_thread:
+            c = totals.setdefault((thread, name), [0, 0.0])
+            c[0] += 1
+            c[1] += us
+    for (thread, name), (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  thread {thread}: {name} x{count}, {us / 1e3:.1f} ms")
+    return lines
+
+
+def traced_beside_matmuls(run, n: int) -> list[str]:
+    """``trace_summary`` of one ``run`` while bf16 matmuls run in another thread."""
+    from bench_decode import matmul_load
+    from torch.profiler import ProfilerActivity, profile
+
+    ident, stop = [None], threading.Event()
+
+    def load():
+        ident[0] = threading.get_native_id()
+        while not stop.is_set():
+            matmul_load(0.2, side)
+
+    side = torch.cuda.Stream()
+    th = threading.Thread(target=load)
+    th.start()
+    time.sleep(0.5)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    events = prof.events()
+    device = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    api = [(e.thread, e.name, e.cpu_time_total) for e in events
+           if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
+    return [f"  one call beside matmuls: {wall * 1e3:.1f} ms ({n / wall:,.0f} images/s)"] + \
+        trace_summary(device, api, n, ident[0])
+
+
 def main(argv=None) -> None:
     from bench_decode import packed_rows
     from infclip.data.jpeg_backends import _nvimgcodec
@@ -160,6 +228,8 @@ def main(argv=None) -> None:
             cells += ["—", "—", "—", "—", "—"]
         rows.append("| " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
+        if a.trace and gpu and refused < n:
+            print(f"{fmt}:\n" + "\n".join(traced_beside_matmuls(run, n)), flush=True)
     print("\n".join(rows))
 
 

@@ -37,3 +37,18 @@ def test_probe_refuses_a_gpu_backend_without_cuda():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_decode_formats.py"), "--shards", "x"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "needs a CUDA device; use --backend cpu" in proc.stderr
+
+
+def test_trace_summary_counts_device_operations_and_leaves_out_the_matmul_thread():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from probe_decode_formats import op_kind, trace_summary
+
+    assert op_kind("Memcpy DtoD (Device -> Device)") == "copy DtoD"
+    assert op_kind("Memset (Device)") == "memset"
+    assert op_kind("void nvjpeg::ycbcr_to_format_kernel_roi<...>") == "kernel"
+    ops = ["Memcpy HtoD (Pinned -> Device)"] * 4 + ["Memset (Device)"] * 2 + ["k"] * 8
+    api = [(7, "cudaFree", 900.0), (7, "cudaFree", 100.0), (7, "cudaMemcpyAsync", 50.0),
+           (9, "cudaStreamSynchronize", 5000.0)]  # thread 9 is the matmul load's
+    lines = trace_summary(ops, api, n=4, skip_thread=9)
+    assert lines[0] == "  device operations per image: copy HtoD 1.00, kernel 2.00, memset 0.50"
+    assert lines[1:] == ["  thread 7: cudaFree x2, 1.0 ms", "  thread 7: cudaMemcpyAsync x1, 0.1 ms"]

@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=1024, help="images per decode call")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--overlap-s", type=float, default=3.0)
+    p.add_argument("--options", default="", help="more nvImageCodec decoder options for every format "
+                   "(e.g. nvjpeg_hw_decoder:force_legacy_batch=1; data.decoder_options)")
     p.add_argument("--trace", action="store_true", help="device operations and CUDA API calls of one call beside matmuls")
     a = p.parse_args(argv)
     a.formats = a.formats.split(",")
@@ -64,12 +66,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def make_decoder(nv, fmt: str, backend: str):
-    """(nvImageCodec decoder, decode params) for one of FORMATS."""
+def make_decoder(nv, fmt: str, backend: str, options: str = ""):
+    """(nvImageCodec decoder, decode params) for one of FORMATS, ``options`` added to its options."""
     kind = {"hardware": nv.BackendKind.HW_GPU_ONLY, "cuda": nv.BackendKind.GPU_ONLY, "cpu": nv.BackendKind.CPU_ONLY}
     dev = nv.NVIMGCODEC_DEVICE_CPU_ONLY if backend == "cpu" else torch.cuda.current_device()
     fancy = 0 if fmt == "rgb_nofancy" else 1
-    dec = nv.Decoder(device_id=dev, backends=[nv.Backend(kind[backend])], options=f":fancy_upsampling={fancy}")
+    dec = nv.Decoder(device_id=dev, backends=[nv.Backend(kind[backend])], options=f":fancy_upsampling={fancy} {options}".strip())
     if fmt == "yuv":
         params = nv.DecodeParams(color_spec=nv.ColorSpec.SYCC, sample_format=nv.SampleFormat.P_YUV,
                                  apply_exif_orientation=False)
@@ -208,12 +210,13 @@ def main(argv=None) -> None:
     gpu = a.backend != "cpu"
     payloads = [p.tobytes() for p in packed_rows(a.shards, 224, a.micro, pin=gpu).payloads()]
     n = len(payloads)
-    print(f"{n} JPEGs per call, mean {sum(map(len, payloads)) / n / 1024:.1f} KiB; backend {a.backend}", flush=True)
+    print(f"{n} JPEGs per call, mean {sum(map(len, payloads)) / n / 1024:.1f} KiB; backend {a.backend}"
+          + (f"; options {a.options!r}" if a.options else ""), flush=True)
     rows = ["| format | refused | images/s alone | images/s beside matmuls | matmul TFLOP/s beside (alone) "
             "| kernels per image | streams | most frequent kernel |", "|---|---|---|---|---|---|---|---|"]
     alone_tflops = None
     for fmt in a.formats:
-        dec, params = make_decoder(nv, fmt, a.backend)
+        dec, params = make_decoder(nv, fmt, a.backend, a.options)
         run = decode_fn(nv, dec, params, payloads, torch.cuda.Stream() if gpu else None)
         refused = run()  # warm-up (allocations, engine start)
         cells = [fmt, str(refused), f"{rate(run, n, a.repeats):,.0f}" if refused < n else "— (all refused)"]

@@ -66,6 +66,10 @@ class DataConfig:
     # of a micro-batch at once: beside the towers a single decode chain waits on the busy SMs
     # between its stages (docs/data.md, "Decoding on the GPU").
     decode_threads: int = 2
+    # More nvImageCodec decoder options for the hardware / cuda decoders, space-separated
+    # (nvImageCodec's "Codec options", e.g. "nvjpeg_hw_decoder:force_legacy_batch=1"; unknown
+    # ones are ignored by the library). The startup line shows them.
+    decoder_options: str = ""
     # decode=device: decode only each sample's crop box (nvImageCodec's region-of-interest
     # decode), not the whole stored image. Off: on the H200's engines it measured slower
     # (12.9k vs 18.0k images/s) and up to 54 levels off at region edges (docs/data.md);

@@ -258,7 +258,8 @@ class JpegDecoder(nn.Module):
     decoded once per step, the rest again in the replay. Invariant: a row's pixels are the
     same whichever pass decodes them (deterministic decode and resize, no autocast).
     ``decode_threads``: nvImageCodec decoder instances decoding parts of a micro-batch at once
-    (``data.decode_threads``).
+    (``data.decode_threads``); ``decoder_options``: nvImageCodec options added to theirs
+    (``data.decoder_options``).
     ``chunk``: images resized together on a CPU device (bounds the reference's padded canvas:
     chunk x 3 x H x W floats); on CUDA the kernel takes a whole micro-batch at once.
     ``roi`` (``data.decode_roi``): decode only each sample's crop box (nvImageCodec's
@@ -276,14 +277,15 @@ class JpegDecoder(nn.Module):
 
     def __init__(self, image_size: int, mean: Optional[Sequence[float]] = None,
                  std: Optional[Sequence[float]] = None, device: torch.device | str = "cpu", chunk: int = 256,
-                 backend: str = "auto", keep_bytes: int = 0, decode_threads: int = 1, roi: bool = False):
+                 backend: str = "auto", keep_bytes: int = 0, decode_threads: int = 1, roi: bool = False,
+                 decoder_options: str = ""):
         super().__init__()
         from infclip.data.jpeg_backends import select_backend
         from infclip.data.transforms import Normalizer
 
         self.size, self.chunk, self.device = image_size, chunk, torch.device(device)
         self.normalizer = Normalizer(mean, std).to(self.device)
-        self.selection = select_backend(self.device, backend, decode_threads)
+        self.selection = select_backend(self.device, backend, decode_threads, decoder_options)
         self.backend = self.selection.backend
         self.roi = bool(roi) and self.backend.roi
         self.failures = 0  # images the device backend failed on (re-decoded by PIL or dropped)

@@ -57,6 +57,7 @@ class Backend:
     threads: int = 1  # decoder instances decoding parts of a batch at once
     lock: threading.Lock = field(default_factory=threading.Lock)
     roi: bool = False  # decodes regions of interest (nvImageCodec backends)
+    options: str = ""  # nvImageCodec decoder options added by data.decoder_options
 
     def decode(self, datas: Sequence[Bytes], stream=None, regions: Optional[Sequence] = None) -> list[Optional[Tensor]]:
         if regions is not None and not self.roi:
@@ -104,9 +105,12 @@ def _nvimgcodec():
     return nvimgcodec
 
 
-def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, threads: int = 1) -> Backend:
+def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, threads: int = 1,
+                        options: str = "") -> Backend:
     """nvImageCodec decoder restricted to ``kind``: hardware (+ CUDA for what NVJPG refuses,
-    when ``fallback``), cuda, or cpu (libjpeg-turbo).
+    when ``fallback``), cuda, or cpu (libjpeg-turbo). ``options``: more nvImageCodec decoder
+    options (``data.decoder_options``, e.g. ``nvjpeg_hw_decoder:force_legacy_batch=1``),
+    appended to the ones set here.
 
     ``threads`` > 1 (GPU kinds): that many decoder instances, each on a CUDA stream of its
     own, decode contiguous parts of a batch at once (the calling thread takes the first part).
@@ -126,7 +130,7 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, 
         # upsampling on nvJPEG < 13.2 (possible 1-pixel edge errors; parity is measured by
         # scripts/bench_decode.py --roi 1); whole-image decodes are unaffected.
         decs = [nv.Decoder(device_id=dev_id, backends=[nv.Backend(k) for k in kinds],
-                           options=":fancy_upsampling=1 :enable_roi_fancy_upsampling=1")
+                           options=f":fancy_upsampling=1 :enable_roi_fancy_upsampling=1 {options.strip()}".strip())
                 for _ in range(threads)]
     params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB,
                              allow_any_depth=False, sample_format=nv.SampleFormat.I_RGB)
@@ -172,7 +176,7 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, 
         return [None if o is None else _as_image(o, device) for o in outs]
 
     return Backend(kind if kind != "cpu" else "cpu-nvimgcodec", on_sms=kind == "cuda", decode_fn=decode,
-                   threads=threads, roi=True)
+                   threads=threads, roi=True, options=options.strip())
 
 
 class DeviceImage:
@@ -253,13 +257,13 @@ def _pil_backend(device: torch.device) -> Backend:
     return Backend("cpu-pil", on_sms=False, decode_fn=lambda datas, stream: [pil_decode(d) for d in datas])
 
 
-def _build(name: str, device: torch.device, threads: int = 1) -> Backend:
+def _build(name: str, device: torch.device, threads: int = 1, options: str = "") -> Backend:
     if name in ("hardware", "cuda"):
         if device.type != "cuda":
             raise RuntimeError("needs a CUDA training device")
         if name == "hardware":  # the engines alone must decode the probe (else CUDA would, silently)
             _probe(_nvimgcodec_backend(name, device, fallback=False), device)
-        return _nvimgcodec_backend(name, device, threads=threads)
+        return _nvimgcodec_backend(name, device, threads=threads, options=options)
     if name == "nvjpeg":
         if device.type != "cuda":
             raise RuntimeError("needs a CUDA training device")
@@ -307,13 +311,15 @@ class Selection:
         where = "GPU JPEG engines" if self.backend.name == "hardware" else (
             "GPU SMs" if self.backend.on_sms else "CPU")
         par = f", {self.backend.threads} decoders in parallel" if self.backend.threads > 1 else ""
+        par += f", options {self.backend.options!r}" if self.backend.options else ""
         return f"{self.backend.name} ({where}{par})" + (f" [not taken: {why}]" if why else "")
 
 
-def select_backend(device: torch.device | str, preference: str = "auto", threads: int = 1) -> Selection:
+def select_backend(device: torch.device | str, preference: str = "auto", threads: int = 1,
+                   options: str = "") -> Selection:
     """The fastest working backend for ``device`` (``preference`` "auto"), or exactly the one
-    named; nvImageCodec backends with ``threads`` decoder instances. Raises RuntimeError naming
-    every failure when none works."""
+    named; nvImageCodec backends with ``threads`` decoder instances and ``options`` appended to
+    their decoder options. Raises RuntimeError naming every failure when none works."""
     device = torch.device(device)
     names = ORDER if preference == "auto" else (preference,)
     if preference not in ("auto", *ORDER):
@@ -324,7 +330,7 @@ def select_backend(device: torch.device | str, preference: str = "auto", threads
             continue  # not applicable on a CPU device: not worth a line
         try:
             with _quiet_optional_codecs():  # nvImageCodec loads its codec libraries lazily
-                backend = _build(name, device, threads)
+                backend = _build(name, device, threads, options)
                 _probe(backend, device)
             return Selection(backend, skipped)
         except Exception as e:  # a missing library, no engine on this GPU, a bad driver ...

@@ -128,7 +128,7 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
                                cpu_share=share, cpu_transform=_cpu_transform(cfg, size, built) if share else None)
         normalizer = JpegDecoder(size, built.mean, built.std, device=info.device, backend=cfg.data.device_decoder,
                                  keep_bytes=_keep_bytes(cfg, info.device), decode_threads=cfg.data.decode_threads,
-                                 roi=cfg.data.decode_roi)
+                                 roi=cfg.data.decode_roi, decoder_options=cfg.data.decoder_options)
         why = f"{why}; decoder {normalizer.describe()}"
         if reserved:  # after the decoder: its probe initialised CUDA on this device
             towers = tower_stream(info.device, reserved)

@@ -54,7 +54,7 @@ def test_a_backend_that_decodes_wrongly_is_skipped_and_named(monkeypatch):
     with pytest.raises(RuntimeError, match="levels away from PIL"):
         select_backend("cpu", "cpu")  # the cpu choice tries nvImageCodec first: broken here, then PIL
     # auto on a CPU device goes on to PIL, as the cpu choice's own fallback
-    monkeypatch.setattr(jpeg_backends, "_build", lambda name, device, threads=1: broken if name != "cpu"
+    monkeypatch.setattr(jpeg_backends, "_build", lambda name, device, threads=1, options="": broken if name != "cpu"
                         else jpeg_backends._pil_backend(device))
     assert select_backend("cpu").backend.name == "cpu-pil"
 
@@ -239,3 +239,29 @@ def test_device_image_refuses_what_is_no_uint8_image():
         DeviceImage(_CaiOwner(torch.zeros(4, 4, 3), typestr="<f4"), torch.device("cpu"))
     with pytest.raises(ValueError, match="not \\(H, W, C\\) uint8"):
         DeviceImage(_CaiOwner(torch.zeros(4, 4, dtype=torch.uint8)), torch.device("cpu"))
+
+
+def test_decoder_options_are_appended_to_the_decoders_own_and_named_in_the_startup_line(monkeypatch):
+    """data.decoder_options reaches every nvImageCodec decoder the backend builds, after the
+    options the backend sets itself; the decoder still decodes as PIL does."""
+    nv = pytest.importorskip("nvidia.nvimgcodec")
+    seen = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(nv, name)
+
+        def Decoder(self, **kw):  # noqa: N802 (nvImageCodec's name)
+            seen.append(kw["options"])
+            return nv.Decoder(**kw)
+
+    monkeypatch.setattr(jpeg_backends, "_nvimgcodec", lambda: Spy())
+    backend = jpeg_backends._nvimgcodec_backend("cpu", torch.device("cpu"),
+                                                options=" nvjpeg_hw_decoder:force_legacy_batch=1 ")
+    assert seen == [":fancy_upsampling=1 :enable_roi_fancy_upsampling=1 nvjpeg_hw_decoder:force_legacy_batch=1"]
+    assert "options 'nvjpeg_hw_decoder:force_legacy_batch=1'" in jpeg_backends.Selection(backend, []).describe()
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+    got = backend.decode([np.frombuffer(buf.getvalue(), np.uint8)])[0]
+    ref = pil_decode(np.frombuffer(buf.getvalue(), np.uint8))
+    assert got.shape == ref.shape and (got.int() - ref.int()).abs().float().mean() <= 1.0

@@ -283,7 +283,7 @@ def main(argv=None) -> None:
     flops = {}
     results = []
     for run in a.runs.split(","):
-        kind, g, *rest = run.split(":")
+        kind, g, *rest = run.split(":", 3)  # the overrides may hold colons
         g, steps = int(g), int(rest[0]) if rest and rest[0] else a.steps
         overrides = rest[1].split(";") if len(rest) > 1 else []
         if kind.startswith("openclip"):

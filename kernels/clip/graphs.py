@@ -32,7 +32,9 @@ Memory, within the loss's rule (the two feature gradients + 1 KB x b + 64 MB): w
 features the ``.grad`` copies are the two feature gradients; the static gradient buffers,
 the strip scratch, the partial LSE buffers and the O(b) vectors share the 1 KB x b + 64 MB
 (``strip_budget``: the scratch shrinks to what is left; no graphs where fewer than
-``launch.STRIP_MIN_ROWS`` rows would remain). With ``backward="onepass"`` the pool also
+``launch.STRIP_MIN_ROWS`` rows would remain). The static gradients and every temporary above
+1 MB are carved from one block of the pool (``arena_bytes``), so what the pool keeps does not
+depend on the tiles the tuner picked. With ``backward="onepass"`` the pool also
 holds the fp32 dtxt accumulator (4 B x b x c), which issue 27's rule allows beside the
 1 KB x b + 64 MB (the feature gradients' fp32 accumulators). One captured problem is kept at a time and an
 eager call drops it first, so no eager call runs beside a resident pool (except a backward
@@ -60,6 +62,8 @@ from .function import loss_backward, loss_forward
 MAX_ROWS = 16384  # graphs only where the host is slower than the GPU (b <= 16k, H200)
 MIN_FWD_ROWS = 64  # the smallest forward tile height (``launch.fwd_candidates``): the largest partials
 ALLOCATOR_SLACK_BYTES = 7 << 20  # the pool's 2 MB granules (measured: 72 MB budget -> 74 MB reserved at 4 MB)
+SMALL_BLOCK_BYTES = 1 << 20  # the caching allocator's small blocks (<= 1 MB): they share 2 MB segments
+SEGMENT_MIN_BYTES = 10 << 20  # requests of 1-10 MB take a 20 MB segment, from 10 MB on their size (2 MB granules)
 RULE_FIXED_BYTES = 64 << 20  # the rule's fixed 64 MB
 RULE_BYTES_PER_ROW = 1024  # the rule's 1 KB x b
 _CACHE: dict = {}  # key -> LossGraphs: at most one problem (one pool within the rule at a time)
@@ -68,12 +72,60 @@ _FAILED: set = set()  # keys whose capture raised: always eager
 _STREAMS: dict = {}  # device -> the side stream of every warm-up and capture (one cuBLAS workspace)
 
 
+def partial_bytes(b: int) -> int:
+    """The forward's column partial LSEs at most: those of the tallest-partials tile, capped as
+    ``launch.PART_BUDGET_BYTES`` (the tuned tile's may be smaller: 1 MB at 256 rows, b = 8k)."""
+    return min(launch.PART_BUDGET_BYTES, -(-b // MIN_FWD_ROWS) * b * 4)
+
+
 def reserve_bytes(b: int) -> int:
-    """The forward's temporaries in the pool (partial LSE buffers of the tallest-partials tile,
-    capped as ``launch.PART_BUDGET_BYTES``; the row partials; O(b) vectors) plus the
-    allocator's segment granules."""
-    col_part = min(launch.PART_BUDGET_BYTES, -(-b // MIN_FWD_ROWS) * b * 4)
-    return col_part + 16 * b * 4 + 64 * b + ALLOCATOR_SLACK_BYTES
+    """The forward's temporaries in the pool (``partial_bytes``; the row partials; O(b)
+    vectors) plus the allocator's segment granules."""
+    return partial_bytes(b) + 16 * b * 4 + 64 * b + ALLOCATOR_SLACK_BYTES
+
+
+def arena_bytes(b: int, c: int, esize: int, budget: int, strips: bool, temp: bool = False,
+                onepass: bool = False) -> int:
+    """The pool's one large block, allocated and freed first thing in the forward's capture:
+    the static gradients (where above 1 MB; smaller ones are small blocks), then every
+    temporary above 1 MB of both captures is carved from it (the allocator's best fit: the
+    pool has no other free block), so the pool keeps this block and the small pool's 2 MB
+    segments, whatever tiles the tuner picked. Beyond the gradients it holds the larger of
+    the forward's temporaries (``partial_bytes`` and logsumexp's temporary of their size) and
+    the backward's (``strips``: the strip scratch within ``budget``; the fixup's fp32 product
+    with ``temp``; the fp32 dtxt accumulator with ``onepass``), never alive together; at least
+    ``SEGMENT_MIN_BYTES``; 0 where all are small blocks. (Without it a 1-10 MB temporary with
+    no free block to go to took a fresh 20 MB segment: the partials of a 64- or 128-row
+    forward tile at c = 1024, b = 8k, beside gradients that fill their 16 MB segments, kept
+    84 MB against the rule's 72; 256-row tiles' are small blocks: ~64 MB.) The caching
+    allocator's defaults are assumed (no ``max_split_size_mb``: a block above it is never split)."""
+    grads = 2 * _block(b * c * esize) if b * c * esize > SMALL_BLOCK_BYTES else 0
+    backward = 0
+    if strips:
+        rows = min(b, launch.strip_rows(b, esize, budget=budget, k=c, temp=temp))
+        product = 4 * rows * c if temp else 0
+        backward = _block(rows * b * esize) + _block(product) + _block(_acc_bytes(b, c, esize, onepass))
+    temps = max(2 * _block(partial_bytes(b)), backward)
+    arena = grads + (temps if temps > SMALL_BLOCK_BYTES else 0)
+    return max(arena, SEGMENT_MIN_BYTES) if arena else 0
+
+
+def pool_bytes(b: int, c: int, esize: int, arena: int) -> int:
+    """What a captured problem keeps at most: the arena, the static gradients where they are
+    small blocks, and ``reserve_bytes`` but the partials (the arena holds them): the O(b)
+    vectors and the allocator's granules."""
+    small_grads = 0 if b * c * esize > SMALL_BLOCK_BYTES else 2 * b * c * esize
+    return arena + small_grads + reserve_bytes(b) - partial_bytes(b)
+
+
+def _block(nbytes: int) -> int:
+    """A request's size in the caching allocator (512 B granules)."""
+    return -(-nbytes // 512) * 512
+
+
+def _acc_bytes(b: int, c: int, esize: int, onepass: bool) -> int:
+    """The one-pass backward's fp32 dtxt accumulator (none for fp32 features: dtxt is one)."""
+    return 4 * b * c if onepass and esize != 4 else 0
 
 
 def strip_budget(b: int, c: int, esize: int, strips: bool, temp: bool = False) -> int | None:
@@ -103,10 +155,30 @@ def eligible(ops, img: Tensor, txt: Tensor) -> bool:
 
 
 def _budget(ops, img: Tensor) -> int | None:
-    """``strip_budget`` of ops' backward for img (the strip path: as ``TritonTileOps._use_strips``)."""
+    """``strip_budget`` of ops' backward for img, or None also where its ``pool_bytes`` would not
+    fit the rule (arenas the forward's partials size; the one-pass path: with its accumulator)."""
+    (b, c), esize = img.shape, img.element_size()
+    budget = strip_budget(b, c, esize, _strips(ops, img), temp=not ops.fold)
+    if budget is None:
+        return None
+    rule = RULE_BYTES_PER_ROW * b + RULE_FIXED_BYTES + _acc_bytes(b, c, esize, _onepass(ops))
+    return budget if pool_bytes(b, c, esize, _arena(ops, img, budget)) <= rule else None
+
+
+def _strips(ops, img: Tensor) -> bool:
+    """Whether ops' backward takes the strip path for img (as ``TritonTileOps._use_strips``)."""
     strips = ops.strips == "always" or (ops.strips == "auto" and img.dtype == torch.bfloat16)
-    strips = strips or _backward(ops) == "onepass"  # (its fp32 dtxt accumulator: the rule's, not the 1 KB x b)
-    return strip_budget(img.shape[0], img.shape[1], img.element_size(), strips, temp=not ops.fold)
+    return strips or _onepass(ops)  # (its fp32 dtxt accumulator: the rule's, not the 1 KB x b)
+
+
+def _arena(ops, img: Tensor, budget: int) -> int:
+    """``arena_bytes`` of ops' loss of img with this strip budget."""
+    return arena_bytes(img.shape[0], img.shape[1], img.element_size(), budget, _strips(ops, img),
+                       temp=not ops.fold, onepass=_onepass(ops))
+
+
+def _onepass(ops) -> bool:
+    return _backward(ops) == "onepass"
 
 
 def _backward(ops) -> str:
@@ -185,6 +257,7 @@ class LossGraphs:
         budget = budget if ops.strip_budget is None else min(budget, ops.strip_budget)
         self.ops = TritonTileOps(ops.fp32_precision, strips=ops.strips, strip_positives="fold" if ops.fold else "fixup",
                                  strip_budget=budget, cuda_graphs="never", backward=_backward(ops))
+        self.arena = _arena(ops, img, budget)
         self.current = lambda: None  # weakref to the _Call whose state the buffers hold
         self.counts = {"forward": 0, "backward": 0, "eager_backward": 0, "restored": 0}  # (tests)
         with torch.cuda.device(img.device):
@@ -207,6 +280,7 @@ class LossGraphs:
             self._backward(img, txt, self.g)
         torch.cuda.current_stream().wait_stream(side)  # (torch.cuda.graph syncs the device on entry)
         # The gradients the backward returns are allocated first thing in the forward's capture
+        # (carved from the arena, ``arena_bytes``, left as the pool's one free block just before)
         # and stay alive: the forward's temporaries, freed at the end of its capture, can never be
         # where they live (a forward replay must not write into a gradient the caller still
         # holds). Thread-local capture: the step pipeline's threads keep making CUDA calls.
@@ -214,6 +288,7 @@ class LossGraphs:
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.autocast("cuda", enabled=False):
             with torch.cuda.graph(self.fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+                _free_block(self.arena, img.device)
                 self.dimg = torch.empty(img.shape, device=img.device, dtype=img.dtype)
                 self.dtxt = torch.empty(txt.shape, device=txt.device, dtype=txt.dtype)
                 self.loss, self.row, self.col, self.pos = loss_forward(self.ops, img, txt, self.scale)
@@ -269,6 +344,14 @@ class LossGraphs:
         self.bwd.replay()
         self.counts["backward"] += 1
         return self.dimg, self.dtxt, self.ds
+
+
+def _free_block(nbytes: int, device: torch.device) -> None:
+    """Leave one free block of ``nbytes`` (none for 0) in the pool being captured into: allocated
+    and freed at once, no kernel (nothing is recorded); the pool keeps its segment, and later
+    requests of the capture are split off it while it has room."""
+    if nbytes:
+        torch.empty(nbytes, device=device, dtype=torch.uint8)
 
 
 def _references(t: Tensor) -> tuple[int, int, int]:

@@ -258,7 +258,8 @@ def test_decoder_options_are_appended_to_the_decoders_own_and_named_in_the_start
     monkeypatch.setattr(jpeg_backends, "_nvimgcodec", lambda: Spy())
     backend = jpeg_backends._nvimgcodec_backend("cpu", torch.device("cpu"),
                                                 options=" nvjpeg_hw_decoder:force_legacy_batch=1 ")
-    assert seen == [":fancy_upsampling=1 :enable_roi_fancy_upsampling=1 nvjpeg_hw_decoder:force_legacy_batch=1"]
+    assert seen == [":fancy_upsampling=1 :enable_roi_fancy_upsampling=1 nvjpeg_hw_decoder:force_batch_single=1 "
+                    "nvjpeg_hw_decoder:force_legacy_batch=1"]
     assert "options 'nvjpeg_hw_decoder:force_legacy_batch=1'" in jpeg_backends.Selection(backend, []).describe()
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)

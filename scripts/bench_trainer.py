@@ -270,6 +270,15 @@ def openclip_wds_problem() -> str | None:
             "supports it), or pass --openclip-data synthetic.")
 
 
+def parse_run(run: str, default_steps: int) -> tuple[str, int, int, list[str]]:
+    """(kind, global batch, steps, overrides) of one ``--runs`` entry
+    ``kind:batch[:steps[:override;override...]]``; an override may hold colons
+    (``data.decoder_options='nvjpeg_hw_decoder:force_batch_single=1'``)."""
+    kind, g, *rest = run.split(":", 3)
+    steps = int(rest[0]) if rest and rest[0] else default_steps
+    return kind, int(g), steps, rest[1].split(";") if len(rest) > 1 else []
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
     if a.openclip_data == "wds" and any(r.startswith("openclip") for r in a.runs.split(",")):
@@ -283,9 +292,7 @@ def main(argv=None) -> None:
     flops = {}
     results = []
     for run in a.runs.split(","):
-        kind, g, *rest = run.split(":", 3)  # the overrides may hold colons
-        g, steps = int(g), int(rest[0]) if rest and rest[0] else a.steps
-        overrides = rest[1].split(";") if len(rest) > 1 else []
+        kind, g, steps, overrides = parse_run(run, a.steps)
         if kind.startswith("openclip"):
             res = run_openclip(a, g, steps, kind.endswith("compile"), spec, overrides)
         else:

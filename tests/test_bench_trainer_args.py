@@ -40,3 +40,11 @@ def test_the_profiled_step_is_left_out_of_the_records():
     recs = [{"event": "start"}, *({"step": k, "samples_per_s": 100.0 * k} for k in (1, 2, 3, 4))]
     assert [r["step"] for r in bench_trainer.step_records(recs)] == [1, 2, 3, 4]
     assert [r["step"] for r in bench_trainer.step_records(recs, profile_step=3)] == [1, 2, 4]
+
+
+def test_a_run_entry_keeps_colons_inside_its_overrides():
+    assert bench_trainer.parse_run("lit_compile:65536", 4) == ("lit_compile", 65536, 4, [])
+    assert bench_trainer.parse_run("ours:32768:3", 4) == ("ours", 32768, 3, [])
+    entry = "ours_compile:32768::data.decoder_options='nvjpeg_hw_decoder:force_batch_single=1';data.workers=8"
+    assert bench_trainer.parse_run(entry, 4) == (
+        "ours_compile", 32768, 4, ["data.decoder_options='nvjpeg_hw_decoder:force_batch_single=1'", "data.workers=8"])

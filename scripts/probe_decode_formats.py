@@ -24,9 +24,11 @@ libjpeg-turbo (no GPU columns; it refuses ``yuv`` for 4:2:0 images).
 ``--trace``: after the table, one decode call per format under ``torch.profiler`` while the
 matmuls run in another thread: the device operations per image by kind (kernels, copies by
 direction, memsets: a device-to-device copy or a memset may run on the SMs and wait behind the
-GEMMs as a kernel does) and the CUDA runtime/driver calls of every thread but the matmuls',
-longest first (a call that waits for the device, such as ``cudaFree`` or a stream
-synchronisation, shows as a long total).
+GEMMs as a kernel does) and the CUDA runtime/driver calls, longest total first (a call that
+waits for the device, such as ``cudaFree`` or a synchronisation, shows as a long total). The
+profiler does not say which thread made a call, so the same list follows for the matmul load
+alone over as long a time (its launches and its stream synchronisation every four matmuls):
+what the decode call adds is the difference.
 """
 
 from __future__ import annotations
@@ -150,53 +152,74 @@ def op_kind(name: str) -> str:
     return "kernel"
 
 
-def trace_summary(device_ops: list, api_calls: list, n: int, skip_thread, top: int = 10) -> list[str]:
-    """Lines describing one profiled decode call of ``n`` images.
-
-    ``device_ops``: names of the GPU operations; ``api_calls``: (thread, name, microseconds) of
-    the CUDA runtime/driver calls. Calls made on ``skip_thread`` (the matmul load's) are left
-    out; the rest are grouped by (thread, name), longest total first, ``top`` of them."""
-    kinds = Counter(op_kind(o) for o in device_ops)
-    lines = ["  device operations per image: " + (", ".join(f"{k} {v / n:.2f}" for k, v in sorted(kinds.items())) or "none")]
+def api_totals(api_calls: list, top: int = 10) -> list[str]:
+    """Lines of the CUDA runtime/driver calls ``api_calls`` ((name, microseconds) each), grouped
+    by name, longest total first, ``top`` of them."""
     totals: dict = {}
-    for thread, name, us in api_calls:
-        if thread != skip_thread:
-            c = totals.setdefault((thread, name), [0, 0.0])
-            c[0] += 1
-            c[1] += us
-    for (thread, name), (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
-        lines.append(f"  thread {thread}: {name} x{count}, {us / 1e3:.1f} ms")
-    return lines
+    for name, us in api_calls:
+        c = totals.setdefault(name, [0, 0.0])
+        c[0] += 1
+        c[1] += us
+    return [f"    {name} x{count}, {us / 1e3:.1f} ms"
+            for name, (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]
+
+
+def trace_summary(device_ops: list, api_calls: list, n: int, control_calls: list) -> list[str]:
+    """Lines describing one profiled decode call of ``n`` images beside the matmul load:
+    ``device_ops``, the names of the GPU operations of the decode call (the caller takes the
+    matmul load's off, as counted alone over as long a time); ``api_calls`` / ``control_calls``: (name, microseconds) of the
+    CUDA calls made meanwhile by every thread / by the matmul load alone over as long a time."""
+    kinds = Counter(op_kind(o) for o in device_ops)
+    return (["  device operations per image: " + (", ".join(f"{k} {v / n:.2f}" for k, v in sorted(kinds.items())) or "none"),
+             "  CUDA calls meanwhile (every thread):"] + api_totals(api_calls)
+            + ["  CUDA calls of the matmul load alone, as long:"] + api_totals(control_calls, top=4))
+
+
+def _profiled(fn, seconds: float = 0.0) -> tuple[float, list, list]:
+    """(wall seconds, device operation names, (name, us) CUDA calls) of ``fn()`` (then idling
+    until ``seconds`` have passed) under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        time.sleep(max(0.0, seconds - (time.perf_counter() - t0)))
+        wall = time.perf_counter() - t0
+    events = prof.events()
+    device = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    api = [(e.name, e.cpu_time_total) for e in events
+           if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
+    return wall, device, api
 
 
 def traced_beside_matmuls(run, n: int) -> list[str]:
-    """``trace_summary`` of one ``run`` while bf16 matmuls run in another thread."""
+    """``trace_summary`` of one ``run`` while bf16 matmuls run in another thread, and of the
+    matmuls alone for as long."""
     from bench_decode import matmul_load
-    from torch.profiler import ProfilerActivity, profile
 
-    ident, stop = [None], threading.Event()
+    stop, side = threading.Event(), torch.cuda.Stream()
 
     def load():
-        ident[0] = threading.get_native_id()
         while not stop.is_set():
             matmul_load(0.2, side)
 
-    side = torch.cuda.Stream()
-    th = threading.Thread(target=load)
-    th.start()
-    time.sleep(0.5)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        run()
-        wall = time.perf_counter() - t0
-    stop.set()
-    th.join()
-    events = prof.events()
-    device = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    api = [(e.thread, e.name, e.cpu_time_total) for e in events
-           if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("cu")]
+    def with_load(fn, seconds: float = 0.0):
+        stop.clear()
+        th = threading.Thread(target=load)
+        th.start()
+        time.sleep(0.5)
+        try:
+            return _profiled(fn, seconds)
+        finally:
+            stop.set()
+            th.join()
+
+    wall, device, api = with_load(run)
+    _, control_device, control = with_load(lambda: None, wall)
+    # the decode call's own operations: those of the matmul load over as long a time taken off
+    device = list((Counter(device) - Counter(control_device)).elements())
     return [f"  one call beside matmuls: {wall * 1e3:.1f} ms ({n / wall:,.0f} images/s)"] + \
-        trace_summary(device, api, n, ident[0])
+        trace_summary(device, api, n, control)
 
 
 def main(argv=None) -> None:

@@ -39,7 +39,7 @@ def test_probe_refuses_a_gpu_backend_without_cuda():
     assert proc.returncode == 2 and "needs a CUDA device; use --backend cpu" in proc.stderr
 
 
-def test_trace_summary_counts_device_operations_and_leaves_out_the_matmul_thread():
+def test_trace_summary_counts_device_operations_and_lists_the_control_beside():
     sys.path.insert(0, str(ROOT / "scripts"))
     from probe_decode_formats import op_kind, trace_summary
 
@@ -47,8 +47,11 @@ def test_trace_summary_counts_device_operations_and_leaves_out_the_matmul_thread
     assert op_kind("Memset (Device)") == "memset"
     assert op_kind("void nvjpeg::ycbcr_to_format_kernel_roi<...>") == "kernel"
     ops = ["Memcpy HtoD (Pinned -> Device)"] * 4 + ["Memset (Device)"] * 2 + ["k"] * 8
-    api = [(7, "cudaFree", 900.0), (7, "cudaFree", 100.0), (7, "cudaMemcpyAsync", 50.0),
-           (9, "cudaStreamSynchronize", 5000.0)]  # thread 9 is the matmul load's
-    lines = trace_summary(ops, api, n=4, skip_thread=9)
-    assert lines[0] == "  device operations per image: copy HtoD 1.00, kernel 2.00, memset 0.50"
-    assert lines[1:] == ["  thread 7: cudaFree x2, 1.0 ms", "  thread 7: cudaMemcpyAsync x1, 0.1 ms"]
+    api = [("cudaFree", 900.0), ("cudaFree", 100.0), ("cudaMemcpyAsync", 50.0), ("cudaStreamSynchronize", 5000.0)]
+    control = [("cudaStreamSynchronize", 4000.0), ("cudaLaunchKernel", 10.0)]
+    assert trace_summary(ops, api, n=4, control_calls=control) == [
+        "  device operations per image: copy HtoD 1.00, kernel 2.00, memset 0.50",
+        "  CUDA calls meanwhile (every thread):",
+        "    cudaStreamSynchronize x1, 5.0 ms", "    cudaFree x2, 1.0 ms", "    cudaMemcpyAsync x1, 0.1 ms",
+        "  CUDA calls of the matmul load alone, as long:",
+        "    cudaStreamSynchronize x1, 4.0 ms", "    cudaLaunchKernel x1, 0.0 ms"]

@@ -459,11 +459,15 @@ class JpegDecoder(nn.Module):
         return rows, out, dropped, done
 
     def _decode_timed(self, rows: Tensor):
-        """(uint8 images, dropped mask, event or None) of ``rows``, decoded now."""
-        t0 = time.perf_counter()
+        """(uint8 images, dropped mask, event or None) of ``rows``, decoded now. One decode at a
+        time (``_decode_lock``); ``decode_s`` counts the time decoding, not the wait for the
+        lock, so ``decode_imgs_per_s`` is the rate of the decode work itself (decoding is the
+        step's bound where it equals the step's samples/s)."""
         if self._stream is None:
-            with _autocast_off("cpu"):  # the CPU reference's matmuls stay float32
+            with self._decode_lock, _autocast_off("cpu"):  # the CPU reference's matmuls stay float32
+                t0 = time.perf_counter()
                 out, dropped = self._decode_resize(rows)
+                elapsed = time.perf_counter() - t0
             done = None
         else:
             # One decode + resize at a time (the prefetch and decode-ahead threads share the
@@ -474,13 +478,15 @@ class JpegDecoder(nn.Module):
             # training thread compiles deadlocked (autocast's global cast-cache mutex vs the
             # GIL: seen at 262,144 under model.compile).
             with self._decode_lock, torch.cuda.stream(self._stream):
+                t0 = time.perf_counter()
                 self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
                 out, dropped = self._decode_resize(rows)
                 done = torch.cuda.Event()
                 done.record(self._stream)
+                elapsed = time.perf_counter() - t0
         pixels = int(rows.pixel_mask().sum()) if isinstance(rows, PackedJpegs) else 0
         with self._lock:
-            self.decode_s += time.perf_counter() - t0
+            self.decode_s += elapsed
             self.decoded += rows.shape[0] - pixels
             self.cpu_pixels += pixels
         return out, dropped, done

@@ -183,3 +183,31 @@ def test_prefetched_decodes_are_picked_up_in_order_and_cancelled_cleanly():
     decoder.cancel_prefetch()  # the third was never consumed
     assert decoder._pending == [] and sorted(fetched) == [0, 1, 2]
     assert torch.equal(decoder(rows[2]), direct[2])  # decoded afresh, not a stale prefetch
+
+
+def test_decode_rate_counts_decoding_not_the_wait_for_another_threads_decode(monkeypatch):
+    """Two threads decode at once: the decodes run one at a time, and decode_s (the progress
+    line's decode_imgs_per_s denominator) is their decoding time, not also the time one of
+    them waited for the other (which made the rate under-read beside the decode-ahead thread)."""
+    import threading
+    import time
+
+    rows = PackedJpegs.collate([JpegPacker(S)(photo(64, 48, seed=k)) for k in range(2)])
+    decoder = JpegDecoder(S)
+    real = decoder._decode_resize
+
+    def slow(r):
+        time.sleep(0.3)
+        return real(r)
+
+    monkeypatch.setattr(decoder, "_decode_resize", slow)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=decoder._decode_timed, args=(rows,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    assert wall >= 0.6  # one at a time
+    assert 0.6 <= decoder.decode_s < 0.6 + 0.25  # each decode's own 0.3 s, not 0.3 s of waiting more
+    assert decoder.decoded == 4

@@ -229,16 +229,18 @@ def fwd_gflops(model_name: str, patch_dropout: float = 0.0) -> tuple[float, floa
 
 
 def _run(cmd: list[str], timeout: float, log: Path) -> str:
+    """The command's output (stdout and stderr, as written), streamed into ``log`` while it
+    runs (a caller cut off meanwhile keeps what ran); a run past ``timeout`` is killed and
+    its output ends with TIMEOUT."""
     print("$ " + " ".join(cmd), flush=True)
     t0 = time.time()
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(ROOT))
-        out = proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        out += "\nTIMEOUT"
-    log.write_text(out)
+    with open(log, "w") as f:
+        try:
+            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=str(ROOT))
+        except subprocess.TimeoutExpired:
+            f.write("\nTIMEOUT\n")
+    out = log.read_text()
     print(f"  ({time.time() - t0:.0f} s) " + out.strip().splitlines()[-1][:300] if out.strip() else "", flush=True)
     return out
 

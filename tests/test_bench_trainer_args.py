@@ -48,3 +48,11 @@ def test_a_run_entry_keeps_colons_inside_its_overrides():
     entry = "ours_compile:32768::data.decoder_options='nvjpeg_hw_decoder:force_batch_single=1';data.workers=8"
     assert bench_trainer.parse_run(entry, 4) == (
         "ours_compile", 32768, 4, ["data.decoder_options='nvjpeg_hw_decoder:force_batch_single=1'", "data.workers=8"])
+
+
+def test_a_run_streams_its_output_into_its_log_and_a_timeout_keeps_what_ran(tmp_path):
+    log = tmp_path / "run.log"
+    code = "import sys, time; print('step 1', flush=True); print('warn', file=sys.stderr, flush=True); time.sleep(30)"
+    out = bench_trainer._run([sys.executable, "-c", code], timeout=3, log=log)
+    assert out == log.read_text()
+    assert "step 1" in out and "warn" in out and out.rstrip().endswith("TIMEOUT")

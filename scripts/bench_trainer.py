@@ -37,6 +37,7 @@ backward = 2 forwards) and 1 of a locked one; forward FLOPs counted by
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -137,7 +138,7 @@ def run_model(kind: str, overrides: list[str]) -> tuple[str, float]:
 def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, overrides: list[str]) -> dict:
     accum = global_batch // a.micro
     model, extra = openclip_args(overrides)
-    tag = "_".join([""] + [o.lstrip("-") for o in overrides])[:80]
+    tag = _tag([o.lstrip("-") for o in overrides])
     logs = Path(a.logs) / f"openclip_logs_{global_batch}_{int(compile_)}{tag}"
     subprocess.run(["rm", "-rf", str(logs)])
     wrapper = (_PEAKS + "from open_clip_train.main import main; main(sys.argv[1:])")
@@ -174,7 +175,7 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
            f"model.compile={str(kind.endswith('compile')).lower()}", *a.extra.split(), *overrides]
     if a.profile_step:
         cmd.append(f"logging.profile_step={a.profile_step}")
-    out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{global_batch}{'_'.join([''] + overrides)[:80]}.log")
+    out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{global_batch}{_tag(overrides)}.log")
     mfile = run_dir / "metrics.jsonl"
     recs = [json.loads(x) for x in mfile.read_text().splitlines()] if mfile.exists() else []
     steps_ = step_records(recs, a.profile_step)
@@ -226,6 +227,15 @@ def fwd_gflops(model_name: str, patch_dropout: float = 0.0) -> tuple[float, floa
             fn(x)
         res.append(fc.get_total_flops() / 8 / 1e9)
     return res[0], res[1]
+
+
+def _tag(overrides: list[str]) -> str:
+    """A log name's part for a run's overrides: readable, cut to 60 characters, and a short
+    hash of all of them (runs that differ only past the cut get logs of their own)."""
+    if not overrides:
+        return ""
+    text = "_".join(overrides)
+    return "_" + re.sub(r"[^\w.=-]", "-", text)[:60] + "_" + hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
 def _run(cmd: list[str], timeout: float, log: Path) -> str:

@@ -68,11 +68,12 @@ fi
 if has train; then
   # the runs' logs reach $OUT every 15 s too: a call cut off at its time limit keeps what ran
   rm -rf /tmp/bench_trainer_logs
-  ( while sleep 15; do tail -n 60 /tmp/bench_trainer_logs/*.log > $OUT/train_logs.txt 2>/dev/null; done ) &
+  ( while sleep 15; do tail -n 60 /tmp/bench_trainer_logs/*.log > $OUT/.train_logs.tmp 2>/dev/null \
+      && mv $OUT/.train_logs.tmp $OUT/train_logs.txt; done ) &
   live=$!
   timeout "${TRAIN_S:-560}" $PY scripts/bench_trainer.py --shards "$(spec ${SIDE:-256})" --workers "${WORKERS:-14}" \
       --runs "${RUNS:-openclip_compile:32768,ours_compile:32768}" --steps "${STEPS:-4}" --out $OUT \
       --timeout "${RUN_S:-300}" --profile-step "${PROFILE_STEP:-0}" 2>&1 | grep -v "^\[\|WARNING" | tee -a $OUT/train.txt
-  kill $live 2>/dev/null
+  kill $live 2>/dev/null; wait $live 2>/dev/null; rm -f $OUT/.train_logs.tmp
   tail -n 60 /tmp/bench_trainer_logs/*.log > $OUT/train_logs.txt 2>/dev/null
 fi

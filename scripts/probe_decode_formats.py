@@ -1,7 +1,7 @@
 """Which output format lets the GPU's JPEG engines run without per-image SM kernels?
 
     python scripts/probe_decode_formats.py --shards '/tmp/photos256/{00000..00031}.tar' \\
-        [--formats rgb,rgb_nofancy,yuv] [--micro 1024] [--overlap-s 3]
+        [--formats rgb,rgb_nofancy,yuv] [--micro 1024] [--overlap-s 3] [--trace] [--options OPTS]
 
 A profiled LiT step showed nvJPEG launching one ``ycbcr_to_format_kernel_roi`` per image
 (colour conversion and chroma upsampling to interleaved RGB, 3.2 us each, 65,536 per step)
@@ -11,7 +11,8 @@ every decode call 3-4x. nvImageCodec maps ``SampleFormat.P_YUV`` + ``ColorSpec.S
 pitch W), which needs no conversion; whether nvJPEG's hardware path then launches no kernel
 is what this measures. Formats (one nvImageCodec decoder each, ``--backend`` engines):
 
-* ``rgb``: what the trainer uses (sRGB, interleaved RGB, fancy upsampling);
+* ``rgb``: the trainer's format (sRGB, interleaved RGB, fancy upsampling; the trainer also sets
+  ``--options nvjpeg_hw_decoder:force_batch_single=1``, nvImageCodec's per-image pipeline);
 * ``rgb_nofancy``: the same without fancy upsampling (``:fancy_upsampling=0``);
 * ``yuv``: planar YCbCr, nothing converted.
 
@@ -25,10 +26,10 @@ libjpeg-turbo (no GPU columns; it refuses ``yuv`` for 4:2:0 images).
 matmuls run in another thread: the device operations per image by kind (kernels, copies by
 direction, memsets: a device-to-device copy or a memset may run on the SMs and wait behind the
 GEMMs as a kernel does) and the CUDA runtime/driver calls, longest total first (a call that
-waits for the device, such as ``cudaFree`` or a synchronisation, shows as a long total). The
-profiler does not say which thread made a call, so the same list follows for the matmul load
-alone over as long a time (its launches and its stream synchronisation every four matmuls):
-what the decode call adds is the difference.
+waits for the device, such as ``cudaFree`` or a synchronisation, shows as a long total). On
+the H200 the profiler gave every such call the same thread, so the same list follows for the
+matmul load alone over as long a time (its launches and its stream synchronisation every four
+matmuls): what the decode call adds is the difference.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [f for f in a.formats if f not in FORMATS]
     if bad:
         p.error(f"unknown format(s) {bad}; choose from {', '.join(FORMATS)}")
+    if a.trace and a.backend == "cpu":
+        p.error("--trace profiles GPU decoding beside matmuls: use it with --backend hardware or cuda")
     if a.backend != "cpu" and not torch.cuda.is_available():
         p.error(f"--backend {a.backend} needs a CUDA device; use --backend cpu here")
     return a

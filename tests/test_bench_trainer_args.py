@@ -1,5 +1,6 @@
-"""scripts/bench_trainer.py's checks before any run: open_clip's webdataset loader against the
-installed webdataset, and which step records count towards a run's medians."""
+"""scripts/bench_trainer.py's pieces that run without a GPU: the checks before any run (open_clip's
+webdataset loader against the installed webdataset), which step records count towards a run's
+medians, how a --runs entry is read, the logs' names and how a run's output reaches its log."""
 
 import sys
 from pathlib import Path
@@ -56,3 +57,10 @@ def test_a_run_streams_its_output_into_its_log_and_a_timeout_keeps_what_ran(tmp_
     out = bench_trainer._run([sys.executable, "-c", code], timeout=3, log=log)
     assert out == log.read_text()
     assert "step 1" in out and "warn" in out and out.rstrip().endswith("TIMEOUT")
+
+
+def test_runs_that_differ_past_the_cut_get_logs_of_their_own():
+    long = "data.decoder_options='nvjpeg_hw_decoder:force_batch_single=1 :fancy_upsampling=1 "
+    a, b = bench_trainer._tag([long + "x'"]), bench_trainer._tag([long + "y'"])
+    assert a != b and a.startswith("_data.decoder_options") and len(a) <= 1 + 60 + 1 + 8
+    assert "/" not in a and " " not in a and bench_trainer._tag([]) == ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -67,8 +69,10 @@ class DataConfig:
     # between its stages (docs/data.md, "Decoding on the GPU").
     decode_threads: int = 2
     # More nvImageCodec decoder options for the hardware / cuda decoders, space-separated
-    # (nvImageCodec's "Codec options", e.g. "nvjpeg_hw_decoder:force_legacy_batch=1"; unknown
-    # ones are ignored by the library). The startup line shows them.
+    # "[module]:option=value" entries after the backend's own (nvImageCodec's "Codec options";
+    # a later entry overrides an earlier one, unknown options are ignored by the library), e.g.
+    # "nvjpeg_hw_decoder:force_batch_single=0"; on the command line quote the value for Hydra:
+    # "data.decoder_options='nvjpeg_hw_decoder:force_batch_single=0'". The startup line shows them.
     decoder_options: str = ""
     # decode=device: decode only each sample's crop box (nvImageCodec's region-of-interest
     # decode), not the whole stored image. Off: on the H200's engines it measured slower
@@ -120,6 +124,26 @@ class DataConfig:
     stall_abort_s: float = 1800.0
 
 
+_DECODER_OPTION = re.compile(r"^[\w-]*:\w+=\S+$")  # nvImageCodec's "[module]:option=value"
+
+
+def _check_decoder_options(cfg: DataConfig) -> None:
+    """data.decoder_options: space-separated ``[module]:option=value`` entries (nvImageCodec
+    silently skips any other token), and only where an nvImageCodec GPU decoder may run."""
+    opts = cfg.decoder_options
+    if not isinstance(opts, str):
+        raise ValueError(f"data.decoder_options must be a string of nvImageCodec options, got {opts!r}")
+    bad = [t for t in opts.split() if not _DECODER_OPTION.match(t)]
+    if bad:
+        raise ValueError(f"data.decoder_options holds {bad}, not nvImageCodec options: each entry is "
+                         "[module]:option=value, e.g. nvjpeg_hw_decoder:force_batch_single=0 or :fancy_upsampling=1 "
+                         "(quote the value for Hydra: \"data.decoder_options='nvjpeg_hw_decoder:force_batch_single=0'\")")
+    if opts.strip() and (cfg.decode == "cpu" or cfg.device_decoder == "nvjpeg"):
+        why = "data.decode=cpu" if cfg.decode == "cpu" else "data.device_decoder=nvjpeg (torchvision's decoder)"
+        raise ValueError(f"data.decoder_options={opts!r} means nothing with {why}: they configure nvImageCodec's "
+                         "GPU decoders; set data.decoder_options='' or data.device_decoder=auto/hardware/cuda")
+
+
 def check_data_config(cfg: DataConfig) -> None:
     """Reject impossible data settings before any work; messages name the key and the fix.
 
@@ -143,6 +167,7 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.cpu_decode_share={share} means nothing with data.decode=cpu (the loader workers "
                          "decode every sample already): set data.cpu_decode_share=0, or data.decode=device "
                          "(or auto) to split decoding between the GPU and the workers")
+    _check_decoder_options(cfg)
     reserved = cfg.decode_reserved_sms
     if isinstance(reserved, bool) or not isinstance(reserved, int) or reserved < 0:
         raise ValueError(f"data.decode_reserved_sms must be a whole number >= 0 (SMs kept free of the towers for "

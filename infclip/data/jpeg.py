@@ -461,8 +461,9 @@ class JpegDecoder(nn.Module):
     def _decode_timed(self, rows: Tensor):
         """(uint8 images, dropped mask, event or None) of ``rows``, decoded now. One decode at a
         time (``_decode_lock``); ``decode_s`` counts the time decoding, not the wait for the
-        lock, so ``decode_imgs_per_s`` is the rate of the decode work itself (decoding is the
-        step's bound where it equals the step's samples/s)."""
+        lock, so ``decode_imgs_per_s`` is the rate of the decode work itself (where every image
+        is decoded once per step, decoding is the step's bound when that rate equals the step's
+        samples/s; replays that decode again count their images too)."""
         if self._stream is None:
             with self._decode_lock, _autocast_off("cpu"):  # the CPU reference's matmuls stay float32
                 t0 = time.perf_counter()

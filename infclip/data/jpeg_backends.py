@@ -133,8 +133,9 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, 
         # TransferToDevice / Device on a pool of worker streams) instead of one batched call,
         # which nvImageCodec picks by default for batches without mixed chroma subsampling.
         # Beside the towers it is much faster (one H200, 256-px photos: 5,726 vs 3,570 images/s
-        # beside matmuls; LiT 65,536: 5,221 vs 4,739 samples/s in one call). Options given
-        # later (data.decoder_options) override it.
+        # beside matmuls; LiT 65,536: 5,221 vs 4,739 samples/s in one call; measured there only:
+        # nvImageCodec keeps single-engine GPUs such as the A100 on the batched path for small
+        # batches). Options given later (data.decoder_options) override it.
         own = ":fancy_upsampling=1 :enable_roi_fancy_upsampling=1 nvjpeg_hw_decoder:force_batch_single=1"
         decs = [nv.Decoder(device_id=dev_id, backends=[nv.Backend(k) for k in kinds],
                            options=f"{own} {options.strip()}".strip())

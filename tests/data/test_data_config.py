@@ -17,6 +17,10 @@ from infclip.data.config import DataConfig, SourceConfig, check_data_config
     ({"stall_abort_s": float("nan")}, "data.stall_abort_s"),
     ({"stall_warn_s": 60.0, "stall_abort_s": 30.0}, "data.stall_abort_s=30 must be larger than data.stall_warn_s=60"),
     ({"decode_threads": 0}, "data.decode_threads"),
+    ({"decoder_options": "force_batch_single=0"}, r"data.decoder_options holds \['force_batch_single=0'\]"),
+    ({"decoder_options": ":fancy_upsampling=1 nvjpeg_hw_decoder:force_batch_single"}, "not nvImageCodec options"),
+    ({"decoder_options": ":fancy_upsampling=1", "decode": "cpu"}, "means nothing with data.decode=cpu"),
+    ({"decoder_options": ":fancy_upsampling=1", "device_decoder": "nvjpeg"}, "means nothing with data.device_decoder=nvjpeg"),
 ])
 def test_rejects(kw, key):
     with pytest.raises(ValueError, match=key):
@@ -26,3 +30,4 @@ def test_rejects(kw, key):
 def test_defaults_pass():
     check_data_config(DataConfig())
     check_data_config(DataConfig(stall_warn_s=0.0, stall_abort_s=0.0))  # 0: off
+    check_data_config(DataConfig(decoder_options=" nvjpeg_hw_decoder:force_batch_single=0  :fancy_upsampling=1 "))

@@ -16,10 +16,12 @@ def test_probe_prints_a_row_per_format_and_counts_refusals(shards):
     paths = shards([40, 40])
     spec = str(Path(paths[0]).parent / "{00000..00001}.tar")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_decode_formats.py"), "--shards", spec,
-                           "--backend", "cpu", "--micro", "32", "--repeats", "1"],
+                           "--backend", "cpu", "--micro", "32", "--repeats", "1",
+                           "--options", "nvjpeg_hw_decoder:force_batch_single=1"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, NVIMGCODEC_LOG_LEVEL="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend cpu; options 'nvjpeg_hw_decoder:force_batch_single=1'" in proc.stdout  # passed to the decoders
     table = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")]
     rows = {r[0].lstrip("| "): r for r in table[-3:]}
     assert set(rows) == {"rgb", "rgb_nofancy", "yuv"}
@@ -55,3 +57,9 @@ def test_trace_summary_counts_device_operations_and_lists_the_control_beside():
         "    cudaStreamSynchronize x1, 5.0 ms", "    cudaFree x2, 1.0 ms", "    cudaMemcpyAsync x1, 0.1 ms",
         "  CUDA calls of the matmul load alone, as long:",
         "    cudaStreamSynchronize x1, 4.0 ms", "    cudaLaunchKernel x1, 0.0 ms"]
+
+
+def test_trace_is_refused_on_the_cpu_backend():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_decode_formats.py"), "--shards", "x",
+                           "--backend", "cpu", "--trace"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "--trace profiles GPU decoding" in proc.stderr

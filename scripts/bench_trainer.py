@@ -181,8 +181,7 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     steps_ = step_records(recs, a.profile_step)
     summary = run_dir / "profile" / f"step_{a.profile_step}_rank_0.md"
     if a.profile_step and summary.exists():
-        name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"profile_{kind}_{global_batch}{'_'.join([''] + overrides)}")[:100]
-        shutil.copyfile(summary, Path(a.out) / f"{name}.md")
+        shutil.copyfile(summary, Path(a.out) / f"profile_{kind}_{global_batch}{_tag(overrides)}.md")
     steady = steps_[1:] or steps_  # the first step (compile, warm-up) is not counted
     pick = lambda k: _median(r.get(k, float("nan")) for r in steady)  # noqa: E731
     res = {"samples_per_s": pick("samples_per_s"), "step_s": pick("step_time"),

@@ -464,27 +464,26 @@ class JpegDecoder(nn.Module):
         lock, so ``decode_imgs_per_s`` is the rate of the decode work itself (where every image
         is decoded once per step, decoding is the step's bound when that rate equals the step's
         samples/s; replays that decode again count their images too)."""
-        if self._stream is None:
-            with self._decode_lock, _autocast_off("cpu"):  # the CPU reference's matmuls stay float32
-                t0 = time.perf_counter()
-                out, dropped = self._decode_resize(rows)
-                elapsed = time.perf_counter() - t0
-            done = None
-        else:
-            # One decode + resize at a time (the prefetch and decode-ahead threads share the
-            # decoders): the resize that reads a decode's images is enqueued before the next
-            # decode, which reuses their buffers, is (stream order keeps the rest). No autocast
-            # context here: nothing on this path is autocast-sensitive (a Triton kernel and
-            # uint8 copies), and entering/leaving autocast in a decode thread while the
-            # training thread compiles deadlocked (autocast's global cast-cache mutex vs the
-            # GIL: seen at 262,144 under model.compile).
-            with self._decode_lock, torch.cuda.stream(self._stream):
-                t0 = time.perf_counter()
-                self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
-                out, dropped = self._decode_resize(rows)
-                done = torch.cuda.Event()
-                done.record(self._stream)
-                elapsed = time.perf_counter() - t0
+        # One decode + resize at a time (the prefetch and decode-ahead threads share the
+        # decoders): on CUDA the resize that reads a decode's images is enqueued before the next
+        # decode, which reuses their buffers, is (stream order keeps the rest).
+        with self._decode_lock:
+            t0 = time.perf_counter()
+            if self._stream is None:
+                with _autocast_off("cpu"):  # the CPU reference's matmuls stay float32
+                    out, dropped = self._decode_resize(rows)
+                done = None
+            else:
+                # No autocast context here: nothing on this path is autocast-sensitive (a Triton
+                # kernel and uint8 copies), and entering/leaving autocast in a decode thread while
+                # the training thread compiles deadlocked (autocast's global cast-cache mutex vs
+                # the GIL: seen at 262,144 under model.compile).
+                with torch.cuda.stream(self._stream):
+                    self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
+                    out, dropped = self._decode_resize(rows)
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+            elapsed = time.perf_counter() - t0
         pixels = int(rows.pixel_mask().sum()) if isinstance(rows, PackedJpegs) else 0
         with self._lock:
             self.decode_s += elapsed

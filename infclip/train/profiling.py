@@ -82,10 +82,10 @@ def _phases(events: list[dict], spans: list[tuple[float, float]], t0: float, t1:
     if not marks:
         return []
     lines = ["", "| phase (ends at its mark) | wall s | GPU busy s | busy % |", "|---|---|---|---|"]
-    for (a, name), b in zip([(t0, None)] + marks, marks + [(t1, "after the optimizer")]):
-        label = b[1]
-        busy = busy_us(_clip(spans, a, b[0])) / 1e6
-        wall = (b[0] - a) / 1e6
+    starts = [t0] + [ts for ts, _ in marks]
+    for a, (b, label) in zip(starts, marks + [(t1, "after the optimizer")]):
+        busy = busy_us(_clip(spans, a, b)) / 1e6
+        wall = (b - a) / 1e6
         lines.append(f"| {label} | {wall:.3f} | {busy:.3f} | {100 * busy / max(wall, 1e-12):.1f} |")
     return lines
 
@@ -108,12 +108,14 @@ def summarize_trace(events: list[dict], wall_s: float, top: int = 25) -> str:
     for e, s in zip(gpu, spans):
         per_stream[e.get("args", {}).get("stream", "?")].append((s, e))
     lines += ["", "| stream | busy s | events | top kernel |", "|---|---|---|---|"]
-    for stream, items in sorted(per_stream.items(), key=lambda kv: -busy_us([s for s, _ in kv[1]])):
+    stream_busy = {k: busy_us([s for s, _ in items]) for k, items in per_stream.items()}
+    for stream in sorted(per_stream, key=lambda k: -stream_busy[k]):
+        items = per_stream[stream]
         names: dict = defaultdict(float)
         for _, e in items:
             names[e.get("name", "?")] += float(e["dur"])
         head = max(names, key=names.get)
-        lines.append(f"| {stream} | {busy_us([s for s, _ in items]) / 1e6:.3f} | {len(items)} | {head[:70]} |")
+        lines.append(f"| {stream} | {stream_busy[stream] / 1e6:.3f} | {len(items)} | {head[:70]} |")
     by_name: dict = defaultdict(lambda: [0.0, 0])
     for e in gpu:
         by_name[e.get("name", "?")][0] += float(e["dur"])

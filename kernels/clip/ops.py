@@ -17,10 +17,12 @@ Protocol (same as ``TorchTileOps``), with x_ij = s * <img_i, txt_j>:
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
-from . import launch
+from . import gluon_fwd, launch
 from ..launching import finish_accumulator, fp32_accumulator
 
 PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
@@ -30,6 +32,14 @@ BACKWARDS = ("auto", "onepass", "twopass")
 # faster (docs/benchmarks.md, "One-pass backward"). Elsewhere (fp32/fp16, the CUDA-graph path
 # of small b, the interpreter) it stays two-pass: not measured faster there.
 AUTO_BACKWARD = "onepass"
+FORWARD_KERNELS = ("auto", "triton", "gluon")
+# forward_kernel="auto": the Gluon forward (``gluon_fwd``: warp-specialized, two consumer
+# warpgroups ping-ponging wgmma and the exp2 epilogue) joins the tuner's candidates for 16-bit
+# inputs on sm_90 without group ids, from this many rows on (below it the CUDA-graph path runs,
+# whose memory budget counts the Triton forward's buffers). H200, bf16, forward alone
+# (scripts/check_gluon_fwd.py): c = 512, b = 32k-64k 1.24-1.28x the Triton kernel (BM 128 x
+# BN 64); c = 768 1.03-1.05x, c = 1024 1.11-1.12x (BM 64 x BN 128); the tuner keeps the faster.
+GLUON_MIN_ROWS = 32768
 
 
 class TritonTileOps:
@@ -75,6 +85,11 @@ class TritonTileOps:
             two-pass path would take strips (fresh bf16 gradients on CUDA, without
             ``grad_filter`` or ``strips="never"``), else "twopass" (measured:
             ``scripts/bench_loss_kernels.py --parts onepass``).
+        forward_kernel: "auto" (default; the environment's ``INFCLIP_FORWARD_KERNEL`` when
+            set) lets the tuner time the Gluon forward (``gluon_fwd``) beside the Triton one
+            for 16-bit inputs on sm_90 without group ids, from ``GLUON_MIN_ROWS`` rows;
+            "triton" never uses it; "gluon" puts it first wherever it applies, any b (also
+            the default when tuning is off: ``INFCLIP_TRITON_TUNE=0``; the GPU tests).
     """
 
     name = "triton"
@@ -83,7 +98,8 @@ class TritonTileOps:
 
     def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
                  grad_filter: tuple[float, int] | None = None, strip_positives: str = "fold",
-                 strip_budget: int | None = None, cuda_graphs: str = "auto", backward: str = "auto"):
+                 strip_budget: int | None = None, cuda_graphs: str = "auto", backward: str = "auto",
+                 forward_kernel: str | None = None):
         if grad_filter is not None and (grad_filter[0] < 0 or grad_filter[1] < 1):
             raise ValueError(f"grad_filter must be (eps >= 0, columns >= 1), got {grad_filter}")
         self.threshold = None if grad_filter is None else grad_filter[0] / grad_filter[1]
@@ -104,6 +120,10 @@ class TritonTileOps:
         if backward == "onepass" and (grad_filter is not None or strips == "never"):
             raise ValueError("backward='onepass' is a strip path without gradient filtering: it needs "
                              "grad_filter=None and strips 'auto' or 'always'; use backward='twopass'")
+        forward_kernel = forward_kernel or os.environ.get("INFCLIP_FORWARD_KERNEL", "auto")
+        if forward_kernel not in FORWARD_KERNELS:
+            raise ValueError(f"forward_kernel must be one of {FORWARD_KERNELS}, got {forward_kernel!r}")
+        self.forward_kernel = forward_kernel
         self.backward_path = backward
         self.fold = strip_positives == "fold"
         self.strip_budget = strip_budget
@@ -134,12 +154,28 @@ class TritonTileOps:
         def run(cfg, a, b):
             sub = (o_row[:a.shape[0]], o_col[:b.shape[0]]) if o_row is not None else (None, None)
             gid = (gid_row[:a.shape[0]], gid_col[:b.shape[0]]) if gid_row is not None else (None, None)
+            square = diag and a.shape[0] == b.shape[0]
+            if isinstance(cfg, gluon_fwd.GluonFwdConfig):  # no offsets: zeros shift nothing (same logits)
+                zero = (torch.zeros(a.shape[0], device=a.device), torch.zeros(b.shape[0], device=b.device))
+                o_a, o_b = sub if sub[0] is not None else zero
+                return gluon_fwd.lse_forward_gluon(a, b, scale, o_a, o_b, square, cfg=cfg, alloc=self._alloc)
             return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc, off_a=sub[0], off_b=sub[1],
-                                      diag=diag and a.shape[0] == b.shape[0], gid_a=gid[0], gid_b=gid[1])
+                                      diag=square, gid_a=gid[0], gid_b=gid[1])
 
-        cfg = launch.pick_config("fwd", img, txt, prec,
-                                 launch.fwd_candidates(img.shape[1], img.element_size()), run)
-        return run(cfg, img, txt)
+        kind, cands = self._forward_candidates(img, txt, gid_row is not None)
+        return run(launch.pick_config(kind, img, txt, prec, cands, run), img, txt)
+
+    def _forward_candidates(self, img: Tensor, txt: Tensor, has_gid: bool) -> tuple[str, list]:
+        """(tuner key kind, configs): the Triton forward's, with the Gluon forward's joined
+        (``forward_kernel`` "auto", from ``GLUON_MIN_ROWS`` rows) or first ("gluon": also the
+        untuned default) where ``gluon_fwd.gluon_available`` and no group ids."""
+        cands = launch.fwd_candidates(img.shape[1], img.element_size())
+        if self.forward_kernel == "triton" or has_gid or not gluon_fwd.gluon_available(img, txt):
+            return "fwd", cands
+        if self.forward_kernel == "auto" and min(img.shape[0], txt.shape[0]) < GLUON_MIN_ROWS:
+            return "fwd", cands
+        glu = gluon_fwd.tune_candidates(img.shape[1])
+        return "fwd_gluon", (glu + cands if self.forward_kernel == "gluon" else cands + glu)
 
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
                  g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,

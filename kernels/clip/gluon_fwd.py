@@ -1,0 +1,375 @@
+"""Hopper (sm_90) forward of the CLIP LSEs in Gluon: warp-specialized, ping-pong consumers.
+
+Computes what ``launch.lse_forward`` computes for its fast case -- 16-bit A (M, K) and B
+(N, K), the offsets' one-FMA shift (HAS_OFF == 2), optionally the positives' diagonal
+(HAS_DIAG), no group ids -- and returns the same final (row_lse (M,), col_lse (N,)) fp32,
+natural log, relative to s * offsets. Written against triton 3.6's Gluon API
+(``triton.experimental.gluon``); importing this module never fails (no GPU, no Gluon: the
+kernel is simply not available, see ``gluon_available``).
+
+Why not the Triton kernel's structure: the Triton forward (``kernels._lse_fwd_kernel``)
+runs each tile's exp2 epilogue after its MMAs, so the tensor cores idle during it. The
+FlashAttention-3 cure inside one warpgroup (issue tile j+1's wgmma, run tile j's epilogue,
+then wait) needs the whole B tile of j+1 in shared memory while its wgmma is in flight:
+BN x K x 2 bytes = 128 KB for BN = 128, K = 512 (256 KB at K = 1024), which with a resident
+A block and a prefetch ring does not fit Hopper's 227 KB. Here the overlap comes from two
+consumer warpgroups instead (FA3's ping-pong), which need only a K-chunk ring:
+
+Design (one program = BM rows x one column range, as the Triton kernel's (pid_m, pid_s)):
+  * A[row0:row0 + BM, :] is loaded once by TMA into shared memory, as NK = K / BK chunks
+    (BM, BK) (resident for the whole column range: only B is streamed, BM flop per byte).
+  * B streams through one FIFO ring of STAGES (BN, BK) chunks; chunk g = t * NK + k is
+    tile t's k-th K chunk, in slot g % STAGES, barrier phase (g // STAGES) & 1.
+  * Partitions (``gl.warp_specialize``): a 1-warp producer issues every TMA load (A once,
+    then the chunks of tiles 0, 1, 2, ... in order, each after the slot's ``empty``
+    barrier); consumer 0 (the default partition, 4 warps) takes the even column tiles,
+    consumer 1 (a 4-warp worker) the odd ones. A consumer's tile: wait for its turn,
+    issue the NK async wgmmas (slot released as soon as the wgmma after it retires),
+    wait for the last, hand the turn to the other consumer, then run the tile's epilogue
+    while the other consumer's wgmmas run on the tensor cores.
+  * Turn-taking (``turn`` barriers) makes the MMA phases run strictly in tile order. This is
+    the ping-pong and also what makes one shared FIFO sound: the consumer of tile t waits
+    on chunks that follow, in ring order, every chunk the previous tile's consumer has
+    already seen filled, so a ``ready`` wait never meets a barrier two phases behind.
+  * Epilogue (registers, per consumer): xr = s2 dot - s2 o_a, xc = s2 dot - s2 o_b
+    (s2 = s log2 e, one FMA each, as ``kernels._shifted`` HAS_OFF == 2); the diagonal
+    entries set to exactly 0 on the tiles that cross it; invalid rows / columns -inf on
+    the edge tiles only (a uniform runtime branch). Row direction: online (max, sum) per
+    row over the consumer's tiles; column direction: the tile's LSE over the BM rows,
+    stored to ``col_part[pid_m, col - col_start]``.
+  * Partials: ``row_part[2 * pid_s + consumer, rows]`` (each consumer saw half the tiles:
+    twice the Triton path's row splits) and ``col_part[pid_m, cols]``; the host merges them
+    with ``torch.logsumexp`` exactly as ``lse_forward`` does, column chunks bounding
+    ``col_part`` to ``PART_BUDGET_BYTES``.
+
+Invariants / shapes: a, b contiguous 16-bit (bf16 or fp16, the same), rows 16-byte aligned
+(TMA), K a multiple of BK = 64 with the resident A block and >= 2 ring stages fitting
+``SMEM_BYTES`` (K <= 1024 at BM = 64); off_a (M,), off_b (N,) fp32; scale a 0-d CUDA
+tensor (read on the device). Rows of A past M and of B past N are zero-filled by TMA and
+masked out of every reduction and store. Both LSE directions are computed in base 2 from
+the same fp32 accumulator (K summed in BK chunks in order).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..launching import cdiv, column_splits, tma_ok
+
+try:  # triton >= 3.6 with Gluon (Hopper); anything else: the module imports, the kernel is off
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _GLUON_ERROR: Exception | None = None
+except Exception as err:  # noqa: BLE001 -- ImportError, or an older Gluon missing a name
+    gluon = gl = None
+    _GLUON_ERROR = err
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+PART_BUDGET_BYTES = 32 << 20  # as launch.PART_BUDGET_BYTES: col_part stays <= 32 MB per launch
+SMEM_BYTES = 220 << 10  # usable shared memory per block on Hopper, minus slack (as launch.SMEM_BYTES)
+SMEM_RESERVE = 8 << 10  # barriers + the compiler's reduction / layout-conversion scratch
+MAX_STAGES = 12  # more B chunks in flight than this buys nothing (~ 1.5 tiles at K = 512)
+MIN_GLUON = (3, 6)  # the Gluon API this file is written against (warp_specialize's list form)
+
+
+def _jit(fn):
+    """``gluon.jit`` when Gluon imported, else the plain function (never launched)."""
+    return gluon.jit(fn) if gluon is not None else fn
+
+
+@dataclass(frozen=True)
+class GluonFwdConfig:
+    """Tile of one consumer: BM rows (A resident) x BN columns, K in BK chunks through a ring
+    of ``stages`` B chunks (0: as many as fit ``SMEM_BYTES``); 4 warps per consumer; regs:
+    the consumer worker's register budget (setmaxnreg; the default partition gets the rest
+    of ``maxnreg`` x 12 warps)."""
+
+    BM: int = 64
+    BN: int = 128
+    BK: int = 64
+    stages: int = 0
+    regs: int = 240
+    maxnreg: int = 168
+
+
+def smem_bytes(cfg: GluonFwdConfig, k: int, stages: int, esize: int = 2) -> int:
+    """Shared memory of the kernel's buffers: resident A block + the B ring (+ reserve)."""
+    return (cfg.BM * k + stages * cfg.BN * cfg.BK) * esize + SMEM_RESERVE
+
+
+def pick_stages(cfg: GluonFwdConfig, k: int, esize: int = 2) -> int:
+    """Ring depth: ``cfg.stages`` if set, else the most B chunks that fit beside the resident A
+    block (capped at MAX_STAGES); 0 if fewer than 2 fit (the kernel does not apply)."""
+    if cfg.stages:
+        return cfg.stages if smem_bytes(cfg, k, cfg.stages, esize) <= SMEM_BYTES else 0
+    free = SMEM_BYTES - SMEM_RESERVE - cfg.BM * k * esize
+    stages = min(MAX_STAGES, free // (cfg.BN * cfg.BK * esize))
+    return stages if stages >= 2 else 0
+
+
+def default_config(k: int) -> GluonFwdConfig:
+    """BM = 64 rows keep A resident up to K = 1024; BN = 128: m64n128 wgmmas."""
+    return GluonFwdConfig()
+
+
+def tune_candidates(k: int, esize: int = 2) -> list[GluonFwdConfig]:
+    """The configs the forward's tuner times (``ops.TritonTileOps``), those that fit K.
+
+    H200, bf16, forward alone (``scripts/check_gluon_fwd.py``): BM 128 x BN 64 (10 stages at
+    K = 512) 1.24-1.28x the Triton forward at c = 512, b = 8k-64k; at K = 768 it keeps only
+    2 stages (0.70x) and does not fit at K = 1024, where BM 64 x BN 128 is 1.03-1.12x."""
+    cands = [GluonFwdConfig(BM=128, BN=64), GluonFwdConfig(BM=64, BN=128)]
+    return [c for c in cands if pick_stages(c, k, esize) >= 3]
+
+
+def column_chunks(m: int, n: int, bm: int, bn: int, budget: int = PART_BUDGET_BYTES) -> list[tuple[int, int]]:
+    """[(c0, c1)]: the launches' column ranges, each a multiple of bn columns (but the last)
+    with its fp32 col_part (cdiv(m, bm), c1 - c0) within ``budget`` bytes (``lse_forward``'s rule)."""
+    nrb = cdiv(m, bm)
+    chunk = max(bn, budget // (4 * nrb) // bn * bn)
+    return [(c0, min(c0 + chunk, n)) for c0 in range(0, n, chunk)]
+
+
+def _version_ok() -> bool:
+    import triton
+
+    parts = triton.__version__.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= MIN_GLUON
+    except (ValueError, IndexError):
+        return False
+
+
+def gluon_available(a: Tensor, b: Tensor, cfg: GluonFwdConfig | None = None) -> bool:
+    """Whether ``lse_forward_gluon`` applies: CUDA sm_90, Gluon importable (triton >= 3.6),
+    a and b 2-D 16-bit of one dtype with TMA-able rows, K a multiple of BK with the A block
+    and a ring of >= 2 stages fitting shared memory."""
+    if gluon is None or not (a.is_cuda and b.is_cuda) or not _version_ok():
+        return False
+    if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    cfg = cfg or default_config(a.shape[1])
+    k = a.shape[1]
+    if b.shape[1] != k or k == 0 or k % cfg.BK or not tma_ok(a, b) or pick_stages(cfg, k) == 0:
+        return False
+    return _capability(a.device.index if a.device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+# -- kernel ------------------------------------------------------------------------------------
+
+@_jit
+def _producer(a_desc, b_desc, a_smem, b_smem, a_bar, ready, empty, row0, lo, n_tiles,
+              NK: gl.constexpr, STAGES: gl.constexpr):
+    """1 warp: TMA loads of the resident A block, then every B chunk of the column range in
+    ring order (chunk g = t * NK + k into slot g % STAGES once the slot is released)."""
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    BK: gl.constexpr = b_desc.block_type.shape[1]
+    mbarrier.expect(a_bar, NK * a_desc.block_type.nbytes)
+    for k in gl.static_range(NK):
+        tma.async_copy_global_to_shared(a_desc, [row0, k * BK], a_bar, a_smem.index(k))
+    for g in range(n_tiles * NK):
+        slot = g % STAGES
+        # A fresh barrier counts as having completed phase 1: round 0 passes at once.
+        mbarrier.wait(empty.index(slot), ((g // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(b_desc, [lo + (g // NK) * BN, (g % NK) * BK], ready.index(slot),
+                                        b_smem.index(slot))
+
+
+@_jit
+def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
+              col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp,
+              C: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              HAS_DIAG: gl.constexpr):
+    """One warpgroup: the column tiles t = C, C + 2, ... of the range (module docs)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    s2 = gl.load(scale_ptr).to(gl.float32) * 1.4426950408889634
+    rows = row0 + gl.arange(0, BM, layout=row_l)
+    row_ok = rows < M
+    oa2 = gl.load(off_a_ptr + gl.minimum(rows, M - 1)) * s2
+    cn = gl.arange(0, BN, layout=col_l)
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([BM], gl.float32, layout=row_l)
+    acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+    mbarrier.wait(a_bar, 0)
+    for t in range(C, n_tiles, 2):
+        j0 = lo + t * BN
+        cols = j0 + cn
+        ob2 = gl.load(off_b_ptr + gl.minimum(cols, hi - 1)) * s2  # issued before the MMA: latency hidden
+        # -- compute tile --: wait for the turn (tile t - 1's wgmmas retired), then the NK chunks.
+        mbarrier.wait(turn.index(C), (gl.maximum(t - 1, 0) // 2) & 1, pred=t > 0)
+        g = t * NK
+        slot = g % STAGES
+        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+        acc = warpgroup_mma(a_smem.index(0), b_smem.index(slot).permute((1, 0)), acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # no wait: the token back to a tensor
+        for k in range(1, NK):  # a runtime loop: unrolled, the chunks' hoisted addresses spill
+            g = t * NK + k
+            slot = g % STAGES
+            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+            acc = warpgroup_mma(a_smem.index(k), b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            # The previous chunk's wgmma has retired: its slot goes back to the producer.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((g - 1) % STAGES))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((t * NK + NK - 1) % STAGES))
+        mbarrier.arrive(turn.index(1 - C))  # the other consumer's wgmmas run during this epilogue
+        # -- epilogue --: base-2 logits less the offsets; fixes only on the edge / diagonal tiles.
+        edge = (j0 + BN > hi) | (row0 + BM > M)
+        diag = False
+        if HAS_DIAG:
+            diag = (j0 < row0 + BM) & (j0 + BN > row0)
+        xr = acc * s2 - oa2[:, None]
+        if edge | diag:
+            xr = _fix(xr, rows, cols, cols < hi, 1, HAS_DIAG)
+        m_new = gl.maximum(m_i, gl.max(xr, 1))
+        l_i = l_i * gl.exp2(m_i - m_new) + gl.sum(gl.exp2(xr - m_new[:, None]), 1)
+        m_i = m_new
+        xc = acc * s2 - ob2[None, :]
+        if edge | diag:
+            xc = _fix(xc, rows, cols, row_ok, 0, HAS_DIAG)
+        cm = gl.max(xc, 0)
+        cl = gl.sum(gl.exp2(xc - cm[None, :]), 0)
+        gl.store(col_part_ptr + pid_m * stride_cp + (cols - col_start), (cm + gl.log2(cl)) * 0.6931471805599453,
+                 mask=cols < hi)
+    # A consumer without tiles stores -inf (m = -inf, l = 0): nothing, for the host's logsumexp.
+    gl.store(row_part_ptr + (2 * pid_s + C) * M + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+
+
+@_jit
+def _fix(x, rows, cols, ok, AXIS: gl.constexpr, HAS_DIAG: gl.constexpr):
+    """x with the diagonal entries (rows == cols) set to 0 (HAS_DIAG: the positives' dot
+    products are the offsets, so x_ii - s o_i = 0 exactly) and the entries outside ``ok``
+    (columns when AXIS = 1, rows when AXIS = 0) set to -inf."""
+    if HAS_DIAG:
+        x = gl.where(rows[:, None] == cols[None, :], 0.0, x)
+    if AXIS == 1:
+        x = gl.where(ok[None, :], x, float("-inf"))
+    else:
+        x = gl.where(ok[:, None], x, float("-inf"))
+    return x
+
+
+@_jit
+def _lse_fwd_ws_kernel(a_desc, b_desc, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr, col_part_ptr,
+                       M, col_start, col_stop, cols_per_split, stride_cp,
+                       K: gl.constexpr, STAGES: gl.constexpr, HAS_DIAG: gl.constexpr, REGS: gl.constexpr):
+    """row_part[2 pid_s + c, rows], col_part[pid_m, cols - col_start]: partial LSEs (natural,
+    relative to s * offsets) of rows pid_m * BM.. over the columns of split pid_s (module docs)."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    NK: gl.constexpr = K // BK
+    pid_m = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    row0 = pid_m * BM
+    lo = col_start + pid_s * cols_per_split
+    hi = gl.minimum(lo + cols_per_split, col_stop)
+    n_tiles = gl.cdiv(hi - lo, BN)
+
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [NK, BM, BK], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    a_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(a_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    fence_async_shared()  # the inits visible to the TMA unit and the other partitions
+
+    # Argument tuples written out whole: tuple arithmetic in a Gluon function would turn the
+    # constexprs into plain ints, which a worker partition's arguments reject.
+    gl.warp_specialize([
+        (_consumer, (a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
+                     col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp,
+                     gl.constexpr(0), NK, STAGES, BM, BN, HAS_DIAG)),
+        (_consumer, (a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
+                     col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp,
+                     gl.constexpr(1), NK, STAGES, BM, BN, HAS_DIAG)),
+        (_producer, (a_desc, b_desc, a_smem, b_smem, a_bar, ready, empty, row0, lo, n_tiles, NK, STAGES)),
+    ], [4, 1], [REGS, 24])
+
+
+# -- host --------------------------------------------------------------------------------------
+
+def _descriptors(a: Tensor, b: Tensor, cfg: GluonFwdConfig):
+    dt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    a_layout = gl.NVMMASharedLayout.get_default_for([cfg.BM, cfg.BK], dt)
+    b_layout = gl.NVMMASharedLayout.get_default_for([cfg.BN, cfg.BK], dt)
+    return (TensorDescriptor.from_tensor(a, [cfg.BM, cfg.BK], a_layout),
+            TensorDescriptor.from_tensor(b, [cfg.BN, cfg.BK], b_layout))
+
+
+def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor, off_b: Tensor, has_diag: bool,
+                      cfg: GluonFwdConfig | None = None, alloc=torch.empty) -> tuple[Tensor, Tensor]:
+    """(row_lse (m,), col_lse (n,)) fp32, natural log, relative to s * offsets: the final
+    values ``launch.lse_forward(a, b, scale, cfg, prec, off_a=off_a, off_b=off_b,
+    diag=has_diag)`` returns for 16-bit inputs (its HAS_OFF == 2 path, no group ids).
+    ``gluon_available(a, b, cfg)`` must hold. alloc: as ``lse_forward`` (poisoned buffers in tests)."""
+    m, k = a.shape
+    n = b.shape[0]
+    cfg = cfg or default_config(k)
+    if not gluon_available(a, b, cfg):
+        raise ValueError(f"the Gluon forward does not apply here ({_GLUON_ERROR or 'see gluon_available'})")
+    if has_diag and m != n:
+        raise ValueError(f"has_diag needs a square block pair, got {m} x {n}")
+    stages = pick_stages(cfg, k)
+    off_a = off_a.float().contiguous()
+    off_b = off_b.float().contiguous()
+    a_desc, b_desc = _descriptors(a, b, cfg)
+    nrb = cdiv(m, cfg.BM)
+    row_lse, col_lse = None, alloc(n, device=a.device, dtype=torch.float32)
+    for c0, c1 in column_chunks(m, n, cfg.BM, cfg.BN):
+        length = c1 - c0
+        # One 220 KB program per SM: column_splits' 4 programs per SM are ~4 waves here.
+        splits, per = column_splits(nrb, length, cfg.BN, a.device)
+        row_part = alloc(2 * splits, m, device=a.device, dtype=torch.float32)
+        col_part = alloc(nrb, length, device=a.device, dtype=torch.float32)
+        _lse_fwd_ws_kernel[(nrb, splits)](
+            a_desc, b_desc, scale, off_a, off_b, row_part, col_part, m, c0, c1, per, length,
+            K=k, STAGES=stages, HAS_DIAG=bool(has_diag), REGS=cfg.regs, num_warps=4, maxnreg=cfg.maxnreg,
+        )
+        part = torch.logsumexp(row_part, 0)
+        row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)
+        col_lse[c0:c1] = torch.logsumexp(col_part, 0)
+    return row_lse, col_lse
+
+
+def compile_info(kernel) -> dict:
+    """What a compiled kernel says about itself (the check script's report): registers,
+    spills, shared memory and whether its PTX / SASS holds wgmma."""
+    asm = getattr(kernel, "asm", {}) or {}
+    ptx = asm.get("ptx", "") or ""
+    sass = asm.get("sass", "") or ""
+    meta = getattr(kernel, "metadata", None)
+    return dict(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
+                shared=getattr(meta, "shared", None), ptx_wgmma=ptx.count("wgmma.mma_async"),
+                sass_hgmma=sass.count("HGMMA") if sass else None, setmaxnreg=ptx.count("setmaxnreg"))
+
+
+def flops(m: int, n: int, k: int) -> float:
+    """The forward's tensor-core FLOPs: one m x n x k product."""
+    return 2.0 * m * n * k
+
+
+__all__ = ["GluonFwdConfig", "gluon_available", "tune_candidates", "lse_forward_gluon", "pick_stages", "smem_bytes",
+           "column_chunks", "default_config", "compile_info", "flops"]

@@ -1,0 +1,162 @@
+"""GPU check of the Gluon forward (``infclip.kernels.clip.gluon_fwd``) against the Triton path.
+
+For c in {512, 768, 1024} and b in {1000, 8192, 32768, 65536}: random L2-normalized bf16
+features, s = 1 / 0.07, offsets = the positives' fp32 dot products as the loss computes them
+(``infclip.loss.function.positive_dots``), the square block pair with its diagonal (HAS_DIAG).
+Compares (row_lse, col_lse) of ``lse_forward_gluon`` with ``TritonTileOps.forward`` (the
+tuned ``launch.lse_forward`` it would replace) and, at b <= 8192, with a float64 reference;
+times both (CUDA events, median of 5 after warm-up) and prints ms, TFLOP/s (2 b^2 c) and the
+speed ratio. Every case runs in its own try/except: one call reports as much as it can.
+Then the compiled kernels' registers, spills, shared memory and wgmma counts.
+
+    python scripts/check_gluon_fwd.py            # the full grid (< 3 minutes on an H200)
+    python scripts/check_gluon_fwd.py --quick    # c = 512, b in {1000, 8192}
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import traceback
+
+import torch
+
+import triton
+from infclip.kernels.clip import gluon_fwd
+from infclip.kernels.clip.ops import TritonTileOps
+from infclip.loss.function import positive_dots
+
+REF_MAX_B = 8192  # float64 reference up to this batch (a b x b fp64 matrix: 512 MB at 8k)
+
+
+def features(b: int, c: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Image / text features with correlated pairs (a peaked softmax), L2-normalized."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    img = torch.randn(b, c, device="cuda", generator=g)
+    txt = img + 0.7 * torch.randn(b, c, device="cuda", generator=g)
+    return (torch.nn.functional.normalize(img, dim=1).to(dtype),
+            torch.nn.functional.normalize(txt, dim=1).to(dtype))
+
+
+def reference(img: torch.Tensor, txt: torch.Tensor, s: torch.Tensor, pos: torch.Tensor):
+    """float64 (row_lse, col_lse) relative to s * pos, the diagonal's dot products being pos."""
+    dot = img.double() @ txt.double().T
+    dot.diagonal().copy_(pos.double())
+    o = pos.double()
+    sd = s.double()
+    return torch.logsumexp(sd * (dot - o[:, None]), 1), torch.logsumexp(sd * (dot - o[None, :]), 0)
+
+
+def poison(*shape, device, dtype):
+    return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+
+def time_ms(fn, reps: int = 5) -> float:
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def maxdiff(x: torch.Tensor, y: torch.Tensor) -> float:
+    return (x.double() - y.double()).abs().max().item()
+
+
+def run_case(c: int, b: int, dtype: torch.dtype, cfgs: list, time_it: bool) -> None:
+    img, txt = features(b, c, dtype, seed=b + c)
+    s = torch.tensor(1 / 0.07, device="cuda")
+    pos = positive_dots(img, txt)
+    ops = TritonTileOps()
+    tri = ops.forward(img, txt, s, offsets=(pos, pos), diag=True)
+    ref = reference(img, txt, s, pos) if b <= REF_MAX_B else None
+    fl = gluon_fwd.flops(b, b, c)
+    t_tri = time_ms(lambda: ops.forward(img, txt, s, offsets=(pos, pos), diag=True)) if time_it else math.nan
+    line = f"c={c:5d} b={b:6d} {str(dtype)[6:]:8s}"
+    if ref is not None:
+        line += f" | triton-ref {maxdiff(tri[0], ref[0]):.2e} {maxdiff(tri[1], ref[1]):.2e}"
+    print(f"{line} | triton {t_tri:8.3f} ms {fl / t_tri / 1e9:6.1f} TF/s", flush=True)
+    for cfg in cfgs:
+        tag = f"    gluon BM={cfg.BM:3d} BN={cfg.BN:3d} stages={gluon_fwd.pick_stages(cfg, c):2d}"
+        try:
+            if not gluon_fwd.gluon_available(img, txt, cfg):
+                print(f"{tag}: not available here")
+                continue
+            got = gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg, alloc=poison)
+            torch.cuda.synchronize()
+            msg = f"{tag}: vs triton row {maxdiff(got[0], tri[0]):.2e} col {maxdiff(got[1], tri[1]):.2e}"
+            if ref is not None:
+                msg += f" | vs ref row {maxdiff(got[0], ref[0]):.2e} col {maxdiff(got[1], ref[1]):.2e}"
+            nans = int(got[0].isnan().sum() + got[1].isnan().sum())
+            msg += f" | nan {nans}"
+            if time_it:
+                t = time_ms(lambda: gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg))
+                msg += f" | {t:8.3f} ms {fl / t / 1e9:6.1f} TF/s  x{t_tri / t:.2f} vs triton"
+            print(msg, flush=True)
+        except Exception:  # noqa: BLE001 -- report and go on: one call, all the information
+            print(f"{tag}: FAILED")
+            traceback.print_exc()
+
+
+def report_kernels() -> None:
+    """Registers, spills, shared memory and wgmma / HGMMA counts of every compiled variant."""
+    kern = gluon_fwd._lse_fwd_ws_kernel
+    for dev, cache in getattr(kern, "device_caches", {}).items():
+        for key, compiled in cache[0].items():
+            try:
+                if hasattr(compiled, "result"):
+                    compiled = compiled.result()
+                info = gluon_fwd.compile_info(compiled)
+                try:
+                    sass = compiled.asm["sass"]
+                    info["sass_hgmma"] = sass.count("HGMMA")
+                except Exception as err:  # noqa: BLE001 -- cuobjdump missing: PTX counts only
+                    info["sass_hgmma"] = f"n/a ({type(err).__name__})"
+                consts = getattr(compiled, "src", None)
+                consts = getattr(consts, "constants", None) or getattr(compiled, "constants", None)
+                print(f"  device {dev}: {info} {consts if consts is not None else ''}")
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="c = 512, b in {1000, 8192} only")
+    ap.add_argument("--no-time", action="store_true", help="correctness only")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
+          f"triton {triton.__version__}, torch {torch.__version__}")
+    print(f"gluon imported: {gluon_fwd.gluon is not None} ({gluon_fwd._GLUON_ERROR})")
+    cs = [512] if args.quick else [512, 768, 1024]
+    bs = [1000, 8192] if args.quick else [1000, 8192, 32768, 65536]
+    for c in cs:
+        # the default (BM 64 x BN 128, A resident up to c = 1024) and, where A's 128 rows fit, 128 x 64
+        cfgs = [gluon_fwd.default_config(c)]
+        alt = gluon_fwd.GluonFwdConfig(BM=128, BN=64)
+        if gluon_fwd.pick_stages(alt, c):
+            cfgs.append(alt)
+        for b in bs:
+            try:
+                run_case(c, b, torch.bfloat16, cfgs, not args.no_time)
+            except Exception:  # noqa: BLE001
+                print(f"c={c} b={b}: FAILED")
+                traceback.print_exc()
+            torch.cuda.empty_cache()
+    try:  # one fp16 case (same kernel, the other 16-bit dtype)
+        run_case(512, 8192, torch.float16, [gluon_fwd.default_config(512)], False)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    print("compiled Gluon kernels:")
+    report_kernels()
+
+
+if __name__ == "__main__":
+    main()

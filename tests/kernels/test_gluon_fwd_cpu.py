@@ -1,0 +1,118 @@
+"""The Gluon forward (``infclip.kernels.clip.gluon_fwd``): what a CPU can check.
+
+The module imports without a GPU (and without Gluon), refuses CPU tensors, and its host
+arithmetic is right: ring depth within shared memory, column chunks as ``lse_forward``
+cuts them (col_part <= 32 MB, each chunk a multiple of BN but the last). On a CUDA machine
+(the H200) one test compares it with the Triton forward at small shapes, or checks that it
+refuses where it does not apply (not sm_90, no Gluon). The full grid and timings:
+``scripts/check_gluon_fwd.py``.
+"""
+
+import pytest
+import torch
+
+from infclip.kernels.clip import gluon_fwd
+from infclip.kernels.clip.launch import PART_BUDGET_BYTES, SMEM_BYTES
+from infclip.kernels.launching import cdiv
+
+
+def test_module_imports_and_refuses_cpu_tensors():
+    a = torch.zeros(256, 512, dtype=torch.bfloat16)
+    assert not gluon_fwd.gluon_available(a, a)
+    with pytest.raises(ValueError, match="does not apply"):
+        gluon_fwd.lse_forward_gluon(a, a, torch.tensor(1.0), torch.zeros(256), torch.zeros(256), True)
+
+
+def test_budgets_match_the_triton_launcher():
+    assert gluon_fwd.PART_BUDGET_BYTES == PART_BUDGET_BYTES
+    assert gluon_fwd.SMEM_BYTES == SMEM_BYTES
+
+
+@pytest.mark.parametrize("k", [64, 512, 768, 1024, 1088, 2048])
+@pytest.mark.parametrize("bm, bn", [(64, 128), (128, 64)])
+def test_ring_depth_fits_shared_memory(k, bm, bn):
+    cfg = gluon_fwd.GluonFwdConfig(BM=bm, BN=bn)
+    stages = gluon_fwd.pick_stages(cfg, k)
+    if stages == 0:  # not even 2 chunks beside the resident block
+        assert gluon_fwd.smem_bytes(cfg, k, 2) > SMEM_BYTES
+        return
+    assert 2 <= stages <= gluon_fwd.MAX_STAGES
+    assert gluon_fwd.smem_bytes(cfg, k, stages) <= SMEM_BYTES
+    assert stages == gluon_fwd.MAX_STAGES or gluon_fwd.smem_bytes(cfg, k, stages + 1) > SMEM_BYTES
+
+
+def test_the_default_tile_serves_the_feature_dims_that_matter():
+    for k, stages in [(512, 9), (768, 7), (1024, 5)]:  # the kernel compiled for sm_90 at these (triton 3.6)
+        assert gluon_fwd.pick_stages(gluon_fwd.default_config(k), k) == stages
+    assert gluon_fwd.pick_stages(gluon_fwd.default_config(1536), 1536) == 0  # A block too big: Triton path
+    fixed = gluon_fwd.GluonFwdConfig(stages=4)
+    assert gluon_fwd.pick_stages(fixed, 512) == 4
+    assert gluon_fwd.pick_stages(gluon_fwd.GluonFwdConfig(BM=128, stages=12), 1024) == 0
+
+
+@pytest.mark.parametrize("m, n", [(1, 1), (1000, 1000), (8192, 8192), (65536, 65536), (65536, 1000), (3, 70000)])
+@pytest.mark.parametrize("bm, bn", [(64, 128), (128, 64)])
+def test_column_chunks_cover_the_columns_within_the_budget(m, n, bm, bn):
+    chunks = gluon_fwd.column_chunks(m, n, bm, bn)
+    assert chunks[0][0] == 0 and chunks[-1][1] == n
+    for (c0, c1), (d0, _) in zip(chunks, chunks[1:]):
+        assert c1 == d0 and (c1 - c0) % bn == 0
+    for c0, c1 in chunks:
+        assert c1 > c0
+        assert 4 * cdiv(m, bm) * (c1 - c0) <= max(PART_BUDGET_BYTES, 4 * cdiv(m, bm) * bn)
+
+
+def test_tune_candidates_keep_a_deep_ring():
+    assert [(c.BM, c.BN) for c in gluon_fwd.tune_candidates(512)] == [(128, 64), (64, 128)]
+    for k in (768, 1024):  # BM 128 keeps < 3 stages there (0.70x the Triton forward at K = 768)
+        assert [(c.BM, c.BN) for c in gluon_fwd.tune_candidates(k)] == [(64, 128)]
+    assert gluon_fwd.tune_candidates(1536) == []
+
+
+def test_forward_kernel_option(monkeypatch):
+    from infclip.kernels.clip.ops import GLUON_MIN_ROWS, TritonTileOps
+
+    with pytest.raises(ValueError, match="forward_kernel"):
+        TritonTileOps(forward_kernel="cutlass")
+    monkeypatch.setenv("INFCLIP_FORWARD_KERNEL", "triton")
+    assert TritonTileOps().forward_kernel == "triton"
+    assert TritonTileOps(forward_kernel="gluon").forward_kernel == "gluon"
+    monkeypatch.delenv("INFCLIP_FORWARD_KERNEL")
+    ops = TritonTileOps()
+    assert ops.forward_kernel == "auto"
+    big = torch.zeros(GLUON_MIN_ROWS, 512, dtype=torch.bfloat16)
+    assert ops._forward_candidates(big, big, False)[0] == "fwd"  # CPU tensors: no Gluon candidates
+    monkeypatch.setattr(gluon_fwd, "gluon_available", lambda a, b, cfg=None: True)
+    kind, cands = ops._forward_candidates(big, big, False)
+    assert kind == "fwd_gluon" and isinstance(cands[-1], gluon_fwd.GluonFwdConfig)
+    assert not isinstance(cands[0], gluon_fwd.GluonFwdConfig)  # untuned default stays Triton
+    assert ops._forward_candidates(big, big, True)[0] == "fwd"  # group ids: the Triton kernel only
+    assert ops._forward_candidates(big[:100], big[:100], False)[0] == "fwd"  # small b: graph regime
+    forced = TritonTileOps(forward_kernel="gluon")
+    kind, cands = forced._forward_candidates(big[:100], big[:100], False)
+    assert kind == "fwd_gluon" and isinstance(cands[0], gluon_fwd.GluonFwdConfig)
+    assert TritonTileOps(forward_kernel="triton")._forward_candidates(big, big, False)[0] == "fwd"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with the Triton forward on the GPU")
+@pytest.mark.parametrize("b, c", [(1000, 512), (4096, 768), (777, 1024)])
+def test_gluon_matches_triton_on_the_gpu(b, c):
+    from infclip.kernels.clip.ops import TritonTileOps
+    from infclip.loss.function import positive_dots
+
+    torch.manual_seed(b)
+    img = torch.nn.functional.normalize(torch.randn(b, c, device="cuda"), dim=1).bfloat16()
+    txt = torch.nn.functional.normalize(img.float() + 0.7 * torch.randn_like(img.float()), dim=1).bfloat16()
+    s = torch.tensor(1 / 0.07, device="cuda")
+    pos = positive_dots(img, txt)
+    if not gluon_fwd.gluon_available(img, txt):  # not sm_90 / no Gluon here: it must refuse, not run
+        with pytest.raises(ValueError):
+            gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True)
+        return
+    want = TritonTileOps(forward_kernel="triton").forward(img, txt, s, offsets=(pos, pos), diag=True)
+    got = gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True,
+                                      alloc=lambda *sh, device, dtype: torch.full(sh, float("nan"), device=device,
+                                                                                  dtype=dtype))
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=0)

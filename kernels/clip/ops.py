@@ -35,7 +35,8 @@ AUTO_BACKWARD = "onepass"
 FORWARD_KERNELS = ("auto", "triton", "gluon")
 # forward_kernel="auto": the Gluon forward (``gluon_fwd``: warp-specialized, two consumer
 # warpgroups ping-ponging wgmma and the exp2 epilogue) joins the tuner's candidates for 16-bit
-# inputs on sm_90 without group ids, from this many rows on (below it the CUDA-graph path runs,
+# inputs on sm_90 without group ids, on the positives' square block pair, from this many rows
+# on (below it the CUDA-graph path runs,
 # whose memory budget counts the Triton forward's buffers). H200, bf16, forward alone
 # (scripts/check_gluon_fwd.py): c = 512, b = 32k-64k 1.24-1.28x the Triton kernel (BM 128 x
 # BN 64); c = 768 1.03-1.05x, c = 1024 1.11-1.12x (BM 64 x BN 128); the tuner keeps the faster.
@@ -87,7 +88,9 @@ class TritonTileOps:
             ``scripts/bench_loss_kernels.py --parts onepass``).
         forward_kernel: "auto" (default; the environment's ``INFCLIP_FORWARD_KERNEL`` when
             set) lets the tuner time the Gluon forward (``gluon_fwd``) beside the Triton one
-            for 16-bit inputs on sm_90 without group ids, from ``GLUON_MIN_ROWS`` rows;
+            for 16-bit inputs on sm_90 without group ids, from ``GLUON_MIN_ROWS`` rows, on
+            the positives' square block pair (the case checked on the GPU; a ring's other
+            blocks keep the Triton forward);
             "triton" never uses it; "gluon" puts it first wherever it applies, any b (also
             the default when tuning is off: ``INFCLIP_TRITON_TUNE=0``; the GPU tests).
     """
@@ -162,17 +165,21 @@ class TritonTileOps:
             return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc, off_a=sub[0], off_b=sub[1],
                                       diag=square, gid_a=gid[0], gid_b=gid[1])
 
-        kind, cands = self._forward_candidates(img, txt, gid_row is not None)
+        positives = diag and o_row is not None and img.shape[0] == txt.shape[0]
+        kind, cands = self._forward_candidates(img, txt, gid_row is not None, positives)
         return run(launch.pick_config(kind, img, txt, prec, cands, run), img, txt)
 
-    def _forward_candidates(self, img: Tensor, txt: Tensor, has_gid: bool) -> tuple[str, list]:
+    def _forward_candidates(self, img: Tensor, txt: Tensor, has_gid: bool,
+                            positives: bool = True) -> tuple[str, list]:
         """(tuner key kind, configs): the Triton forward's, with the Gluon forward's joined
-        (``forward_kernel`` "auto", from ``GLUON_MIN_ROWS`` rows) or first ("gluon": also the
-        untuned default) where ``gluon_fwd.gluon_available`` and no group ids."""
+        (``forward_kernel`` "auto": from ``GLUON_MIN_ROWS`` rows, on the square block pair of
+        the positives, the one-GPU loss's only call and the case checked on the GPU) or
+        first ("gluon": any block pair; also the untuned default) where
+        ``gluon_fwd.gluon_available`` and no group ids."""
         cands = launch.fwd_candidates(img.shape[1], img.element_size())
         if self.forward_kernel == "triton" or has_gid or not gluon_fwd.gluon_available(img, txt):
             return "fwd", cands
-        if self.forward_kernel == "auto" and min(img.shape[0], txt.shape[0]) < GLUON_MIN_ROWS:
+        if self.forward_kernel == "auto" and (not positives or min(img.shape[0], txt.shape[0]) < GLUON_MIN_ROWS):
             return "fwd", cands
         glu = gluon_fwd.tune_candidates(img.shape[1])
         return "fwd_gluon", (glu + cands if self.forward_kernel == "gluon" else cands + glu)

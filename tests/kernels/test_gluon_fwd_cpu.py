@@ -88,6 +88,7 @@ def test_forward_kernel_option(monkeypatch):
     assert not isinstance(cands[0], gluon_fwd.GluonFwdConfig)  # untuned default stays Triton
     assert ops._forward_candidates(big, big, True)[0] == "fwd"  # group ids: the Triton kernel only
     assert ops._forward_candidates(big[:100], big[:100], False)[0] == "fwd"  # small b: graph regime
+    assert ops._forward_candidates(big, big, False, positives=False)[0] == "fwd"  # a ring's other blocks
     forced = TritonTileOps(forward_kernel="gluon")
     kind, cands = forced._forward_candidates(big[:100], big[:100], False)
     assert kind == "fwd_gluon" and isinstance(cands[0], gluon_fwd.GluonFwdConfig)

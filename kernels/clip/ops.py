@@ -36,8 +36,8 @@ FORWARD_KERNELS = ("auto", "triton", "gluon")
 # forward_kernel="auto": the Gluon forward (``gluon_fwd``: warp-specialized, two consumer
 # warpgroups ping-ponging wgmma and the exp2 epilogue) joins the tuner's candidates for 16-bit
 # inputs on sm_90 without group ids, on the positives' square block pair, from this many rows
-# on (below it the CUDA-graph path runs,
-# whose memory budget counts the Triton forward's buffers). H200, bf16, forward alone
+# on (below it the CUDA-graph path runs, whose memory budget counts the Triton forward's
+# buffers). H200, bf16, forward alone
 # (scripts/check_gluon_fwd.py): c = 512, b = 32k-64k 1.24-1.28x the Triton kernel (BM 128 x
 # BN 64); c = 768 1.03-1.05x, c = 1024 1.11-1.12x (BM 64 x BN 128); the tuner keeps the faster.
 GLUON_MIN_ROWS = 32768

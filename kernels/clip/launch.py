@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..launching import addmm_f32_, cdiv, column_splits, strip_backward, tma_ok, tma_programs
+from . import gluon_strip
 from .kernels import _dx_strip_kernel, _dx_strip_tma_kernel, _grad_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
@@ -234,6 +235,10 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
     def fill(r0: int, r: int, scratch: Tensor) -> None:
         grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
         ds_part = ds_all[r0 // rows * per:]
+        if isinstance(cfg, gluon_strip.GluonStripConfig):  # chosen only where it applies (ops)
+            gluon_strip.fill_strip_gluon(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec,
+                                         r, r0, cfg, prec, fold, flags, grid, gid_a, gid_b)
+            return
         if use_tma:
             _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg,
                       prec, fold, flags, grid, gid_a, gid_b)

@@ -22,7 +22,7 @@ import os
 import torch
 from torch import Tensor
 
-from . import gluon_fwd, launch
+from . import gluon_fwd, gluon_strip, launch
 from ..launching import finish_accumulator, fp32_accumulator
 
 PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
@@ -41,6 +41,12 @@ FORWARD_KERNELS = ("auto", "triton", "gluon")
 # (scripts/check_gluon_fwd.py): c = 512, b = 32k-64k 1.24-1.28x the Triton kernel (BM 128 x
 # BN 64); c = 768 1.03-1.05x, c = 1024 1.11-1.12x (BM 64 x BN 128); the tuner keeps the faster.
 GLUON_MIN_ROWS = 32768
+STRIP_KERNELS = ("auto", "triton", "gluon")
+# The Gluon strip fill (``gluon_strip``: the backward's P = s dX tiles, same ping-pong) compiles
+# for sm_90a without spills but has not yet run on a GPU, so the default keeps the Triton fill;
+# "auto" lets the tuner time both (as forward_kernel="auto"), "gluon" puts it first.
+# ``scripts/check_gluon_strip.py`` is what must pass before the default changes.
+STRIP_KERNEL_DEFAULT = "triton"
 
 
 class TritonTileOps:
@@ -93,6 +99,10 @@ class TritonTileOps:
             blocks keep the Triton forward);
             "triton" never uses it; "gluon" puts it first wherever it applies, any b (also
             the default when tuning is off: ``INFCLIP_TRITON_TUNE=0``; the GPU tests).
+        strip_kernel: the same choice for the backward's strip fill (``gluon_strip``; the
+            environment's ``INFCLIP_STRIP_KERNEL``); default ``STRIP_KERNEL_DEFAULT``
+            ("triton": the Gluon fill has not yet run on a GPU). It applies with offsets,
+            without group ids, with the positives folded (``strip_positives="fold"``).
     """
 
     name = "triton"
@@ -102,7 +112,7 @@ class TritonTileOps:
     def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
                  grad_filter: tuple[float, int] | None = None, strip_positives: str = "fold",
                  strip_budget: int | None = None, cuda_graphs: str = "auto", backward: str = "auto",
-                 forward_kernel: str | None = None):
+                 forward_kernel: str | None = None, strip_kernel: str | None = None):
         if grad_filter is not None and (grad_filter[0] < 0 or grad_filter[1] < 1):
             raise ValueError(f"grad_filter must be (eps >= 0, columns >= 1), got {grad_filter}")
         self.threshold = None if grad_filter is None else grad_filter[0] / grad_filter[1]
@@ -127,6 +137,10 @@ class TritonTileOps:
         if forward_kernel not in FORWARD_KERNELS:
             raise ValueError(f"forward_kernel must be one of {FORWARD_KERNELS}, got {forward_kernel!r}")
         self.forward_kernel = forward_kernel
+        strip_kernel = strip_kernel or os.environ.get("INFCLIP_STRIP_KERNEL", STRIP_KERNEL_DEFAULT)
+        if strip_kernel not in STRIP_KERNELS:
+            raise ValueError(f"strip_kernel must be one of {STRIP_KERNELS}, got {strip_kernel!r}")
+        self.strip_kernel = strip_kernel
         self.backward_path = backward
         self.fold = strip_positives == "fold"
         self.strip_budget = strip_budget
@@ -261,7 +275,7 @@ class TritonTileOps:
             return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
                                     threshold=self.threshold, kept=self.kept, **vecs)
         if self._use_strips(a, out, accumulate, rows):
-            cfg = self._strip_cfg(a, b, prec, scale, rows)
+            cfg = self._strip_cfg(a, b, prec, scale, rows, self._gluon_strip_ok(g_d, off_a, gid_a))
             ds = launch.grad_rows_strips(a, b, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec,
                                          alloc=self._alloc, fold=self.fold, **vecs)
             return ds if compute_ds else None
@@ -289,7 +303,7 @@ class TritonTileOps:
         it; both None: the fills alone, for ds), the other one bit for bit as with both."""
         rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],
                                  temp=not self.fold)
-        cfg = self._strip_cfg(img, txt, prec, scale, rows)
+        cfg = self._strip_cfg(img, txt, prec, scale, rows, self._gluon_strip_ok(g_d, o_row, gid_row))
         if dtxt is None:  # the same fills and P @ txt, without the second product
             return launch.grad_rows_strips(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, rows, cfg, prec,
                                            alloc=self._alloc, g_d=g_d, off_a=o_row, off_b=o_col, fold=self.fold,
@@ -308,17 +322,37 @@ class TritonTileOps:
         auto = a.is_cuda and a.dtype == torch.bfloat16 and rows >= launch.STRIP_MIN_ROWS
         return self.strips == "auto" and fits and auto
 
-    def _strip_cfg(self, a: Tensor, b: Tensor, prec: str, scale: Tensor, rows: int):
+    def _gluon_strip_ok(self, g_d: Tensor | None, off: Tensor | None, gid: Tensor | None) -> bool:
+        """Whether this backward's fills are of the kind the Gluon strip fill computes
+        (offsets given, no group ids, positives absent or folded)."""
+        return off is not None and gid is None and (g_d is None or self.fold)
+
+    def _strip_cfg(self, a: Tensor, b: Tensor, prec: str, scale: Tensor, rows: int, gluon_ok: bool = False):
         def run(cfg, a_sub, b_sub):
             ms, ns = a_sub.shape[0], b_sub.shape[0]
             lse_a = torch.full((ms,), 30.0, device=a.device)
             lse_b = torch.full((ns,), 30.0, device=a.device)
             g_a, g_b = torch.ones(ms, device=a.device), torch.ones(ns, device=a.device)
             out = torch.empty_like(a_sub)
-            launch.grad_rows_strips(a_sub, b_sub, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec)
+            # zero offsets: the fast-offset path every real call with offsets takes (the Gluon
+            # fill's only one), at the cost of the same tiles
+            off = (torch.zeros(ms, device=a.device), torch.zeros(ns, device=a.device)) if gluon_ok else (None, None)
+            launch.grad_rows_strips(a_sub, b_sub, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec,
+                                    off_a=off[0], off_b=off[1])
 
+        kind, cands = self._strip_candidates(a, b, gluon_ok)
+        return launch.pick_config(kind, a, b, prec, cands, run)
+
+    def _strip_candidates(self, a: Tensor, b: Tensor, gluon_ok: bool) -> tuple[str, list]:
+        """(tuner key kind, configs): the Triton strip configs, with the Gluon fill's joined
+        ("auto": from ``GLUON_MIN_ROWS`` columns) or first ("gluon") where it applies."""
         cands = launch.strip_candidates(a.shape[1], a.element_size())
-        return launch.pick_config("strip", a, b, prec, cands, run)
+        if self.strip_kernel == "triton" or not gluon_ok or not gluon_strip.gluon_strip_available(a, b):
+            return "strip", cands
+        if self.strip_kernel == "auto" and b.shape[0] < GLUON_MIN_ROWS:
+            return "strip", cands
+        glu = gluon_strip.tune_candidates(a.shape[1], a.element_size())
+        return "strip_gluon", (glu + cands if self.strip_kernel == "gluon" else cands + glu)
 
     def _out(self, buf: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
         if buf is None:

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 27 on a GPU machine, in one call: the Gluon kernels checked, then timed against the
+# Triton ones inside the loss, then the duplicates' cost. Each part has its own timeout; results
+# in $OUT (at most 8 files come back: env.txt strip.txt tests.txt bench_<mode>.txt dup.txt).
+#
+#   bash scripts/gpu_gluon_checks.sh <commit>                       # all parts, ~9 min
+#   PARTS=setup,strip,tests bash scripts/gpu_gluon_checks.sh <commit>
+#
+# Parts:
+#   setup  - install the carried wheels (.whl/*.whl) and this checkout (as gpu_real_data.sh)
+#   strip  - scripts/check_gluon_strip.py: the Gluon strip fill against the Triton one (P in bf16
+#            ulps, ds), both timed; must pass before ops.STRIP_KERNEL_DEFAULT changes
+#   tests  - the exactness tests with both Gluon kernels forced wherever they apply
+#            (INFCLIP_TRITON_TUNE=0: the first candidate, i.e. the Gluon config), then the graphs'
+#            tests in the default modes
+#   bench  - scripts/bench_loss.py, CLIP loss forward + backward, bf16: INFCLIP_STRIP_KERNEL=triton
+#            and =auto (the tuner times the Gluon fill too), one process each (MODES to choose)
+#   dup    - scripts/bench_loss.py --duplicates --breakdown (mask / positive against off)
+# Knobs: STRIP_S TESTS_S BENCH_S DUP_S (seconds per part), BATCHES DIMS MODES.
+set -o pipefail
+PARTS="${PARTS:-setup,strip,tests,bench,dup}"
+COMMIT="${1:-unknown}"
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+PY="${PY:-python3}"
+export PYTHONUNBUFFERED=1
+if has setup; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl 2>&1 | grep -v WARNING
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+fi
+{ echo "commit $COMMIT"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} | tee -a $OUT/env.txt
+if has strip; then
+  timeout "${STRIP_S:-150}" $PY -u scripts/check_gluon_strip.py > $OUT/strip.txt 2>&1
+  echo "rc=$? (124: cut by STRIP_S)" >> $OUT/strip.txt
+  tail -5 $OUT/strip.txt
+fi
+if has tests; then
+  INFCLIP_TRITON_TUNE=0 INFCLIP_FORWARD_KERNEL=gluon INFCLIP_STRIP_KERNEL=gluon timeout "${TESTS_S:-200}" \
+      $PY -m pytest -q -p no:cacheprovider -rf tests/kernels/test_gluon_fwd_cpu.py tests/kernels/test_gluon_strip_cpu.py \
+      tests/loss/test_exact_positives.py tests/kernels/test_clip_kernels.py tests/loss/test_duplicates.py \
+      > $OUT/tests.txt 2>&1
+  echo "forced Gluon: pytest rc=$? (124: cut by TESTS_S)" >> $OUT/tests.txt
+  timeout 120 $PY -m pytest -q -p no:cacheprovider -rf tests/kernels/test_clip_graphs.py >> $OUT/tests.txt 2>&1
+  echo "graphs, default modes: pytest rc=$?" >> $OUT/tests.txt
+  grep -E "rc=|passed|failed" $OUT/tests.txt
+fi
+if has bench; then
+  for mode in ${MODES:-triton auto}; do
+    INFCLIP_STRIP_KERNEL=$mode timeout "${BENCH_S:-100}" $PY -u scripts/bench_loss.py \
+        --batches "${BATCHES:-32768,65536,131072}" --dims "${DIMS:-512,768,1024}" --impls triton_bf16 --reps 3 \
+        --commit "$COMMIT" --out /tmp/bench_$mode > $OUT/bench_$mode.txt 2>&1
+    echo "rc=$?" >> $OUT/bench_$mode.txt
+    grep -E "peak|rc=" $OUT/bench_$mode.txt
+  done
+fi
+if has dup; then
+  timeout "${DUP_S:-120}" $PY -u scripts/bench_loss.py --duplicates --breakdown --commit "$COMMIT" --out /tmp/dup \
+      > $OUT/dup.txt 2>&1
+  echo "rc=$?" >> $OUT/dup.txt
+  tail -12 $OUT/dup.txt
+fi

@@ -255,8 +255,11 @@ class LossGraphs:
 
         budget = _budget(ops, img)
         budget = budget if ops.strip_budget is None else min(budget, ops.strip_budget)
+        # The Triton kernels always: the arena and budget count their buffers (the Gluon ones are
+        # for b >= ops.GLUON_MIN_ROWS, above MAX_ROWS), whatever the caller or environment asks.
         self.ops = TritonTileOps(ops.fp32_precision, strips=ops.strips, strip_positives="fold" if ops.fold else "fixup",
-                                 strip_budget=budget, cuda_graphs="never", backward=_backward(ops))
+                                 strip_budget=budget, cuda_graphs="never", backward=_backward(ops),
+                                 forward_kernel="triton", strip_kernel="triton")
         self.arena = _arena(ops, img, budget)
         self.current = lambda: None  # weakref to the _Call whose state the buffers hold
         self.counts = {"forward": 0, "backward": 0, "eager_backward": 0, "restored": 0}  # (tests)

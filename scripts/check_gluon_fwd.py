@@ -134,7 +134,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
           f"triton {triton.__version__}, torch {torch.__version__}")
-    print(f"gluon imported: {gluon_fwd.gluon is not None} ({gluon_fwd._GLUON_ERROR})")
+    print(f"gluon imported: {gluon_fwd.gluon is not None} ({gluon_fwd.GLUON_ERROR})")
     cs = [512] if args.quick else [512, 768, 1024]
     bs = [1000, 8192] if args.quick else [1000, 8192, 32768, 65536]
     for c in cs:

@@ -188,7 +188,7 @@ def main() -> None:
     args = ap.parse_args()
     print(f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
           f"triton {triton.__version__}, torch {torch.__version__}")
-    print(f"gluon imported: {gluon_strip.gluon is not None} ({gluon_strip._GLUON_ERROR})")
+    print(f"gluon imported: {gluon_strip.gluon is not None} ({gluon_strip.GLUON_ERROR})")
     cs = [512] if args.quick else [512, 768, 1024]
     shapes = [(1000, 1000), (1000, 32768)] if args.quick else [
         (1000, 1000), (1000, 32768), (1000, 65536), (4096, 1000), (4096, 32768), (4096, 65536)]

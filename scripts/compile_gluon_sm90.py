@@ -76,7 +76,7 @@ def _kernels():
     strip = _module("infclip.kernels.clip.gluon_strip", ROOT / "kernels" / "clip" / "gluon_strip.py")
     for mod in (fwd, strip):
         if mod.gluon is None:
-            raise SystemExit(f"Gluon did not import: {mod._GLUON_ERROR}")
+            raise SystemExit(f"Gluon did not import: {mod.GLUON_ERROR}")
     return fwd, strip
 
 
@@ -135,6 +135,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--triton", required=True, help="folder holding triton 3.6 (pip install --target)")
     p.add_argument("--dims", default="512,768,1024")
+    p.add_argument("--save", metavar="DIR", help="also write each variant's PTX there (to diff two versions)")
     args = p.parse_args()
     _load_triton(args.triton)
     import torch
@@ -150,6 +151,10 @@ def main() -> None:
                     try:
                         kern = build(gf if name == "forward" else gs, k, cfg, diag, torch.bfloat16)
                         rep = sass_report(kern, args.triton)
+                        if args.save:
+                            Path(args.save).mkdir(parents=True, exist_ok=True)
+                            tag = f"{name}_{k}_{cfg.BM}x{cfg.BN}_{'diag' if diag else 'off'}"
+                            (Path(args.save) / f"{tag}.ptx").write_text(kern.asm["ptx"])
                     except Exception as err:  # noqa: BLE001 -- report and go on: one table for all
                         msg = (str(err).splitlines() or [""])[0][:120]
                         print(f"| {name} | {k} | {cfg.BM}x{cfg.BN} | {diag} | failed: {type(err).__name__}: {msg} "

@@ -52,37 +52,19 @@ the same fp32 accumulator (K summed in BK chunks in order).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..launching import cdiv, column_splits, tma_ok
+from ..launching import cdiv, column_splits
 
-try:  # triton >= 3.6 with Gluon (Hopper); anything else: the module imports, the kernel is off
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _GLUON_ERROR: Exception | None = None
-except Exception as err:  # noqa: BLE001 -- ImportError, or an older Gluon missing a name
-    gluon = gl = None
-    _GLUON_ERROR = err
+from . import gluon_common as gc
+from .gluon_common import (GLUON_ERROR, LN2, LOG2E, MAX_STAGES, SMEM_BYTES, SMEM_RESERVE, TensorDescriptor,
+                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, tma, warpgroup_mma,
+                           warpgroup_mma_wait)
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 PART_BUDGET_BYTES = 32 << 20  # as launch.PART_BUDGET_BYTES: col_part stays <= 32 MB per launch
-SMEM_BYTES = 220 << 10  # usable shared memory per block on Hopper, minus slack (as launch.SMEM_BYTES)
-SMEM_RESERVE = 8 << 10  # barriers + the compiler's reduction / layout-conversion scratch
-MAX_STAGES = 12  # more B chunks in flight than this buys nothing (~ 1.5 tiles at K = 512)
-MIN_GLUON = (3, 6)  # the Gluon API this file is written against (warp_specialize's list form)
-
-
-def _jit(fn):
-    """``gluon.jit`` when Gluon imported, else the plain function (never launched)."""
-    return gluon.jit(fn) if gluon is not None else fn
 
 
 @dataclass(frozen=True)
@@ -138,39 +120,17 @@ def column_chunks(m: int, n: int, bm: int, bn: int, budget: int = PART_BUDGET_BY
     return [(c0, min(c0 + chunk, n)) for c0 in range(0, n, chunk)]
 
 
-def _version_ok() -> bool:
-    import triton
-
-    parts = triton.__version__.split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) >= MIN_GLUON
-    except (ValueError, IndexError):
-        return False
-
-
 def gluon_available(a: Tensor, b: Tensor, cfg: GluonFwdConfig | None = None) -> bool:
-    """Whether ``lse_forward_gluon`` applies: CUDA sm_90, Gluon importable (triton >= 3.6),
-    a and b 2-D 16-bit of one dtype with TMA-able rows, K a multiple of BK with the A block
-    and a ring of >= 2 stages fitting shared memory."""
-    if gluon is None or not (a.is_cuda and b.is_cuda) or not _version_ok():
-        return False
-    if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
-        return False
+    """Whether ``lse_forward_gluon`` applies: ``gluon_common.sm90_16bit`` (sm_90, Gluon, 16-bit,
+    TMA-able rows, K a multiple of BK) and the A block with a ring of >= 2 stages fitting
+    shared memory."""
     cfg = cfg or default_config(a.shape[1])
-    k = a.shape[1]
-    if b.shape[1] != k or k == 0 or k % cfg.BK or not tma_ok(a, b) or pick_stages(cfg, k) == 0:
-        return False
-    return _capability(a.device.index if a.device.index is not None else torch.cuda.current_device()) == (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return gc.sm90_16bit(a, b) and pick_stages(cfg, a.shape[1]) > 0
 
 
 # -- kernel ------------------------------------------------------------------------------------
 
-@_jit
+@jit
 def _producer(a_desc, b_desc, a_smem, b_smem, a_bar, ready, empty, row0, lo, n_tiles,
               NK: gl.constexpr, STAGES: gl.constexpr):
     """1 warp: TMA loads of the resident A block, then every B chunk of the column range in
@@ -189,7 +149,7 @@ def _producer(a_desc, b_desc, a_smem, b_smem, a_bar, ready, empty, row0, lo, n_t
                                         b_smem.index(slot))
 
 
-@_jit
+@jit
 def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
               col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp,
               C: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -198,7 +158,7 @@ def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, o
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
-    s2 = gl.load(scale_ptr).to(gl.float32) * 1.4426950408889634
+    s2 = gl.load(scale_ptr).to(gl.float32) * LOG2E
     rows = row0 + gl.arange(0, BM, layout=row_l)
     row_ok = rows < M
     oa2 = gl.load(off_a_ptr + gl.minimum(rows, M - 1)) * s2
@@ -245,13 +205,13 @@ def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, o
             xc = _fix(xc, rows, cols, row_ok, 0, HAS_DIAG)
         cm = gl.max(xc, 0)
         cl = gl.sum(gl.exp2(xc - cm[None, :]), 0)
-        gl.store(col_part_ptr + pid_m * stride_cp + (cols - col_start), (cm + gl.log2(cl)) * 0.6931471805599453,
+        gl.store(col_part_ptr + pid_m * stride_cp + (cols - col_start), (cm + gl.log2(cl)) * LN2,
                  mask=cols < hi)
     # A consumer without tiles stores -inf (m = -inf, l = 0): nothing, for the host's logsumexp.
-    gl.store(row_part_ptr + (2 * pid_s + C) * M + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
+    gl.store(row_part_ptr + (2 * pid_s + C) * M + rows, (m_i + gl.log2(l_i)) * LN2, mask=row_ok)
 
 
-@_jit
+@jit
 def _fix(x, rows, cols, ok, AXIS: gl.constexpr, HAS_DIAG: gl.constexpr):
     """x with the diagonal entries (rows == cols) set to 0 (HAS_DIAG: the positives' dot
     products are the offsets, so x_ii - s o_i = 0 exactly) and the entries outside ``ok``
@@ -265,7 +225,7 @@ def _fix(x, rows, cols, ok, AXIS: gl.constexpr, HAS_DIAG: gl.constexpr):
     return x
 
 
-@_jit
+@jit
 def _lse_fwd_ws_kernel(a_desc, b_desc, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr, col_part_ptr,
                        M, col_start, col_stop, cols_per_split, stride_cp,
                        K: gl.constexpr, STAGES: gl.constexpr, HAS_DIAG: gl.constexpr, REGS: gl.constexpr):
@@ -329,7 +289,7 @@ def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor, off_b:
     n = b.shape[0]
     cfg = cfg or default_config(k)
     if not gluon_available(a, b, cfg):
-        raise ValueError(f"the Gluon forward does not apply here ({_GLUON_ERROR or 'see gluon_available'})")
+        raise ValueError(f"the Gluon forward does not apply here ({GLUON_ERROR or 'see gluon_available'})")
     if has_diag and m != n:
         raise ValueError(f"has_diag needs a square block pair, got {m} x {n}")
     stages = pick_stages(cfg, k)
@@ -354,22 +314,5 @@ def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor, off_b:
     return row_lse, col_lse
 
 
-def compile_info(kernel) -> dict:
-    """What a compiled kernel says about itself (the check script's report): registers,
-    spills, shared memory and whether its PTX / SASS holds wgmma."""
-    asm = getattr(kernel, "asm", {}) or {}
-    ptx = asm.get("ptx", "") or ""
-    sass = asm.get("sass", "") or ""
-    meta = getattr(kernel, "metadata", None)
-    return dict(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
-                shared=getattr(meta, "shared", None), ptx_wgmma=ptx.count("wgmma.mma_async"),
-                sass_hgmma=sass.count("HGMMA") if sass else None, setmaxnreg=ptx.count("setmaxnreg"))
-
-
-def flops(m: int, n: int, k: int) -> float:
-    """The forward's tensor-core FLOPs: one m x n x k product."""
-    return 2.0 * m * n * k
-
-
-__all__ = ["GluonFwdConfig", "gluon_available", "tune_candidates", "lse_forward_gluon", "pick_stages", "smem_bytes",
+__all__ = ["gluon", "GLUON_ERROR", "GluonFwdConfig", "gluon_available", "tune_candidates", "lse_forward_gluon", "pick_stages", "smem_bytes",
            "column_chunks", "default_config", "compile_info", "flops"]

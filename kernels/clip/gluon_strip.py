@@ -65,38 +65,20 @@ columns j, the positives at i == j). Shared memory: STAGES x (BM + BN) x BK x 2 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from ..launching import cdiv, sm_count, tma_ok
+from ..launching import cdiv, sm_count
 
-try:  # triton >= 3.6 with Gluon (Hopper); anything else: the module imports, the kernel is off
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _GLUON_ERROR: Exception | None = None
-except Exception as err:  # noqa: BLE001 -- ImportError, or an older Gluon missing a name
-    gluon = gl = None
-    _GLUON_ERROR = err
+from . import gluon_common as gc
+from .gluon_common import (GLUON_ERROR, LN2, LOG2E, MAX_STAGES, SMEM_BYTES, SMEM_RESERVE, TensorDescriptor,
+                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, tma, warpgroup_mma,
+                           warpgroup_mma_wait)
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-SMEM_BYTES = 220 << 10  # usable shared memory per block on Hopper, minus slack (as launch.SMEM_BYTES)
-SMEM_RESERVE = 8 << 10  # barriers + the compiler's reduction / layout-conversion scratch
-MAX_STAGES = 12  # ring depth cap (as gluon_fwd)
 MIN_STAGES = 3  # fewer chunks in flight than this leave the wgmmas waiting on TMA
-MIN_GLUON = (3, 6)  # the Gluon API this file is written against (warp_specialize's list form)
-
-
-def _jit(fn):
-    """``gluon.jit`` when Gluon imported, else the plain function (never launched)."""
-    return gluon.jit(fn) if gluon is not None else fn
 
 
 @dataclass(frozen=True)
@@ -115,7 +97,7 @@ class GluonStripConfig:
     regs: int = 240
     maxnreg: int = 168
     # Duck-typed beside ``launch.StripConfig`` (what grad_rows_strips reads): not fields.
-    BK: ClassVar[int] = 64  # K chunk: 128 bytes of 16-bit inputs, the widest TMA swizzle
+    BK: ClassVar[int] = gc.BK  # K chunk: 128 bytes of 16-bit inputs, the widest TMA swizzle
     tma: ClassVar[bool] = True
     fast_off: ClassVar[bool] = True  # HAS_OFF == 2 only
 
@@ -183,41 +165,17 @@ def ds_slots(tiles: int, programs: int) -> int:
     return min(tiles, 2 * programs)
 
 
-def _version_ok() -> bool:
-    import triton
-
-    parts = triton.__version__.split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) >= MIN_GLUON
-    except (ValueError, IndexError):
-        return False
-
-
 def gluon_strip_available(a: Tensor, b: Tensor, cfg: GluonStripConfig | None = None) -> bool:
-    """Whether ``fill_strip_gluon`` applies to (a, b): CUDA sm_90, Gluon importable (triton >=
-    3.6), a and b 2-D 16-bit of one dtype with TMA-able rows, K a multiple of 64, N * 2 bytes a
-    multiple of 16 (the scratch's rows: its TMA store) and a ring of >= 2 stages fitting."""
-    if gluon is None or not (a.is_cuda and b.is_cuda) or not _version_ok():
-        return False
-    if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
-        return False
+    """Whether ``fill_strip_gluon`` applies to (a, b): ``gluon_common.sm90_16bit`` (sm_90,
+    Gluon, 16-bit, TMA-able rows, K a multiple of 64), N * 2 bytes a multiple of 16 (the
+    scratch's rows: its TMA store) and a ring of >= 2 stages fitting."""
     cfg = cfg or default_config(a.shape[1])
-    k = a.shape[1]
-    if b.shape[1] != k or k == 0 or k % cfg.BK or (b.shape[0] * 2) % 16 or not tma_ok(a, b):
-        return False
-    if pick_stages(cfg, a.element_size()) == 0:
-        return False
-    return _capability(a.device.index if a.device.index is not None else torch.cuda.current_device()) == (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return gc.sm90_16bit(a, b) and (b.shape[0] * 2) % 16 == 0 and pick_stages(cfg, a.element_size()) > 0
 
 
 # -- kernel ------------------------------------------------------------------------------------
 
-@_jit
+@jit
 def _tile_origin(tile, n_m, n_n, BM: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr):
     """(r0, j0): strip-relative first row and first column of tile ``tile`` in
     ``tiles.grouped_tile`` order (groups of GROUP row tiles)."""
@@ -229,7 +187,7 @@ def _tile_origin(tile, n_m, n_n, BM: gl.constexpr, BN: gl.constexpr, GROUP: gl.c
     return pid_m * BM, pid_n * BN
 
 
-@_jit
+@jit
 def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, row_start, n_m, n_n, n_tiles,
               NK: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr):
     """1 warp: the (A, B) chunk pairs of the program's tiles, in ring order (chunk g into slot
@@ -252,7 +210,7 @@ def _producer(a_desc, b_desc, a_smem, b_smem, ready, empty, row_start, n_m, n_n,
             g += 1
 
 
-@_jit
+@jit
 def _expm1(u):
     """exp(u) - 1 without cancellation near 0: ``kernels._expm1``, term for term."""
     series = u * (1.0 + u * (0.5 + u * (1.0 / 6 + u * (1.0 / 24 + u * (1.0 / 120 + u * (
@@ -260,7 +218,7 @@ def _expm1(u):
     return gl.where(gl.abs(u) < 0.25, series, gl.exp(u) - 1.0)
 
 
-@_jit
+@jit
 def _positives(p, q, lse_a, g_a, rows, cols, row_ok, j0, idx, off_a_ptr, lse_b_ptr, g_b_ptr, g_d_ptr, s2,
                BN: gl.constexpr):
     """(p, q, ds_row) of a tile that crosses the diagonal (``kernels._strip_epilogue`` with
@@ -268,9 +226,9 @@ def _positives(p, q, lse_a, g_a, rows, cols, row_ok, j0, idx, off_a_ptr, lse_b_p
     q_ii = 0, ds_row = e_o = (g_a + g_b - g_d) o_a s2 on the rows whose diagonal is in the
     tile (``_take_positives``). idx: the rows' clamped global indices (loads)."""
     g_d = gl.load(g_d_ptr + idx)
-    lse_bd = gl.load(lse_b_ptr + idx) * 1.4426950408889634
+    lse_bd = gl.load(lse_b_ptr + idx) * LOG2E
     g_bd = gl.load(g_b_ptr + idx)
-    d_ii = g_a * _expm1(-lse_a * 0.6931471805599453) + g_bd * _expm1(-lse_bd * 0.6931471805599453) + (
+    d_ii = g_a * _expm1(-lse_a * LN2) + g_bd * _expm1(-lse_bd * LN2) + (
         (g_a + g_bd) - g_d)
     e_o = ((g_a + g_bd) - g_d) * gl.load(off_a_ptr + idx) * s2
     has = row_ok & (rows >= j0) & (rows < j0 + BN)
@@ -279,7 +237,7 @@ def _positives(p, q, lse_a, g_a, rows, cols, row_ok, j0, idx, off_a_ptr, lse_b_p
     return gl.where(on, d_ii[:, None], p), gl.where(on, 0.0, q), ds_row
 
 
-@_jit
+@jit
 def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr,
               off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, ds_ptr, R, row_start, N, n_m, n_n, n_tiles,
               C: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
@@ -291,7 +249,7 @@ def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     s = gl.load(scale_ptr).to(gl.float32)
-    s2 = s * 1.4426950408889634
+    s2 = s * LOG2E
     rr = gl.arange(0, BM, layout=row_l)
     cn = gl.arange(0, BN, layout=col_l)
     ds_acc = gl.zeros([BM], gl.float32, layout=row_l)
@@ -303,10 +261,10 @@ def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse
         r_idx = row0 + gl.minimum(rr, R - 1 - r0)  # clamped for loads; masked below
         c_idx = j0 + gl.minimum(cn, N - 1 - j0)
         # The tile's vectors, issued before the MMAs: their latency hides behind the turn wait.
-        lse_a = gl.load(lse_a_ptr + r_idx) * 1.4426950408889634
+        lse_a = gl.load(lse_a_ptr + r_idx) * LOG2E
         g_a = gl.load(g_a_ptr + r_idx)
         oa2 = gl.load(off_a_ptr + r_idx) * s2
-        lse_b = gl.load(lse_b_ptr + c_idx) * 1.4426950408889634
+        lse_b = gl.load(lse_b_ptr + c_idx) * LOG2E
         g_b = gl.load(g_b_ptr + c_idx)
         ob2 = gl.load(off_b_ptr + c_idx) * s2
         # -- compute tile --: wait for the turn (local tile t - 1's wgmmas retired), then NK chunks.
@@ -355,7 +313,7 @@ def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse
         gl.store(ds_ptr + pid + C * nprog, gl.sum(ds_acc, 0) / s2)
 
 
-@_jit
+@jit
 def _dx_strip_ws_kernel(a_desc, b_desc, p_desc, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr, g_a_ptr,
                         g_b_ptr, g_d_ptr, ds_ptr, R, row_start, N,
                         K: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, HAS_DIAG: gl.constexpr,
@@ -424,7 +382,7 @@ def fill_strip_gluon(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch,
     if not isinstance(cfg, GluonStripConfig):  # its BM x BN sized the caller's ds slots: no silent swap
         raise TypeError(f"fill_strip_gluon needs a GluonStripConfig (or None: the default), got {cfg!r}")
     if not gluon_strip_available(a, b, cfg):
-        raise ValueError(f"the Gluon strip fill does not apply here ({_GLUON_ERROR or 'see gluon_strip_available'})")
+        raise ValueError(f"the Gluon strip fill does not apply here ({GLUON_ERROR or 'see gluon_strip_available'})")
     has_diag = bool(flags.get("HAS_DIAG", False))
     if flags.get("HAS_OFF") != 2 or flags.get("HAS_GID") or gid_a is not None or gid_b is not None:
         raise ValueError(f"the Gluon strip fill needs HAS_OFF == 2 and no group ids, got {flags}")
@@ -455,23 +413,5 @@ def fill_strip_gluon(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch,
     )
 
 
-def compile_info(kernel) -> dict:
-    """What a compiled kernel says about itself (registers, spills, shared memory, wgmma /
-    HGMMA / TMA-store counts): the check script's report."""
-    asm = getattr(kernel, "asm", {}) or {}
-    ptx = asm.get("ptx", "") or ""
-    sass = asm.get("sass", "") or ""
-    meta = getattr(kernel, "metadata", None)
-    return dict(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
-                shared=getattr(meta, "shared", None), ptx_wgmma=ptx.count("wgmma.mma_async"),
-                ptx_tma_store=ptx.count("cp.async.bulk.tensor") - ptx.count(".shared::cluster.global"),
-                sass_hgmma=sass.count("HGMMA") if sass else None, setmaxnreg=ptx.count("setmaxnreg"))
-
-
-def flops(r: int, n: int, k: int) -> float:
-    """One fill's tensor-core FLOPs: an r x n x k product."""
-    return 2.0 * r * n * k
-
-
-__all__ = ["GluonStripConfig", "gluon_strip_available", "fill_strip_gluon", "tune_candidates", "default_config",
+__all__ = ["gluon", "GLUON_ERROR", "GluonStripConfig", "gluon_strip_available", "fill_strip_gluon", "tune_candidates", "default_config",
            "pick_stages", "smem_bytes", "strip_tiles", "strip_programs", "ds_slots", "compile_info", "flops"]

@@ -1,0 +1,95 @@
+"""What the Hopper Gluon kernels (``gluon_fwd``, ``gluon_strip``) share on the host side.
+
+The guarded import of triton's Gluon (triton >= 3.6, whose API the kernels are written
+against): importing this module never fails; without Gluon ``gluon`` and ``gl`` are None,
+``jit`` returns the plain function (never launched) and ``sm90_16bit`` says no. Also the
+base-2 constants the kernels read as constexprs, the shared-memory budget, the availability
+prelude both kernels need (sm_90, 16-bit, TMA-able rows, K a multiple of ``BK``) and the
+compiled-kernel report of the check scripts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ..launching import tma_ok
+
+try:  # triton >= 3.6 with Gluon (Hopper); anything else: the module imports, the kernels are off
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    GLUON_ERROR: Exception | None = None
+except Exception as err:  # noqa: BLE001 -- ImportError, or an older Gluon missing a name
+    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+    GLUON_ERROR = err
+
+LOG2E = gl.constexpr(1.4426950408889634) if gl is not None else 1.4426950408889634
+LN2 = gl.constexpr(0.6931471805599453) if gl is not None else 0.6931471805599453
+SMEM_BYTES = 220 << 10  # usable shared memory per block on Hopper, minus slack (as launch.SMEM_BYTES)
+SMEM_RESERVE = 8 << 10  # barriers + the compiler's reduction / layout-conversion scratch
+MAX_STAGES = 12  # ring depth cap: more chunks in flight buy nothing (~1.5 tiles at K = 512)
+MIN_GLUON = (3, 6)  # the Gluon API the kernels are written against (warp_specialize's list form)
+BK = 64  # K chunk of every ring: 128 bytes of 16-bit inputs, the widest TMA swizzle
+
+
+def jit(fn):
+    """``gluon.jit`` when Gluon imported, else the plain function (never launched)."""
+    return gluon.jit(fn) if gluon is not None else fn
+
+
+def version_ok() -> bool:
+    """Whether the installed triton is at least ``MIN_GLUON``."""
+    import triton
+
+    parts = triton.__version__.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= MIN_GLUON
+    except (ValueError, IndexError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def sm90_16bit(a: Tensor, b: Tensor) -> bool:
+    """The prelude of both kernels' availability: Gluon importable (triton >= 3.6), a and b
+    2-D CUDA tensors of one 16-bit dtype with the same K, a multiple of ``BK``, rows TMA can
+    load, on an sm_90 device (H100 / H200)."""
+    if gluon is None or not (a.is_cuda and b.is_cuda) or not version_ok():
+        return False
+    if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    k = a.shape[1]
+    if b.shape[1] != k or k == 0 or k % BK or not tma_ok(a, b):
+        return False
+    return _capability(a.device.index if a.device.index is not None else torch.cuda.current_device()) == (9, 0)
+
+
+def gl_dtype(t: Tensor):
+    """The Gluon dtype of a 16-bit tensor."""
+    return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+
+
+def compile_info(kernel) -> dict:
+    """What a compiled kernel says about itself (the check scripts' report): registers,
+    spills, shared memory, wgmma in the PTX, HGMMA in the SASS, setmaxnreg, TMA stores."""
+    asm = getattr(kernel, "asm", {}) or {}
+    ptx = asm.get("ptx", "") or ""
+    sass = asm.get("sass", "") or ""
+    meta = getattr(kernel, "metadata", None)
+    return dict(n_regs=getattr(kernel, "n_regs", None), n_spills=getattr(kernel, "n_spills", None),
+                shared=getattr(meta, "shared", None), ptx_wgmma=ptx.count("wgmma.mma_async"),
+                ptx_tma_store=ptx.count("cp.async.bulk.tensor") - ptx.count(".shared::cluster.global"),
+                sass_hgmma=sass.count("HGMMA") if sass else None, setmaxnreg=ptx.count("setmaxnreg"))
+
+
+def flops(m: int, n: int, k: int) -> float:
+    """Tensor-core FLOPs of one m x n x k product (a forward pass, or one strip fill)."""
+    return 2.0 * m * n * k

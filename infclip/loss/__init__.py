@@ -99,9 +99,10 @@ def clip_loss(
             positives: multi-positive InfoNCE, -log of the summed group softmax, both
             directions). Exact definitions in ``infclip.loss.duplicates``. Not with impl
             "vanilla" / "local". On one process with Triton, both modes take the fused node
-            of "off" (same kernels and passes; "mask" adds one int32 compare per tile entry,
-            "positive" sparse terms over the same-group pairs), run eagerly (not from the
-            CUDA graphs of b <= 16k).
+            of "off" (same kernels and passes; "mask" sorts the pairs by group and adds one
+            int32 compare per entry of the tiles within w of the diagonal, w = the largest
+            group's size less one; "positive" sparse terms over the same-group pairs), run
+            eagerly (not from the CUDA graphs of b <= 16k).
     Returns:
         float32 scalar: mean over local rows (global mean on one process).
     """

@@ -21,6 +21,21 @@ Where it is computed:
   (except a positive pair's own i == j on the diagonal block) from both directions, in the
   forward and in dX of the backward. On one process the ids are first mapped to int32 dense
   ranks (``dense_ids``, ``prepare``): one integer compare per tile entry in the kernels.
+  With the Triton kernels on one process the compare is confined to a band (``sort_groups``,
+  ``infclip.loss.function._SortedMask``): the loss is a mean over pairs, so the pairs are
+  permuted (image and text rows together) to make every group contiguous (a stable sort of
+  the ids); then every same-group pair (p, q) has |p - q| <= w, w = the largest group's size
+  less one, and only the tiles within w of the diagonal can hold one. The kernels read w from
+  a (1,) int32 device tensor (no host sync) and compare ids only in those tiles (``groups =
+  (ids, ids, band)``; ``infclip.kernels.clip.kernels``, BAND); the gradients are un-permuted
+  by a gather with the inverse permutation. Cost argument: of a BM-row block's columns only
+  [row0 - w, row0 + BM + w), rounded out to BN-column tiles, compare: a fraction of about
+  (BM + 2w + BN) / b of all tiles (about 1 % at b = 32k, BM = 256, BN = 128, w of a few),
+  plus a sort of b ids and gathers of the (b, c) features (two in the forward, four in the
+  backward; the sorted copies live only within each pass: 2 b c elements more at the peak).
+  One group of size ~b makes w ~ b: every tile compares, the cost of comparing everywhere.
+  The ring keeps the compare on every tile (its ids are global; other ranks' rows are not
+  in the local order), and so does ``TorchTileOps`` (the reference).
 * ``positive`` keeps the denominators of the plain loss (the tiles run unchanged); its
   numerators LSE_{G(i)} need only the same-group pairs, which are few: they are gathered
   here (on one process once per call, ``find_pairs`` in ``prepare``, one host sync, the list
@@ -92,6 +107,32 @@ def dense_ids(ids: Tensor) -> Tensor:
     sync). The kernels compare int32 in one instruction and hold half the registers of int64."""
     srt = torch.sort(ids).values
     return torch.searchsorted(srt, ids).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class GroupSort:
+    """The one-process batch sorted by group ("mask" on the Triton kernels): order (m,) int64,
+    the stable argsort of the ids (pair p of the sorted batch is pair order[p]); inverse (m,)
+    int64, its inverse permutation (sorted position of pair i), to un-permute the gradients by
+    a gather; ids (m,) int32, the sorted batch's dense ranks (equal within a group, groups
+    contiguous); band (1,) int32, w = the largest group's size less one: every same-group pair
+    (p, q) of the sorted batch has |p - q| <= w."""
+
+    order: Tensor
+    inverse: Tensor
+    ids: Tensor
+    band: Tensor
+
+
+def sort_groups(ids: Tensor) -> GroupSort:
+    """``GroupSort`` of ``ids`` (any integer ids, (m,)): a stable sort and two binary searches on
+    the device, no host sync (w stays a device tensor, read by the kernels)."""
+    order = torch.argsort(ids, stable=True)
+    srt = ids[order]
+    lo = torch.searchsorted(srt, srt)  # first sorted position of each one's group: dense ranks, sorted
+    size = torch.searchsorted(srt, srt, right=True) - lo
+    band = (size.max() - 1).to(torch.int32).reshape(1)
+    return GroupSort(order, torch.argsort(order), lo.to(torch.int32), band)
 
 
 def find_pairs(ids: Tensor, cap: int | None = None) -> list | None:

@@ -146,11 +146,53 @@ class _FusedPositive(torch.autograd.Function):
                 ds.to(scale.dtype) if need[2] else None, None, None)
 
 
+class _SortedMask(torch.autograd.Function):
+    """duplicates="mask" on one process as one autograd node: the pairs permuted so that every
+    group is contiguous (``duplicates.sort_groups``; the loss is a mean over pairs, invariant
+    to permuting them), then the fused CLIP loss's passes with the sorted int32 ids and the
+    band w (the largest group's size less one): the kernels compare ids only in tiles within
+    w of the diagonal, the only ones that can hold a same-group pair.
+
+    The permuted features exist only during each pass (gathered in the forward, gathered
+    again in the backward, whose image copy then receives the un-permuted image gradient):
+    between the passes the node holds the inputs and O(b) vectors, as the plain loss does.
+    The gradients are un-permuted by gathers with the inverse permutation (no scatter)."""
+
+    @staticmethod
+    def forward(ctx, img, txt, scale, ops, srt):
+        from infclip.kernels.clip.function import loss_forward
+
+        loss, row, col, pos = loss_forward(ops, img.index_select(0, srt.order), txt.index_select(0, srt.order),
+                                           scale, srt.ids, srt.band)
+        ctx.save_for_backward(img, txt, scale, row, col, pos)
+        ctx.ops, ctx.srt = ops, srt
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        from infclip.kernels.clip.function import loss_backward
+
+        img, txt, scale, row, col, pos = ctx.saved_tensors
+        srt, need = ctx.srt, ctx.needs_input_grad
+        img_s, txt_s = img.index_select(0, srt.order), txt.index_select(0, srt.order)
+        dimg_s, dtxt_s, ds = loss_backward(ctx.ops, img_s, txt_s, scale, row, col, pos, g, groups=srt.ids,
+                                           band=srt.band, need=(need[0], need[1]))
+        # back to the caller's order, dimg_i = dimg_s[inverse_i], into the sorted copies' storage
+        # (the gradients have the inputs' dtype and shape)
+        dimg = torch.index_select(dimg_s, 0, srt.inverse, out=img_s) if need[0] else None
+        dtxt = torch.index_select(dtxt_s, 0, srt.inverse, out=txt_s) if need[1] else None
+        return dimg, dtxt, ds.to(scale.dtype) if need[2] else None, None, None
+
+
 def fused_duplicates_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, dup) -> Tensor:
     """The one-process CLIP loss with duplicates on a backend with a fused loss node (Triton):
-    "mask" is ``ops.fused_loss`` with the int32 group ids (the same kernels and passes as off,
-    plus one compare per tile entry); "positive" is ``_FusedPositive``. ``dup``: from
-    ``duplicates.prepare``."""
+    "mask" is ``_SortedMask`` (the fused loss's kernels and passes on the batch sorted by group,
+    the group compare only in the band of tiles around the diagonal); "positive" is
+    ``_FusedPositive``. ``dup``: from ``duplicates.prepare``."""
     if dup.mode == "mask":
-        return ops.fused_loss(img, txt, scale, groups=dup.ids)
+        from infclip.kernels.clip import graphs
+
+        if graphs.eligible(ops, img, txt):  # an eager call: no resident graph pool beside it (fused_loss's rule)
+            graphs.release()
+        return _SortedMask.apply(img, txt, scale, ops, duplicates.sort_groups(dup.ids))
     return _FusedPositive.apply(img, txt, scale, ops, dup)

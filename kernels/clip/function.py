@@ -42,25 +42,28 @@ def lse_pair_triton(img: Tensor, txt: Tensor, scale: Tensor, ops: TritonTileOps 
     return TritonLSEPair.apply(img, txt, scale, ops or TritonTileOps())
 
 
-def loss_forward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, groups: Tensor | None = None):
+def loss_forward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, groups: Tensor | None = None,
+                 band: Tensor | None = None):
     """(loss 0-d fp32, row (b,), col (b,), pos (b,)) of the symmetric CLIP loss: row / col the
     two directions' LSEs relative to the positives' logits s * pos, pos = <img_i, txt_i> fp32.
     Autocast is off inside (the positives' product stays fp32-accumulated in the inputs' dtype,
     as in the CUDA graphs, which are captured with autocast off). groups: (b,) group ids or
-    None (``TritonTileOps.fused_loss``): same-group pairs i != j leave both LSEs."""
+    None (``TritonTileOps.fused_loss``): same-group pairs i != j leave both LSEs. band: None, or
+    with the batch sorted by group a (1,) int32 w bounding |i - j| of every same-group pair:
+    only the tiles within w of the diagonal compare ids (``ops._groups``)."""
     with torch.autocast(img.device.type, enabled=False):
         pos = row_dot(img, txt)
-        kw = {} if groups is None else {"groups": (groups, groups)}
+        kw = _groups_kw(groups, band)
         row, col = ops.forward(img, txt, scale, offsets=(pos, pos), diag=True, **kw)
         return 0.5 * (row.mean() + col.mean()), row, col, pos
 
 
 def loss_backward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, row: Tensor, col: Tensor,
                   pos: Tensor, g: Tensor, out: tuple[Tensor, Tensor] | None = None, groups: Tensor | None = None,
-                  w_diag: Tensor | None = None, need: tuple[bool, bool] = (True, True)
+                  w_diag: Tensor | None = None, need: tuple[bool, bool] = (True, True), band: Tensor | None = None
                   ) -> tuple[Tensor | None, Tensor | None, Tensor]:
     """(dimg, dtxt in the input dtype, dscale fp32 0-d) of ``loss_forward`` for upstream g (0-d);
-    ``out``: (dimg, dtxt) buffers to write them into (else fresh tensors). groups: as
+    ``out``: (dimg, dtxt) buffers to write them into (else fresh tensors). groups, band: as
     ``loss_forward``. w_diag (b,): the positives' weight in -sum_i g_diag_i x_ii is
     g_lse_i w_diag_i instead of 2 g_lse_i (a multi-positive loss: its within-group softmax
     shares, summed over both directions). need: which of (dimg, dtxt) to compute (the other
@@ -69,9 +72,16 @@ def loss_backward(ops: TritonTileOps, img: Tensor, txt: Tensor, scale: Tensor, r
     g_lse = (0.5 / b * g.float()).expand(b).contiguous()
     g_diag = 2 * g_lse if w_diag is None else g_lse * w_diag  # 2 g_lse: exactly g_row + g_col (CLIP)
     dimg, dtxt = out if out is not None else (None, None)
-    kw = {} if groups is None else {"groups": (groups, groups)}
+    kw = _groups_kw(groups, band)
     return ops.backward(img, txt, scale, row, col, g_lse, g_lse, dimg, dtxt, out_dtype=img.dtype, g_diag=g_diag,
                         offsets=(pos, pos), overwrite=out is not None, need=need, **kw)
+
+
+def _groups_kw(groups: Tensor | None, band: Tensor | None) -> dict:
+    """The tile ops' ``groups`` argument: none, (ids, ids) or (ids, ids, band)."""
+    if groups is None:
+        return {}
+    return {"groups": (groups, groups) if band is None else (groups, groups, band)}
 
 
 class TritonCLIPLoss(torch.autograd.Function):

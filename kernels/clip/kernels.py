@@ -59,6 +59,21 @@ that follows (the forward's DIAG tiles; ``_take_positives`` / FOLD in the backwa
 i != j test runs in any tile. The flag is a constexpr and the id pointers are None when it
 is off, so the off path compiles to the kernels of before.
 
+Band (BAND, with HAS_GID; the one-process batch sorted by group, ``infclip.loss.duplicates.
+sort_groups``): every same-group pair (i, j) has |i - j| <= w, w = band_ptr[0] (the largest
+group's size less one, read from device memory), so only tiles within w of the diagonal
+(``_in_band``: j0 < row0 + BM + w and j0 + BN > row0 - w) compare ids. The forward splits
+its column loop as for DIAG, with no runtime branch in a loop: plain tiles before the band,
+the band's tiles (diagonal ones included) with DIAG and the compare (DIAG's i == j select
+changes nothing off the diagonal; one loop instead of three keeps the kernel the size of the
+HAS_GID one: sm_90 ptxas, bf16, 256 x 128, c = 512: 2092 bytes of spill stores against 2220
+for HAS_GID and 4280 for a five-loop split), plain tiles after it. The strip epilogue and
+the fused backward take one uniform scalar branch per tile (``_in_band``; ``_keep_negatives``
+in the fused one): in the band, load the ids and compare; else nothing. Of all tiles about (BM + 2w + BN) / b
+compare. Without BAND (the ring, ``TritonTileOps`` called with two-element groups) every
+tile compares, as before; BAND = False compiles to the same PTX as before the band (the off
+kernels and the HAS_GID ones, int32 and int64: checked on the sm_90 PTX, debug info aside).
+
 Consistency: the backward recomputes the dot products in the forward's K order (same BK
 chunks; on the GPU a K-chained tl.dot accumulates in the same order for any tile shape),
 so p_ij = exp(x_ij - lse_i) sums to 1 over j as the forward's LSE did.
@@ -122,6 +137,29 @@ def _group_drop(gid_a, gid_b):
     (the forward's DIAG tiles set x_ii - s o_i = 0; the backward's ``_take_positives`` and
     FOLD overwrite dX_ii), so no i != j test is needed."""
     return gid_a[:, None] == gid_b[None, :]
+
+
+@triton.jit
+def _in_band(row0, j0, w, BM: tl.constexpr, BN: tl.constexpr):
+    """Whether the tile (rows row0 .. row0 + BM, columns j0 .. j0 + BN) holds an entry with
+    |i - j| <= w: with the pairs sorted by group id and w the largest group's size less one,
+    the only tiles that can hold a same-group pair (``_near_diag`` is w = 0)."""
+    return (j0 < row0 + BM + w) & (j0 + BN > row0 - w)
+
+
+@triton.jit
+def _keep_negatives(ok, gid_a, gid_b_ptr, c_ld, row0, j0, w, BM: tl.constexpr, BN: tl.constexpr,
+                    HAS_GID: tl.constexpr, BAND: tl.constexpr):
+    """The backward's tile mask ``ok`` less the duplicates (dX = 0 there; i == j is put back by
+    ``_take_positives`` / FOLD): with BAND only where the tile is in the band, one uniform
+    scalar branch per tile (the column ids are loaded there only)."""
+    if HAS_GID:
+        if BAND:
+            if _in_band(row0, j0, w, BM, BN):
+                ok = ok & ~_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld))
+        else:
+            ok = ok & ~_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld))
+    return ok
 
 
 @triton.jit
@@ -199,15 +237,18 @@ def _fwd_step(a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_
 @triton.jit
 def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr, col_part_ptr,
                     M, N, K, stride_a, stride_b, col_start, col_stop, cols_per_split,
-                    stride_cp, gid_a_ptr, gid_b_ptr,
+                    stride_cp, gid_a_ptr, gid_b_ptr, band_ptr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
                     PREC: tl.constexpr, DOT_F32: tl.constexpr, WS: tl.constexpr = False,
-                    HAS_GID: tl.constexpr = False):
+                    HAS_GID: tl.constexpr = False, BAND: tl.constexpr = False):
     """row_part[pid_s, rows] and col_part[pid_m, cols - col_start]: partial LSEs (natural),
     relative to s * offsets when HAS_OFF. The column tiles crossing the diagonal (HAS_DIAG)
     run in a loop of their own, between the tiles before and after them. WS: ask the
-    compiler to warp-specialize the column loops (a variant timed by bench_loss_kernels)."""
+    compiler to warp-specialize the column loops (a variant timed by bench_loss_kernels).
+    BAND (with HAS_GID and HAS_DIAG; ids sorted by group): the group compare runs only in
+    the tiles within w = band_ptr[0] of the diagonal (``_in_band``), split off as the
+    diagonal tiles are: plain | band (with DIAG) | plain, three loops, none branching."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     s2 = tl.load(scale_ptr).to(tl.float32) * LOG2E
@@ -225,16 +266,30 @@ def _lse_fwd_kernel(a_ptr, b_ptr, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
         d_hi = tl.maximum(tl.minimum(lo + tl.cdiv(tl.maximum(row0 + BM - lo, 0), BN) * BN, hi), d_lo)
     args = (a_blk, b_ptr, stride_a, stride_b, r_ld, row0, r, row_ok, o_a, off_b_ptr, col_part_ptr, stride_cp,
             pid_m, col_start, gid_a, gid_b_ptr)
-    for j0 in tl.range(lo, d_lo, BN, warp_specialize=WS):
-        m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32,
-                             HAS_GID)
-    if HAS_DIAG:
-        for j0 in range(d_lo, d_hi, BN):
+    if BAND:  # three loops, as without: plain | band (DIAG + compare) | plain
+        w = tl.load(band_ptr)  # the tiles of [lo, hi) within w of rows [row0, row0 + BM): d_lo / d_hi's rule
+        b_lo = tl.minimum(lo + (tl.maximum(row0 - w - lo, 0) // BN) * BN, d_lo)
+        b_hi = tl.maximum(tl.minimum(lo + tl.cdiv(tl.maximum(row0 + BM + w - lo, 0), BN) * BN, hi), d_hi)
+        for j0 in tl.range(lo, b_lo, BN, warp_specialize=WS):  # before the band: no same-group pair
+            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32,
+                                 False)
+        for j0 in range(b_lo, b_hi, BN):  # DIAG's i == j select changes nothing off the diagonal
             m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, True, PREC, DOT_F32,
+                                 True)
+        for j0 in tl.range(b_hi, hi, BN, warp_specialize=WS):  # after it (a row left empty so far: exp2(-inf) = 0)
+            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32,
+                                 False)
+    else:
+        for j0 in tl.range(lo, d_lo, BN, warp_specialize=WS):
+            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC, DOT_F32,
                                  HAS_GID)
-        for j0 in tl.range(d_hi, hi, BN, warp_specialize=WS):
-            m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC,
-                                 DOT_F32, HAS_GID)
+        if HAS_DIAG:
+            for j0 in range(d_lo, d_hi, BN):
+                m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, True, PREC,
+                                     DOT_F32, HAS_GID)
+            for j0 in tl.range(d_hi, hi, BN, warp_specialize=WS):
+                m_i, l_i = _fwd_step(*args, j0, hi, K, s2, m_i, l_i, BM, BN, BK, EVEN_K, HAS_OFF, False, PREC,
+                                     DOT_F32, HAS_GID)
     tl.store(row_part_ptr + pid_s * M + row0 + r, (m_i + tl.log2(l_i)) * LN2, mask=row_ok)
 
 
@@ -269,11 +324,12 @@ def _near_diag(row0, j0, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr,
                  g_a_ptr, g_b_ptr, g_d_ptr, out_ptr, ds_ptr, kept_ptr, log2_thr,
-                 M, N, K, stride_a, stride_b, stride_o, gid_a_ptr, gid_b_ptr,
+                 M, N, K, stride_a, stride_b, stride_o, gid_a_ptr, gid_b_ptr, band_ptr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DC: tl.constexpr,
                  EVEN_K: tl.constexpr, RESIDENT: tl.constexpr, ACCUM: tl.constexpr,
                  COMPUTE_DS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
-                 FILTER: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_GID: tl.constexpr = False):
+                 FILTER: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr, HAS_GID: tl.constexpr = False,
+                 BAND: tl.constexpr = False):
     """out[rows, dcols] (+)= s * sum_j dX_ij B_j[dcols]; ds_part[program] = its share of ds.
 
     RESIDENT (needs DC >= K, one feature chunk): the (BM, K) block of A stays on chip and
@@ -291,6 +347,8 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
     skips its update product (half of the kernel's FLOPs); its ds share is still summed.
     The positives never drop (they are applied in fp32 at the end). kept[program] counts
     the tiles updated.
+    BAND (ids sorted by group): the group compare only in tiles within w = band_ptr[0] of the
+    diagonal (``_in_band``), one scalar branch per tile.
     """
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -303,6 +361,9 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
     g_a = tl.where(row_ok, tl.load(g_a_ptr + row0 + r_ld).to(tl.float32) * inv_gn, 0.0)
     o_a = _load_vec(off_a_ptr, row0 + r_ld, HAS_OFF, BM)
     gid_a = _load_ids(gid_a_ptr, row0 + r_ld, HAS_GID, BM)
+    w = 0
+    if BAND:
+        w = tl.load(band_ptr)
     d = pid_c * DC + tl.arange(0, DC)
     d_ok = d < K
     acc = tl.zeros((BM, DC), dtype=tl.float32)
@@ -335,8 +396,7 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
         g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32) * inv_gn
         o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
         ok = row_ok[:, None] & col_ok[None, :]
-        if HAS_GID:  # duplicates are not negatives: dX = 0 there (i == j: _take_positives below)
-            ok = ok & ~_group_drop(gid_a, tl.load(gid_b_ptr + j0 + c_ld))
+        ok = _keep_negatives(ok, gid_a, gid_b_ptr, c_ld, row0, j0, w, BM, BN, HAS_GID, BAND)
         p, q, peak = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, FILTER)
         if HAS_DIAG:
             if _near_diag(row0, j0, BM, BN):
@@ -370,11 +430,11 @@ def _grad_kernel(a_ptr, b_ptr, scale_ptr, gnorm_ptr, lse_a_ptr, lse_b_ptr, off_a
 @triton.jit
 def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr,
                      g_d_ptr, p_ptr, ds_ptr, dv_ptr, R, row_start, N, K, stride_a, stride_b, stride_p,
-                     gid_a_ptr, gid_b_ptr,
+                     gid_a_ptr, gid_b_ptr, band_ptr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                      EVEN_K: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
                      PREC: tl.constexpr, DOT_F32: tl.constexpr, FOLD: tl.constexpr = False,
-                     HAS_GID: tl.constexpr = False):
+                     HAS_GID: tl.constexpr = False, BAND: tl.constexpr = False):
     """P[i, j] = s * dX[row_start + i, j] for a strip of R rows, in the input dtype.
 
     The strip path of the backward: a GEMM-shaped kernel (any BM, no register accumulator
@@ -392,21 +452,26 @@ def _dx_strip_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, o
     r0, r, row_ok, r_ld, a_blk, j0, cn, col_ok, c_ld, b_blk = strip_tile(
         pid, R, row_start, N, a_ptr, b_ptr, stride_a, stride_b, BM, BN, GROUP)
     s = tl.load(scale_ptr).to(tl.float32)
+    w = 0
+    if BAND:
+        w = tl.load(band_ptr)
     # -- compute tile --: base-2 logits, then s * dX.
     dot = dot_stream(a_blk, b_blk, r_ld, c_ld, K, stride_a, stride_b, BM, BN, BK, EVEN_K, PREC, DOT_F32)
     ds = _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
                          off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
-                         gid_a_ptr, gid_b_ptr, BM, BN, HAS_OFF, HAS_DIAG, FOLD, HAS_GID)
+                         gid_a_ptr, gid_b_ptr, w, BM, BN, HAS_OFF, HAS_DIAG, FOLD, HAS_GID, BAND)
     tl.store(ds_ptr + pid, ds)
 
 
 @triton.jit
 def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
                     off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
-                    gid_a_ptr, gid_b_ptr, BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr,
-                    HAS_DIAG: tl.constexpr, FOLD: tl.constexpr, HAS_GID: tl.constexpr):
+                    gid_a_ptr, gid_b_ptr, w, BM: tl.constexpr, BN: tl.constexpr, HAS_OFF: tl.constexpr,
+                    HAS_DIAG: tl.constexpr, FOLD: tl.constexpr, HAS_GID: tl.constexpr, BAND: tl.constexpr):
     """The strip kernels' tile epilogue: stores P = s dX of the tile (and dv, see
-    ``_dx_strip_kernel``); returns the tile's share of d scale."""
+    ``_dx_strip_kernel``); returns the tile's share of d scale. BAND: the group ids are loaded
+    and compared only in tiles within w of the diagonal (``_in_band``: one uniform scalar
+    branch per tile)."""
     s2 = s * LOG2E
     row0 = row_start + r0
     lse_a = tl.load(lse_a_ptr + row0 + r_ld).to(tl.float32) * LOG2E
@@ -416,12 +481,16 @@ def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start
     g_b = tl.load(g_b_ptr + j0 + c_ld).to(tl.float32)
     o_b = _load_vec(off_b_ptr, j0 + c_ld, HAS_OFF, BN)
     ok = row_ok[:, None] & col_ok[None, :]
-    if HAS_GID:  # duplicates are not negatives: dX = 0 there (the store still writes those zeros);
-        # i == j is dropped too and put back below (_take_positives, FOLD)
-        drop = _group_drop(tl.load(gid_a_ptr + row0 + r_ld), tl.load(gid_b_ptr + j0 + c_ld))
-        p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok & ~drop, HAS_OFF, False)
-    else:
-        p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, ok, HAS_OFF, False)
+    # duplicates are not negatives: dX = 0 there (the store still writes those zeros); i == j is
+    # dropped too and put back below (_take_positives, FOLD)
+    neg = ok
+    if HAS_GID:
+        if BAND:
+            if _in_band(row0, j0, w, BM, BN):
+                neg = ok & ~_group_drop(tl.load(gid_a_ptr + row0 + r_ld), tl.load(gid_b_ptr + j0 + c_ld))
+        else:
+            neg = ok & ~_group_drop(tl.load(gid_a_ptr + row0 + r_ld), tl.load(gid_b_ptr + j0 + c_ld))
+    p, q, _ = _dx_tile(dot, o_a, o_b, s2, lse_a, lse_b, g_a, g_b, neg, HAS_OFF, False)
     ds_row = tl.zeros((BM,), dtype=tl.float32)
     if HAS_DIAG:
         if _near_diag(row0, j0, BM, BN):
@@ -443,11 +512,11 @@ def _strip_epilogue(dot, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start
 @triton.jit
 def _dx_strip_tma_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr,
                          g_d_ptr, p_ptr, ds_ptr, dv_ptr, R, row_start, M, N, K, stride_a, stride_b, stride_p,
-                         gid_a_ptr, gid_b_ptr,
+                         gid_a_ptr, gid_b_ptr, band_ptr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
                          NUM_PROGS: tl.constexpr, HAS_OFF: tl.constexpr, HAS_DIAG: tl.constexpr,
                          FOLD: tl.constexpr, WS: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
-                         HAS_GID: tl.constexpr = False):
+                         HAS_GID: tl.constexpr = False, BAND: tl.constexpr = False):
     """``_dx_strip_kernel`` as a persistent kernel with TMA loads (tensor descriptors over
     the whole of A (M, K) and B (N, K): rows/columns past the end read as zeros and are
     masked as usual): NUM_PROGS programs stride over the strip's tiles in the same grouped
@@ -458,6 +527,9 @@ def _dx_strip_tma_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_pt
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1], block_shape=[BN, BK])
     s = tl.load(scale_ptr).to(tl.float32)
+    w = 0
+    if BAND:
+        w = tl.load(band_ptr)
     n_tiles = tl.cdiv(R, BM) * tl.cdiv(N, BN)
     ds = tl.zeros((1,), dtype=tl.float32)
     for tile in tl.range(pid, n_tiles, NUM_PROGS, flatten=True, warp_specialize=WS):
@@ -466,5 +538,5 @@ def _dx_strip_tma_kernel(a_ptr, b_ptr, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_pt
         acc = tma_dot(a_desc, b_desc, row_start + r0, j0, K, BM, BN, BK, PREC, DOT_F32)
         ds += _strip_epilogue(acc, s, r0, r, row_ok, r_ld, j0, cn, col_ok, c_ld, row_start, lse_a_ptr, lse_b_ptr,
                               off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, p_ptr, dv_ptr, stride_p,
-                              gid_a_ptr, gid_b_ptr, BM, BN, HAS_OFF, HAS_DIAG, FOLD, HAS_GID)
+                              gid_a_ptr, gid_b_ptr, w, BM, BN, HAS_OFF, HAS_DIAG, FOLD, HAS_GID, BAND)
     tl.store(ds_ptr + pid + tl.arange(0, 1), ds)

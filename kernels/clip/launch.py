@@ -202,24 +202,43 @@ def _gids(gid_a: Tensor | None, gid_b: Tensor | None) -> tuple:
     return gid_a, gid_b, gid_a is not None
 
 
+def _band(band: Tensor | None, gid_a: Tensor | None, m: int, n: int) -> dict:
+    """dict(band_ptr=, BAND=) for the kernels. band: None (every tile compares group ids) or a
+    (1,) int32 device tensor w such that every same-group pair (i, j) of this square block
+    pair has |i - j| <= w (ids sorted by group, w the largest group's size less one): only
+    tiles within w of the diagonal compare. Read by the kernels: no host sync."""
+    if band is None:
+        return dict(band_ptr=None, BAND=False)
+    if gid_a is None or m != n:
+        raise ValueError(f"band needs group ids and a square block pair (the sorted batch), got {m} x {n}"
+                         + ("" if gid_a is not None else " without group ids"))
+    if band.dtype != torch.int32 or band.shape != (1,) or band.device != gid_a.device:
+        raise ValueError(f"band must be a (1,) int32 tensor on {gid_a.device}, got {band.dtype} "
+                         f"{tuple(band.shape)} on {band.device}")
+    return dict(band_ptr=band, BAND=True)
+
+
 def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
                      g_b: Tensor, out: Tensor | None, rows: int, cfg: StripConfig, prec: str,
                      alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
                      off_b: Tensor | None = None, fold: bool = False, gid_a: Tensor | None = None,
-                     gid_b: Tensor | None = None, accumulate: bool = False, then=None) -> Tensor:
+                     gid_b: Tensor | None = None, accumulate: bool = False, then=None,
+                     band: Tensor | None = None) -> Tensor:
     """out = s * dX @ b, ``rows`` rows at a time through a scratch P = s * dX[strip] (input
     dtype) and a cuBLAS product; returns ds. ``out`` must have the input dtype (None: no
     product, only the fills for ``then`` and ds). g_d, off_a,
     off_b: as in ``grad_rows``. fold (with g_d): the positives' folded fp32 s dX_ii go into
     P (one rounding to the input dtype, then the plain product into ``out``) instead of
     an fp32 product per strip plus the host's fp32 fixup + s dX_ii b_i. gid_a (m,), gid_b (n,):
-    int64 group ids; same-group entries (not i == j with g_d) get dX = 0 (duplicates).
+    int64 group ids; same-group entries (not i == j with g_d) get dX = 0 (duplicates); band:
+    only tiles within band[0] of the diagonal compare them (``_band``).
     accumulate: out += (any dtype; the two-pass path passes fresh outputs of the input
     dtype). then(r0, r, scratch, dv): called after each strip's product, dv the strip's fp32
     s dX_ii (the fixup's; None when folded or without positives): ``grad_onepass_strips``."""
     m, k, n = a.shape[0], a.shape[1], b.shape[0]
     o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d, cfg.fast_off)
     gid_a, gid_b, flags["HAS_GID"] = _gids(gid_a, gid_b)
+    bnd = _band(band, gid_a, m, n)
     fixup = g_d is not None and not fold
     rows = max(1, min(rows, m))
     d_vec = alloc(rows, device=a.device, dtype=torch.float32) if fixup else scale
@@ -241,13 +260,14 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
             return
         if use_tma:
             _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg,
-                      prec, fold, flags, grid, gid_a, gid_b)
+                      prec, fold, flags, grid, gid_a, gid_b, bnd)
             return
         _dx_strip_kernel[(grid,)](
             a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, n, k,
-            a.stride(0), b.stride(0), scratch.stride(0), gid_a, gid_b,
+            a.stride(0), b.stride(0), scratch.stride(0), gid_a, gid_b, bnd["band_ptr"],
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, EVEN_K=k % cfg.BK == 0, PREC=prec,
-            DOT_F32=_dot_f32(a), FOLD=fold, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            DOT_F32=_dot_f32(a), FOLD=fold, BAND=bnd["BAND"], num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **flags,
         )
 
     def positives(r0: int, r: int, prod: Tensor) -> None:  # + s dX_ii b_i, fp32, before the rounding
@@ -262,7 +282,8 @@ def grad_onepass_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_
                         g_b: Tensor, out_a: Tensor | None, acc_b: Tensor, rows: int, cfg: StripConfig, prec: str,
                         alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
                         off_b: Tensor | None = None, fold: bool = False, accumulate: bool = False,
-                        gid_a: Tensor | None = None, gid_b: Tensor | None = None) -> Tensor:
+                        gid_a: Tensor | None = None, gid_b: Tensor | None = None,
+                        band: Tensor | None = None) -> Tensor:
     """The one-pass backward: out_a (+)= s dX @ b and acc_b += s dX^T @ a from one fill of
     each strip's P = s dX[strip] (``grad_rows_strips``' kernels and scratch); returns ds,
     summed once. acc_b (n, k) fp32 (fp64 never reaches the kernels): the caller zeroes it
@@ -282,39 +303,44 @@ def grad_onepass_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_
 
     return grad_rows_strips(a, b, scale, lse_a, lse_b, g_a, g_b, out_a, rows, cfg, prec, alloc=alloc, g_d=g_d,
                             off_a=off_a, off_b=off_b, fold=fold, accumulate=accumulate, then=second,
-                            gid_a=gid_a, gid_b=gid_b)
+                            gid_a=gid_a, gid_b=gid_b, band=band)
 
 
 def _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec, fold,
-              flags, tiles, gid_a=None, gid_b=None):
+              flags, tiles, gid_a=None, gid_b=None, bnd=None):
     """One strip through the persistent TMA kernel (``tma_ok(a, b)`` checked by the caller);
-    its programs' ds partials into ds_part."""
+    its programs' ds partials into ds_part. bnd: ``_band``'s (None: no band)."""
     progs = tma_programs(a.device, tiles, cfg.per_sm)
+    bnd = bnd or _band(None, gid_a, 0, 0)
     _dx_strip_tma_kernel[(progs,)](
         a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, a.shape[0],
-        b.shape[0], a.shape[1], a.stride(0), b.stride(0), scratch.stride(0), gid_a, gid_b,
+        b.shape[0], a.shape[1], a.stride(0), b.stride(0), scratch.stride(0), gid_a, gid_b, bnd["band_ptr"],
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP=cfg.GROUP, NUM_PROGS=progs, FOLD=fold, WS=cfg.ws, PREC=prec,
-        DOT_F32=_dot_f32(a), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        DOT_F32=_dot_f32(a), BAND=bnd["BAND"], num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
 
 
 def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
                 alloc=torch.empty, off_a: Tensor | None = None, off_b: Tensor | None = None,
-                diag: bool = False, gid_a: Tensor | None = None, gid_b: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
+                diag: bool = False, gid_a: Tensor | None = None, gid_b: Tensor | None = None,
+                band: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(row_lse (m,), col_lse (n,)) fp32 over the block pair (a, b); partial buffers <= 32 MB.
 
     off_a (m,), off_b (n,) fp32: the LSEs come out relative to s * off (computed from
     s (<a_i, b_j> - off)); diag (square pair, off_a is off_b): the diagonal's dot products
     are taken to be the offsets (the positives' <a_i, b_i>, see the kernels' docs).
     gid_a (m,), gid_b (n,): int64 group ids; same-group entries (but the diagonal's i == j)
-    leave both LSEs (duplicates; a row or column may end up empty: LSE -inf)."""
+    leave both LSEs (duplicates; a row or column may end up empty: LSE -inf). band (with
+    diag): only the column tiles within band[0] of the diagonal compare them (``_band``)."""
     m, k = a.shape
     n = b.shape[0]
     o_a, o_b, _, flags = _vecs(a, off_a, off_b, None, cfg.fast_off)
     gid_a, gid_b, has_gid = _gids(gid_a, gid_b)
     if diag and not (flags["HAS_OFF"] and m == n):
         raise ValueError(f"diag needs a square block pair and the offsets, got {m} x {n}")
+    bnd = _band(band, gid_a, m, n)
+    if band is not None and not diag:
+        raise ValueError("band needs diag (its column loops are split around the diagonal's tiles)")
     nrb = cdiv(m, cfg.BM)
     chunk = max(cfg.BN, PART_BUDGET_BYTES // (4 * nrb) // cfg.BN * cfg.BN)
     row_lse, col_lse = None, alloc(n, device=a.device, dtype=torch.float32)
@@ -326,9 +352,9 @@ def lse_forward(a: Tensor, b: Tensor, scale: Tensor, cfg: FwdConfig, prec: str,
         col_part = alloc(nrb, length, device=a.device, dtype=torch.float32)
         _lse_fwd_kernel[(nrb, splits)](
             a, b, scale, o_a, o_b, row_part, col_part, m, n, k, a.stride(0), b.stride(0), c0, c1, per, length,
-            gid_a, gid_b,
+            gid_a, gid_b, bnd["band_ptr"],
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=k % cfg.BK == 0, HAS_OFF=flags["HAS_OFF"], HAS_DIAG=diag,
-            PREC=prec, DOT_F32=_dot_f32(a), WS=cfg.ws, HAS_GID=has_gid, num_warps=cfg.num_warps,
+            PREC=prec, DOT_F32=_dot_f32(a), WS=cfg.ws, HAS_GID=has_gid, BAND=bnd["BAND"], num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
         part = torch.logsumexp(row_part, 0)
@@ -341,8 +367,8 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
               g_b: Tensor, out: Tensor, accumulate: bool, compute_ds: bool, cfg: BwdConfig,
               prec: str, g_d: Tensor | None = None, off_a: Tensor | None = None,
               off_b: Tensor | None = None, threshold: float | None = None,
-              kept: list | None = None, gid_a: Tensor | None = None, gid_b: Tensor | None = None
-              ) -> Tensor | None:
+              kept: list | None = None, gid_a: Tensor | None = None, gid_b: Tensor | None = None,
+              band: Tensor | None = None) -> Tensor | None:
     """out (+)= s * dX @ b for the rows of ``a``; returns ds (0-d fp32) if ``compute_ds``.
 
     off_a (m,), off_b (n,): lse_a / lse_b are relative to s * off (see ``lse_forward``).
@@ -350,13 +376,14 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     gradient of -sum_i g_d_i x_ii, folded into dX_ii in fp32 (ds includes it).
     threshold (gradient filtering; None: off): tiles whose softmax entries are all below it
     skip their update product; ``kept`` = [kept tiles (0-d tensor), all tiles (int)] is
-    incremented. gid_a (m,), gid_b (n,): int64 group ids, as ``grad_rows_strips``."""
+    incremented. gid_a (m,), gid_b (n,), band: group ids and band, as ``grad_rows_strips``."""
     m, k = a.shape
     n = b.shape[0]
     if cfg.resident and cfg.DC < k:
         raise ValueError(f"resident config needs DC >= K, got DC={cfg.DC}, K={k}")
     o_a, o_b, gd, flags = _vecs(a, off_a, off_b, g_d)
     gid_a, gid_b, flags["HAS_GID"] = _gids(gid_a, gid_b)
+    bnd = _band(band, gid_a, m, n)
     gnorm = torch.maximum(g_a.abs().max(), g_b.abs().max())
     if g_d is not None:
         gnorm = torch.maximum(gnorm, g_d.abs().max())
@@ -367,10 +394,10 @@ def grad_rows(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor,
     kept_part = torch.empty(nrb * ncb if filt else 1, device=a.device, dtype=torch.int32)
     log2_thr = math.log2(threshold) if filt and threshold > 0 else float("-inf")
     args = (a, b, scale, gnorm, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, out, ds_part, kept_part, log2_thr,
-            m, n, k, a.stride(0), b.stride(0), out.stride(0), gid_a, gid_b)
+            m, n, k, a.stride(0), b.stride(0), out.stride(0), gid_a, gid_b, bnd["band_ptr"])
     meta = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, DC=cfg.DC, EVEN_K=k % cfg.BK == 0, ACCUM=accumulate,
-                COMPUTE_DS=compute_ds, FILTER=filt, PREC=prec, DOT_F32=_dot_f32(a), num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **flags)
+                COMPUTE_DS=compute_ds, FILTER=filt, PREC=prec, DOT_F32=_dot_f32(a), BAND=bnd["BAND"],
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
     _grad_kernel[(nrb, ncb)](*args, RESIDENT=cfg.resident, **meta)
     if filt and kept is not None:  # running counts, on the device (no host sync)
         kept[0] = kept[0] + kept_part.sum()

@@ -162,11 +162,12 @@ class TritonTileOps:
         """(row_lse (m,), col_lse (n,)) fp32 over the block pair (img, txt), relative to
         s * offsets when given; ``diag``: the positives' dot products are the offsets.
         groups: (g_row (m,), g_col (n,)) int32 or int64 group ids (``_groups``): same-group
-        entries are dropped (duplicates, as ``infclip.loss.tiled.TorchTileOps``)."""
+        entries are dropped (duplicates, as ``infclip.loss.tiled.TorchTileOps``); or
+        (g_row, g_col, band) on the square pair of a batch sorted by group (``_groups``)."""
         img, txt, scale = _prep(img, txt, scale)
         prec = self._prec(img)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
-        gid_row, gid_col = _groups(groups, img.shape[0], txt.shape[0])
+        gid_row, gid_col, band = _groups(groups, img.shape[0], txt.shape[0])
 
         def run(cfg, a, b):
             sub = (o_row[:a.shape[0]], o_col[:b.shape[0]]) if o_row is not None else (None, None)
@@ -177,7 +178,7 @@ class TritonTileOps:
                 o_a, o_b = sub if sub[0] is not None else zero
                 return gluon_fwd.lse_forward_gluon(a, b, scale, o_a, o_b, square, cfg=cfg, alloc=self._alloc)
             return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc, off_a=sub[0], off_b=sub[1],
-                                      diag=square, gid_a=gid[0], gid_b=gid[1])
+                                      diag=square, gid_a=gid[0], gid_b=gid[1], band=band)
 
         positives = diag and o_row is not None and img.shape[0] == txt.shape[0]
         kind, cands = self._forward_candidates(img, txt, gid_row is not None, positives)
@@ -217,7 +218,7 @@ class TritonTileOps:
         wants both (ds: equal up to summation order when only dtxt is wanted)."""
         img, txt, scale = _prep(img, txt, scale)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
-        gid_row, gid_col = _groups(groups, img.shape[0], txt.shape[0])
+        gid_row, gid_col, band = _groups(groups, img.shape[0], txt.shape[0])
         vecs = [v.float().contiguous() for v in (row_lse, col_lse, g_row, g_col)]
         row_lse, col_lse, g_row, g_col = vecs
         prec = self._prec(img)
@@ -232,15 +233,15 @@ class TritonTileOps:
             g_diag = g_diag.float().contiguous()
         if self._one_pass(img, txt):
             return dimg, dtxt, self._grad_onepass(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, acc_i,
-                                                  acc_t, prec, g_diag, o_row, o_col, gid_row, gid_col)
+                                                  acc_t, prec, g_diag, o_row, o_col, gid_row, gid_col, band)
         ds = None
         if need[0] or not need[1]:  # (d scale alone: the image pass, its gradient dropped)
             out = dimg if need[0] else self._out(None, img, out_dtype)
             ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, out, acc_i, True, prec, g_diag,
-                            o_row, o_col, gid_row, gid_col)
-        if need[1]:
+                            o_row, o_col, gid_row, gid_col, band)
+        if need[1]:  # (the band is symmetric: |i - j| <= w either way round)
             ds_t = self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, ds is None, prec, g_diag,
-                              o_col, o_row, gid_col, gid_row)
+                              o_col, o_row, gid_col, gid_row, band)
             ds = ds_t if ds is None else ds
         return dimg, dtxt, ds
 
@@ -265,11 +266,11 @@ class TritonTileOps:
         return TritonCLIPLoss.apply(img, txt, scale, self, groups)
 
     def _grad(self, a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, prec, g_d=None,
-              off_a=None, off_b=None, gid_a=None, gid_b=None):
+              off_a=None, off_b=None, gid_a=None, gid_b=None, band=None):
         """out (+)= s * dX @ b for the rows of a; returns ds when ``compute_ds``."""
         rows = launch.strip_rows(b.shape[0], a.element_size(), budget=self.strip_budget, k=a.shape[1],
                                  temp=not self.fold)
-        vecs = dict(g_d=g_d, off_a=off_a, off_b=off_b, gid_a=gid_a, gid_b=gid_b)
+        vecs = dict(g_d=g_d, off_a=off_a, off_b=off_b, gid_a=gid_a, gid_b=gid_b, band=band)
         if self.threshold is not None:
             cfg = self._bwd_cfg(a, b, prec, scale)
             return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
@@ -295,7 +296,7 @@ class TritonTileOps:
         return self.path_for(img) == "onepass" and img.shape[0] > 0 and txt.shape[0] > 0
 
     def _grad_onepass(self, img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, acc_i, acc_t, prec,
-                      g_d, o_row, o_col, gid_row=None, gid_col=None) -> Tensor:
+                      g_d, o_row, o_col, gid_row=None, gid_col=None, band=None) -> Tensor:
         """dimg (+)= s dX @ txt and dtxt (+)= s dX^T @ img from one fill per strip of image
         rows (``launch.grad_onepass_strips``); returns ds. dtxt is summed over the strips in
         fp32: in dtxt itself when it is fp32, else in a fresh fp32 (n, c) accumulator that
@@ -307,11 +308,11 @@ class TritonTileOps:
         if dtxt is None:  # the same fills and P @ txt, without the second product
             return launch.grad_rows_strips(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, rows, cfg, prec,
                                            alloc=self._alloc, g_d=g_d, off_a=o_row, off_b=o_col, fold=self.fold,
-                                           accumulate=acc_i, gid_a=gid_row, gid_b=gid_col)
+                                           accumulate=acc_i, gid_a=gid_row, gid_b=gid_col, band=band)
         acc = fp32_accumulator(dtxt, acc_t)  # (dimg may be None: not wanted, no product)
         ds = launch.grad_onepass_strips(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, acc, rows, cfg, prec,
                                         alloc=self._alloc, g_d=g_d, off_a=o_row, off_b=o_col, fold=self.fold,
-                                        accumulate=acc_i, gid_a=gid_row, gid_b=gid_col)
+                                        accumulate=acc_i, gid_a=gid_row, gid_b=gid_col, band=band)
         finish_accumulator(dtxt, acc, acc_t)
         return ds
 
@@ -387,18 +388,24 @@ def _offsets(offsets, m: int, n: int) -> tuple[Tensor | None, Tensor | None]:
     return o_row.detach().float().contiguous(), o_col.detach().float().contiguous()
 
 
-def _groups(groups, m: int, n: int) -> tuple[Tensor | None, Tensor | None]:
-    """(g_row (m,), g_col (n,)) contiguous group ids of one integer dtype, or (None, None):
+def _groups(groups, m: int, n: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(g_row (m,), g_col (n,), band) contiguous group ids of one integer dtype, or Nones:
     int32 (dense ranks, ``infclip.loss.duplicates.dense_ids``: one compare instruction and
-    half the registers of int64 in the kernels) or int64 (ids that must stay global: the ring)."""
+    half the registers of int64 in the kernels) or int64 (ids that must stay global: the ring).
+    band: a third element, a (1,) int32 device tensor w, when the batch is sorted by group
+    (every same-group pair (i, j) has |i - j| <= w: ``infclip.loss.duplicates.sort_groups``);
+    the square block pair's kernels then compare ids only in tiles within w of the diagonal
+    (``launch._band``). Absent (two elements): every tile compares."""
     if groups is None:
-        return None, None
-    g_row, g_col = groups
+        return None, None, None
+    g_row, g_col, band = (*groups, None) if len(groups) == 2 else groups
+    if band is not None and m != n:
+        raise ValueError(f"a band (groups' third element) needs the square block pair of a sorted batch, got {m} x {n}")
     ok = g_row.dtype == g_col.dtype and g_row.dtype in (torch.int32, torch.int64)
     if g_row.shape != (m,) or g_col.shape != (n,) or not ok:
         raise ValueError(f"groups must be int32 or int64 (one dtype) ({m},) and ({n},), got {g_row.dtype} "
                          f"{tuple(g_row.shape)} and {g_col.dtype} {tuple(g_col.shape)}")
-    return g_row.contiguous(), g_col.contiguous()
+    return g_row.contiguous(), g_col.contiguous(), band
 
 
 def _prep(img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -4,7 +4,8 @@ interpreter accepts but the compiler does not (dtypes, dot shapes, shared memory
 The CLIP kernels compile too, with every flag on (offsets, positives, filtering; their
 spills are reported, not asserted: the fused backward is known to spill a little), once
 with the duplicate groups off (None id pointers, as launched) and on (HAS_GID) with int32 ids
-(one process: dense ranks) and int64 ids (the ring).
+(one process: dense ranks) and int64 ids (the ring), and with int32 ids and the band (BAND:
+the one-process batch sorted by group).
 Runs in a subprocess without TRITON_INTERPRET."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("compiled")]
-    assert len(lines) == 6 + 2 + 3 + 3 + 3, proc.stdout
+    assert len(lines) == 6 + 2 + 3 + 3 + 3 + 3, proc.stdout
     lines = lines[:8]  # SigLIP / NT-Xent (the CLIP kernels come last)
     assert all("0 bytes spill stores" in line for line in lines), "register spills:\n" + "\n".join(lines)
 
@@ -53,6 +54,8 @@ def _compile(fn, dtype: str, consts: dict, cfg, tag: str = "", gid: str = "i32")
             return "*i32"
         if name.startswith("gid_"):  # duplicate group ids
             return f"*{gid}"
+        if name == "band_ptr":  # the band's half-width w
+            return "*i32"
         if name == "log2_thr":
             return "fp32"
         return "*fp32" if name.endswith("_ptr") else "i32"
@@ -76,12 +79,13 @@ def _compile_clip() -> None:
     from infclip.kernels.clip import launch
     from infclip.kernels.clip.kernels import _dx_strip_kernel, _grad_kernel, _lse_fwd_kernel
 
-    for (dtype, esize, prec), gid in ((("bf16", 2, "tf32"), None), (("bf16", 2, "tf32"), "i32"),
-                                      (("bf16", 2, "tf32"), "i64")):
+    for (dtype, esize, prec), gid, band in ((("bf16", 2, "tf32"), None, False), (("bf16", 2, "tf32"), "i32", False),
+                                            (("bf16", 2, "tf32"), "i64", False), (("bf16", 2, "tf32"), "i32", True)):
         fwd, bwd = launch.fwd_candidates(K, esize)[0], launch.bwd_candidates(K, esize)[0]
         strip = launch.strip_candidates(K, esize)[0]
         groups = {"HAS_GID": True} if gid else {"HAS_GID": False, "gid_a_ptr": None, "gid_b_ptr": None}
-        tag = f"_groups_{gid}" if gid else ""
+        groups.update({"BAND": True} if band else {"BAND": False, "band_ptr": None})
+        tag = (f"_groups_{gid}" if gid else "") + ("_band" if band else "")
 
         def tile(cfg):
             return dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, EVEN_K=K % cfg.BK == 0, DOT_F32=False, PREC=prec,

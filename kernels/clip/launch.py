@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..launching import addmm_f32_, cdiv, column_splits, strip_backward, tma_ok, tma_programs
-from . import gluon_strip
+from ..launching import addmm_f32_, cdiv, column_splits, sm_count, strip_backward, tma_ok, tma_programs
+from . import gluon_fwd, gluon_strip
 from .kernels import _dx_strip_kernel, _dx_strip_tma_kernel, _grad_kernel, _lse_fwd_kernel
 
 PART_BUDGET_BYTES = 32 << 20  # cap on the forward's partial-LSE buffers (fixed, any b)
@@ -218,6 +219,18 @@ def _band(band: Tensor | None, gid_a: Tensor | None, m: int, n: int) -> dict:
     return dict(band_ptr=band, BAND=True)
 
 
+def _ds_slots(cfg, tiles: int, device: torch.device, use_tma: bool) -> int:
+    """ds partial slots one strip of ``tiles`` tiles writes: one per program of the persistent
+    kernels (Gluon: ``gluon_strip.ds_slots``; TMA: ``tma_programs``), one per tile for the
+    pointer kernel. Not one per tile for all: at b = 1M, c = 1024, 64-row tiles that would be
+    512 MB of slots beside the scratch (issue 27's memory rule), where the fills write ~3 MB."""
+    if isinstance(cfg, gluon_strip.GluonStripConfig):
+        return gluon_strip.ds_slots(tiles, gluon_strip.strip_programs(tiles, sm_count(device)))
+    if use_tma:
+        return tma_programs(device, tiles, cfg.per_sm)
+    return tiles
+
+
 def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: Tensor, g_a: Tensor,
                      g_b: Tensor, out: Tensor | None, rows: int, cfg: StripConfig, prec: str,
                      alloc=torch.empty, g_d: Tensor | None = None, off_a: Tensor | None = None,
@@ -242,14 +255,13 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
     fixup = g_d is not None and not fold
     rows = max(1, min(rows, m))
     d_vec = alloc(rows, device=a.device, dtype=torch.float32) if fixup else scale
-    # One buffer of ds partials for all strips, summed once at the end (not a reduction
-    # launch per strip); zeros: a short last strip leaves some of its slots unwritten.
-    per = cdiv(rows, cfg.BM) * cdiv(n, cfg.BN)
-    ds_all = torch.zeros(cdiv(m, rows) * per, device=a.device, dtype=torch.float32)
-
     if cfg.tma and a.element_size() != 2:
         raise ValueError("the TMA strip kernel needs 16-bit inputs (bf16/fp16)")
     use_tma = cfg.tma and tma_ok(a, b)  # else (a row not 16-byte aligned) the same tiles by pointers
+    # One buffer of ds partials for all strips, summed once at the end (not a reduction
+    # launch per strip); zeros: a short last strip leaves some of its slots unwritten.
+    per = _ds_slots(cfg, cdiv(rows, cfg.BM) * cdiv(n, cfg.BN), a.device, use_tma)
+    ds_all = torch.zeros(cdiv(m, rows) * per, device=a.device, dtype=torch.float32)
 
     def fill(r0: int, r: int, scratch: Tensor) -> None:
         grid = cdiv(r, cfg.BM) * cdiv(n, cfg.BN)
@@ -433,7 +445,12 @@ def pick_config(kind: str, a: Tensor, b: Tensor, prec: str, candidates: list, ru
     for cfg in candidates:
         try:
             ms = _time(lambda: run(cfg, a_sub, b_sub))
-        except Exception:  # noqa: BLE001 -- out of resources / compile error: skip config
+        except Exception as err:  # noqa: BLE001 -- out of resources / compile error: skip config
+            if not _skippable(err):
+                raise
+            if isinstance(cfg, (gluon_fwd.GluonFwdConfig, gluon_strip.GluonStripConfig)):
+                warnings.warn(f"{kind}: the Gluon candidate {cfg} did not run ({type(err).__name__}: {err}); "
+                              f"the Triton kernels stand in", stacklevel=2)
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
@@ -441,6 +458,15 @@ def pick_config(kind: str, a: Tensor, b: Tensor, prec: str, candidates: list, ru
         raise RuntimeError(f"no {kind} Triton config compiled for K={a.shape[1]}, {a.dtype}")
     _TUNED[key] = best
     return best
+
+
+def _skippable(err: Exception) -> bool:
+    """Whether a candidate's failure only rules that candidate out (out of resources, a compile
+    error, a refusal): a CUDA fault is sticky (every later call would fail with an unrelated
+    error), so it propagates."""
+    text = f"{type(err).__name__}: {err}"
+    return not any(mark in text for mark in ("AcceleratorError", "CUDA error", "illegal memory access",
+                                              "misaligned address", "device-side assert"))
 
 
 def _time(fn, reps: int = 3) -> float:

@@ -36,8 +36,8 @@ FORWARD_KERNELS = ("auto", "triton", "gluon")
 # forward_kernel="auto": the Gluon forward (``gluon_fwd``: warp-specialized, two consumer
 # warpgroups ping-ponging wgmma and the exp2 epilogue) joins the tuner's candidates for 16-bit
 # inputs on sm_90 without group ids, on the positives' square block pair, from this many rows
-# on (below it the CUDA-graph path runs, whose memory budget counts the Triton forward's
-# buffers). H200, bf16, forward alone
+# on: the smallest b measured in the loss step (b <= graphs.MAX_ROWS = 16k runs on CUDA graphs
+# with the Triton kernels; 16k-32k was not measured). H200, bf16, forward alone
 # (scripts/check_gluon_fwd.py): c = 512, b = 32k-64k 1.24-1.28x the Triton kernel (BM 128 x
 # BN 64); c = 768 1.03-1.05x, c = 1024 1.11-1.12x (BM 64 x BN 128); the tuner keeps the faster.
 GLUON_MIN_ROWS = 32768
@@ -180,24 +180,30 @@ class TritonTileOps:
             return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc, off_a=sub[0], off_b=sub[1],
                                       diag=square, gid_a=gid[0], gid_b=gid[1], band=band)
 
-        positives = diag and o_row is not None and img.shape[0] == txt.shape[0]
-        kind, cands = self._forward_candidates(img, txt, gid_row is not None, positives)
+        kind, cands = self._forward_candidates(img, txt, has_gid=gid_row is not None,
+                                               positives=diag and img.shape[0] == txt.shape[0],
+                                               offsets=o_row is not None)
         return run(launch.pick_config(kind, img, txt, prec, cands, run), img, txt)
 
-    def _forward_candidates(self, img: Tensor, txt: Tensor, has_gid: bool,
-                            positives: bool = True) -> tuple[str, list]:
+    def _forward_candidates(self, img: Tensor, txt: Tensor, *, has_gid: bool, positives: bool,
+                            offsets: bool) -> tuple[str, list]:
         """(tuner key kind, configs): the Triton forward's, with the Gluon forward's joined
-        (``forward_kernel`` "auto": from ``GLUON_MIN_ROWS`` rows, on the square block pair of
-        the positives, the one-GPU loss's only call and the case checked on the GPU) or
-        first ("gluon": any block pair; also the untuned default) where
-        ``gluon_fwd.gluon_available`` and no group ids."""
+        (``forward_kernel`` "auto": from ``GLUON_MIN_ROWS`` rows, on the positives' square
+        block pair with its offsets, the one-GPU loss's only call and the case checked on the
+        GPU) or first ("gluon": any block pair; also the untuned default) where
+        ``gluon_fwd.gluon_available``, without group ids, and never for positives without
+        offsets (the Triton forward refuses those). The kind tells the two orders apart, so
+        untuned instances of both modes never share a cached choice."""
         cands = launch.fwd_candidates(img.shape[1], img.element_size())
-        if self.forward_kernel == "triton" or has_gid or not gluon_fwd.gluon_available(img, txt):
+        if (self.forward_kernel == "triton" or has_gid or (positives and not offsets)
+                or not gluon_fwd.gluon_available(img, txt)):
             return "fwd", cands
         if self.forward_kernel == "auto" and (not positives or min(img.shape[0], txt.shape[0]) < GLUON_MIN_ROWS):
             return "fwd", cands
         glu = gluon_fwd.tune_candidates(img.shape[1])
-        return "fwd_gluon", (glu + cands if self.forward_kernel == "gluon" else cands + glu)
+        if self.forward_kernel == "gluon":
+            return "fwd_gluon_first", glu + cands
+        return "fwd_gluon", cands + glu
 
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
                  g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,
@@ -353,7 +359,9 @@ class TritonTileOps:
         if self.strip_kernel == "auto" and b.shape[0] < GLUON_MIN_ROWS:
             return "strip", cands
         glu = gluon_strip.tune_candidates(a.shape[1], a.element_size())
-        return "strip_gluon", (glu + cands if self.strip_kernel == "gluon" else cands + glu)
+        if self.strip_kernel == "gluon":
+            return "strip_gluon_first", glu + cands
+        return "strip_gluon", cands + glu
 
     def _out(self, buf: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
         if buf is None:

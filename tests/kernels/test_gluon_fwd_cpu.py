@@ -80,19 +80,22 @@ def test_forward_kernel_option(monkeypatch):
     monkeypatch.delenv("INFCLIP_FORWARD_KERNEL")
     ops = TritonTileOps()
     assert ops.forward_kernel == "auto"
+    plain = dict(has_gid=False, positives=True, offsets=True)
     big = torch.zeros(GLUON_MIN_ROWS, 512, dtype=torch.bfloat16)
-    assert ops._forward_candidates(big, big, False)[0] == "fwd"  # CPU tensors: no Gluon candidates
+    assert ops._forward_candidates(big, big, **plain)[0] == "fwd"  # CPU tensors: no Gluon candidates
     monkeypatch.setattr(gluon_fwd, "gluon_available", lambda a, b, cfg=None: True)
-    kind, cands = ops._forward_candidates(big, big, False)
+    kind, cands = ops._forward_candidates(big, big, **plain)
     assert kind == "fwd_gluon" and isinstance(cands[-1], gluon_fwd.GluonFwdConfig)
     assert not isinstance(cands[0], gluon_fwd.GluonFwdConfig)  # untuned default stays Triton
-    assert ops._forward_candidates(big, big, True)[0] == "fwd"  # group ids: the Triton kernel only
-    assert ops._forward_candidates(big[:100], big[:100], False)[0] == "fwd"  # small b: graph regime
-    assert ops._forward_candidates(big, big, False, positives=False)[0] == "fwd"  # a ring's other blocks
+    assert ops._forward_candidates(big, big, **{**plain, "has_gid": True})[0] == "fwd"  # group ids: the Triton kernel only
+    assert ops._forward_candidates(big[:100], big[:100], **plain)[0] == "fwd"  # small b: graph regime
+    assert ops._forward_candidates(big, big, **{**plain, "positives": False})[0] == "fwd"  # a ring's other blocks
     forced = TritonTileOps(forward_kernel="gluon")
-    kind, cands = forced._forward_candidates(big[:100], big[:100], False)
-    assert kind == "fwd_gluon" and isinstance(cands[0], gluon_fwd.GluonFwdConfig)
-    assert TritonTileOps(forward_kernel="triton")._forward_candidates(big, big, False)[0] == "fwd"
+    kind, cands = forced._forward_candidates(big[:100], big[:100], **plain)
+    assert kind == "fwd_gluon_first" and isinstance(cands[0], gluon_fwd.GluonFwdConfig)
+    assert TritonTileOps(forward_kernel="triton")._forward_candidates(big, big, **plain)[0] == "fwd"
+    no_off = {**plain, "offsets": False}  # positives without offsets: the Triton forward refuses them, Gluon too
+    assert forced._forward_candidates(big, big, **no_off)[0] == "fwd"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with the Triton forward on the GPU")
@@ -117,3 +120,38 @@ def test_gluon_matches_triton_on_the_gpu(b, c):
     for g, w in zip(got, want):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, w, atol=2e-3, rtol=0)
+
+
+def test_tuner_skips_a_candidate_that_cannot_run_but_not_a_cuda_fault(monkeypatch):
+    """A compile error or out-of-resources rules one candidate out; a CUDA fault is sticky and
+    must surface (every later launch would fail with an unrelated error)."""
+    from infclip.kernels.clip import launch
+
+    class Features:  # what pick_config reads of a CUDA tensor (this machine has none)
+        shape, dtype, device = (8, 64), torch.bfloat16, torch.device("cuda", 0)
+
+        def __getitem__(self, rows):
+            return self
+
+    monkeypatch.setenv("INFCLIP_TRITON_TUNE", "1")
+    monkeypatch.setattr(launch, "_time", lambda fn, reps=3: fn())
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    a = Features()
+    launch._TUNED.clear()
+
+    def run(cfg, a_sub, b_sub):
+        if cfg == "bad":
+            raise RuntimeError("out of resource: shared memory, Required: 300000")
+        return 1.0 if cfg == "slow" else 0.5
+
+    assert launch.pick_config("probe", a, a, "tf32", ["bad", "slow", "fast"], run) == "fast"
+    launch._TUNED.clear()
+
+    def fault(cfg, a_sub, b_sub):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        launch.pick_config("probe", a, a, "tf32", ["x", "y"], fault)
+    launch._TUNED.clear()
+    assert launch._skippable(ValueError("the Gluon forward does not apply here"))
+    assert not launch._skippable(RuntimeError("CUDA error: misaligned address"))

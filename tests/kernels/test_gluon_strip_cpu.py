@@ -238,9 +238,9 @@ def test_strip_kernel_option(monkeypatch):
     assert kind == "strip_gluon" and isinstance(cands[-1], gluon_strip.GluonStripConfig)
     assert not isinstance(cands[0], gluon_strip.GluonStripConfig)
     assert auto._strip_candidates(big, big, False)[0] == "strip"  # group ids / unfolded positives / no offsets
-    assert auto._strip_candidates(big, big[:100], True)[0] == "strip"  # short strips: the graph regime
+    assert auto._strip_candidates(big, big[:100], True)[0] == "strip"  # few columns: the graph regime
     kind, cands = TritonTileOps(strip_kernel="gluon")._strip_candidates(big, big[:100], True)
-    assert kind == "strip_gluon" and isinstance(cands[0], gluon_strip.GluonStripConfig)
+    assert kind == "strip_gluon_first" and isinstance(cands[0], gluon_strip.GluonStripConfig)
 
 
 def test_gluon_strip_ok_follows_the_fill_kinds():
@@ -266,6 +266,7 @@ def test_grad_rows_strips_dispatches_a_gluon_config(monkeypatch):
         ds_part[0] = 1.0
 
     monkeypatch.setattr(gluon_strip, "fill_strip_gluon", fake_fill)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 2)  # a CPU tensor: no SMs to count
     a, b = torch.randn(10, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
     cfg = gluon_strip.GluonStripConfig()
     out = torch.empty_like(a)
@@ -274,3 +275,20 @@ def test_grad_rows_strips_dispatches_a_gluon_config(monkeypatch):
     assert [c[:2] for c in calls] == [(0, 4), (4, 4), (8, 2)]  # strips of 4 rows, each through the Gluon fill
     assert all(c[2] is cfg and c[3] == gluon_strip.strip_tiles(c[1], 8, cfg) and c[4] == 2 for c in calls)
     assert float(ds) == 3.0 and (out == 0).all()
+
+
+def test_ds_slots_per_strip_are_what_the_fills_write(monkeypatch):
+    """One slot per program for the persistent kernels, not one per tile: at b = 1M, c = 1024
+    one per 64 x 128 tile would be 512 MB beside the strip scratch."""
+    from infclip.kernels.clip import launch
+
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    tiles = launch.cdiv(6656, 64) * launch.cdiv(1 << 20, 128)  # one 1M-column strip of 6,656 rows
+    glu = launch._ds_slots(gluon_strip.GluonStripConfig(), tiles, dev, use_tma=True)
+    assert glu == gluon_strip.ds_slots(tiles, 132) == 264  # two consumers per program
+    tma_cfg = launch.strip_candidates(512, 2)[0]
+    assert launch._ds_slots(tma_cfg, tiles, dev, use_tma=True) == launch.tma_programs(dev, tiles, tma_cfg.per_sm)
+    assert launch._ds_slots(tma_cfg, tiles, dev, use_tma=True) < 100  # 3 "SMs" off CUDA (tma_programs)
+    assert launch._ds_slots(tma_cfg, tiles, dev, use_tma=False) == tiles  # the pointer kernel: one per tile
+    assert launch._ds_slots(gluon_strip.GluonStripConfig(), 3, dev, use_tma=True) == 3  # fewer tiles than programs

@@ -487,6 +487,7 @@ def main() -> None:
             print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  commit {commit.strip() or '?'}  "
                   f"backward {args.dup_backward}", flush=True)
         run_duplicates(args)
+        print_tuned()
         return
     if args.replot:
         rows = read_csv(args.replot)
@@ -504,7 +505,18 @@ def main() -> None:
     t0 = time.time()
     rows = run_all(batches, dims, impls, args.reps, args.max_s, peak, os.path.join(args.out, "bench_loss.csv"))
     plot(rows, os.path.join(args.out, "bench_loss.png"), dims)
+    print_tuned()
     print(f"done in {time.time() - t0:.0f} s; wrote {args.out}/bench_loss.csv and bench_loss.png")
+
+
+def print_tuned() -> None:
+    """The configs the kernel tuner chose, one line per problem class (kind, c, dtype, rows and
+    columns buckets): which forward and strip fill ran (Triton or Gluon) at each size."""
+    from infclip.kernels.clip import launch
+
+    for key, cfg in sorted(launch.tuned_configs().items(), key=str):
+        kind, c, dtype, _, rows, cols, _ = key
+        print(f"tuned {kind:18s} c={c:5d} {str(dtype):15s} rows<={rows:7d} cols<={cols:7d}  {cfg}")
 
 
 if __name__ == "__main__":

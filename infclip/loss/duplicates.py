@@ -114,8 +114,8 @@ class GroupSort:
     """The one-process batch sorted by group ("mask" on the Triton kernels): order (m,) int64,
     the stable argsort of the ids (pair p of the sorted batch is pair order[p]); inverse (m,)
     int64, its inverse permutation (sorted position of pair i), to un-permute the gradients by
-    a gather; ids (m,) int32, the sorted batch's dense ranks (equal within a group, groups
-    contiguous); band (1,) int32, w = the largest group's size less one: every same-group pair
+    a gather; ids (m,) int32, for each sorted pair its group's first sorted position (equal
+    within a group and only there, groups contiguous; not dense: gaps between groups); band (1,) int32, w = the largest group's size less one: every same-group pair
     (p, q) of the sorted batch has |p - q| <= w."""
 
     order: Tensor
@@ -125,14 +125,19 @@ class GroupSort:
 
 
 def sort_groups(ids: Tensor) -> GroupSort:
-    """``GroupSort`` of ``ids`` (any integer ids, (m,)): a stable sort and two binary searches on
-    the device, no host sync (w stays a device tensor, read by the kernels)."""
+    """``GroupSort`` of ``ids`` (any integer ids, (m,), m >= 1): a stable sort, two binary
+    searches and a scatter for the inverse, on the device, no host sync (w stays a device
+    tensor, read by the kernels)."""
+    if ids.numel() == 0:
+        raise ValueError("sort_groups needs at least one id")
     order = torch.argsort(ids, stable=True)
     srt = ids[order]
-    lo = torch.searchsorted(srt, srt)  # first sorted position of each one's group: dense ranks, sorted
+    lo = torch.searchsorted(srt, srt)  # each sorted pair's group's first sorted position
     size = torch.searchsorted(srt, srt, right=True) - lo
     band = (size.max() - 1).to(torch.int32).reshape(1)
-    return GroupSort(order, torch.argsort(order), lo.to(torch.int32), band)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)  # a permutation: no duplicate index
+    return GroupSort(order, inverse, lo.to(torch.int32), band)
 
 
 def find_pairs(ids: Tensor, cap: int | None = None) -> list | None:

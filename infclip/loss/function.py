@@ -21,6 +21,7 @@ Only O(b) vectors are saved for backward; tiles are recomputed there.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from infclip.loss import duplicates
@@ -131,6 +132,7 @@ class _FusedPositive(torch.autograd.Function):
         return 0.5 * ((row - pos_row).mean() + (col - pos_col).mean())  # LSE over all less LSE over the group
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients are not differentiable again: say so, not silently
     def backward(ctx, g):
         from infclip.kernels.clip.function import loss_backward
 
@@ -169,6 +171,7 @@ class _SortedMask(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients are not differentiable again: say so, not silently
     def backward(ctx, g):
         from infclip.kernels.clip.function import loss_backward
 

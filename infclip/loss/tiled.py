@@ -203,10 +203,11 @@ def shifted_dots(dot: Tensor, s: Tensor, o_row: Tensor, o_col: Tensor, lo: int, 
 def mask_groups(u_row: Tensor, u_col: Tensor, groups, lo: int, hi: int, diag: bool) -> None:
     """Sets the logits of rows lo:hi to -inf (in place, both directions) where the row's and
     the column's group ids are equal, except on the positives' diagonal when ``diag``: those
-    pairs are then neither negatives nor positives. ``groups`` None: nothing to do."""
+    pairs are then neither negatives nor positives. ``groups`` None: nothing to do; a third
+    element (the Triton kernels' band of a sorted batch) is ignored: every entry is compared."""
     if groups is None:
         return
-    g_row, g_col = groups
+    g_row, g_col = groups[:2]
     same = g_row[lo:hi, None] == g_col[None, :]
     if diag and lo < same.shape[1]:
         same[:, lo:hi].diagonal().fill_(False)

@@ -9,6 +9,7 @@ pairs), so the extra memory is O(b) vectors plus the bounded scratch/partial buf
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import Tensor
 
 from .ops import TritonTileOps
@@ -107,6 +108,7 @@ class TritonCLIPLoss(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients are not differentiable again: say so, not silently
     def backward(ctx, g: Tensor):
         img, txt, scale, row, col, pos = ctx.saved_tensors
         need = ctx.needs_input_grad  # a locked tower's features: their gradient is never formed

@@ -5,7 +5,8 @@ The CLIP kernels compile too, with every flag on (offsets, positives, filtering;
 spills are reported, not asserted: the fused backward is known to spill a little), once
 with the duplicate groups off (None id pointers, as launched) and on (HAS_GID) with int32 ids
 (one process: dense ranks) and int64 ids (the ring), and with int32 ids and the band (BAND:
-the one-process batch sorted by group).
+the one-process batch sorted by group); the strip fill both as the persistent TMA kernel (the
+first bf16 candidate, the one-pass path's) and as the pointer kernel.
 Runs in a subprocess without TRITON_INTERPRET."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path):
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("compiled")]
-    assert len(lines) == 6 + 2 + 3 + 3 + 3 + 3, proc.stdout
+    assert len(lines) == 6 + 2 + 4 * 4, proc.stdout  # CLIP: fwd, fused bwd, TMA strip, pointer strip; 4 flag sets
     lines = lines[:8]  # SigLIP / NT-Xent (the CLIP kernels come last)
     assert all("0 bytes spill stores" in line for line in lines), "register spills:\n" + "\n".join(lines)
 
@@ -77,7 +78,7 @@ def _compile_clip() -> None:
     """The CLIP kernels with the first (untimed) configs, bf16 (the training path; the fp32
     ones share the code), every flag on."""
     from infclip.kernels.clip import launch
-    from infclip.kernels.clip.kernels import _dx_strip_kernel, _grad_kernel, _lse_fwd_kernel
+    from infclip.kernels.clip.kernels import _dx_strip_kernel, _dx_strip_tma_kernel, _grad_kernel, _lse_fwd_kernel
 
     for (dtype, esize, prec), gid, band in ((("bf16", 2, "tf32"), None, False), (("bf16", 2, "tf32"), "i32", False),
                                             (("bf16", 2, "tf32"), "i64", False), (("bf16", 2, "tf32"), "i32", True)):
@@ -94,7 +95,12 @@ def _compile_clip() -> None:
         _compile(_lse_fwd_kernel, dtype, tile(fwd), fwd, tag, gid or "i32")
         _compile(_grad_kernel, dtype, {**tile(bwd), "DC": bwd.DC, "RESIDENT": bwd.resident, "ACCUM": False,
                                        "COMPUTE_DS": True, "FILTER": True}, bwd, tag, gid or "i32")
-        _compile(_dx_strip_kernel, dtype, {**tile(strip), "GROUP": strip.GROUP}, strip, tag, gid or "i32")
+        strip_ptr = {k: v for k, v in tile(strip).items() if k != "EVEN_K"}  # the TMA kernel: K by descriptors
+        if strip.tma:  # the first bf16 candidate: the persistent TMA kernel (the one-pass path's default)
+            _compile(_dx_strip_tma_kernel, dtype, {**strip_ptr, "GROUP": strip.GROUP, "NUM_PROGS": 132 * strip.per_sm,
+                                                   "WS": strip.ws, "FOLD": True}, strip, tag, gid or "i32")
+        ptr = next(c for c in launch.strip_candidates(K, esize) if not c.tma)
+        _compile(_dx_strip_kernel, dtype, {**tile(ptr), "GROUP": ptr.GROUP}, ptr, tag, gid or "i32")
 
 
 def _main() -> None:

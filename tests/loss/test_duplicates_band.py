@@ -109,7 +109,7 @@ CASES = [("big", 230, 100.0), ("small", 77, 100.0), ("one", 40, 30.0), ("spread"
                                               ("twopass", "never")])
 def test_fp32_band_matches_float64_reference(layout, b, scale, backward, strips, monkeypatch):
     """fp32: loss, d image, d text, d scale within 2e-4 / 2e-5 of float64, through the forward
-    (five column loops), the strip fill (one-pass and two-pass) and the fused ``_grad_kernel``
+    (three column loops: plain, band, plain), the strip fill (one-pass and two-pass) and the fused ``_grad_kernel``
     (strips never), b not a multiple of the 32-row tiles."""
     _use_backward(monkeypatch, backward, strips)
     img, txt, s, ids = _batch(layout, b, 8, scale, seed=b)
@@ -168,7 +168,8 @@ def test_band_is_invisible_on_a_sorted_batch(backward, strips, band_of, monkeypa
     runs = []
     for bnd in (band, None):
         loss, row, col, pos = loss_forward(ops, img, txt, s, srt.ids, bnd)
-        grads = loss_backward(ops, img, txt, s, row, col, pos, torch.tensor(1.0), groups=srt.ids, band=bnd)
+        grads = loss_backward(ops, img, txt, s, row, col, pos, torch.tensor(1.0, device=DEV), groups=srt.ids,
+                              band=bnd)
         runs.append((loss, row, col, *grads))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
@@ -187,3 +188,27 @@ def test_band_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match=r"\(1,\) int32"):
         ops.forward(img, txt, s, offsets=(ids.float(), ids.float()), diag=True,
                     groups=(gid, gid, band.to(torch.int64)))
+
+
+def test_no_double_backward_through_the_kernels():
+    """The fused nodes' gradients are not differentiable again (``once_differentiable``): the
+    first-order gradient comes back without a graph, so a second backward raises instead of
+    returning a silently wrong result or an unclear error from inside the node."""
+    img, txt, s, ids = _batch("small", 77, 8, 100.0, seed=3)
+    img = img.clone().requires_grad_()
+    (d_img,) = torch.autograd.grad(_mask_loss(img, txt, s, ids), img, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable|twice"):
+        d_img.square().sum().backward()
+
+
+def test_band_across_the_forwards_column_chunks(monkeypatch):
+    """The forward launched over column chunks (col_start > 0: the partials' 32 MB cap, made
+    tiny here) keeps the band right: fp32 against float64 as above."""
+    from infclip.kernels.clip import launch
+
+    monkeypatch.setattr(launch, "PART_BUDGET_BYTES", 4 * 8 * 64)  # 8 row blocks of 32 x 64 columns a chunk
+    _use_backward(monkeypatch, "onepass", "always")
+    img, txt, s, ids = _batch("big", 230, 8, 100.0, seed=11)
+    got = _grads(lambda i, t, sc: _mask_loss(i, t, sc, ids), img, txt, s)
+    for name, a, w in zip(("loss", "d image", "d text", "d scale"), got, _reference(img, txt, s, ids)):
+        torch.testing.assert_close(a.double(), w, rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")

@@ -72,6 +72,38 @@ def sm90_16bit(a: Tensor, b: Tensor) -> bool:
     return _capability(a.device.index if a.device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
+@jit
+def mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C: gl.constexpr, NK: gl.constexpr,
+             STAGES: gl.constexpr, A_RING: gl.constexpr):
+    """One consumer's MMA phase of its tile t (the ping-pong both kernels share): wait for its
+    turn (the other consumer's tile t - 1 has retired its wgmmas), issue the NK async wgmmas of
+    acc = A_t B_t^T over the ring's K chunks g = t NK + k (slot g % STAGES, phase
+    (g // STAGES) & 1), give each slot back to the producer once the wgmma after it has
+    retired, wait for the last, give back its slot and hand the turn to the other consumer,
+    whose wgmmas then run during this one's epilogue. A chunks: ``a_smem.index(k)`` (resident,
+    the forward) or, A_RING, the ring's ``a_smem.index(slot)`` (the strip fill). K is a
+    runtime loop after the first chunk (unrolled, the chunks' hoisted addresses spill)."""
+    mbarrier.wait(turn.index(C), (gl.maximum(t - 1, 0) // 2) & 1, pred=t > 0)
+    g = t * NK
+    slot = g % STAGES
+    mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+    a0 = a_smem.index(slot) if A_RING else a_smem.index(0)
+    acc = warpgroup_mma(a0, b_smem.index(slot).permute((1, 0)), acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # no wait: the token back to a tensor
+    for k in range(1, NK):
+        g = t * NK + k
+        slot = g % STAGES
+        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
+        a_k = a_smem.index(slot) if A_RING else a_smem.index(k)
+        acc = warpgroup_mma(a_k, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # the previous chunk's retired
+        mbarrier.arrive(empty.index((g - 1) % STAGES))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((t * NK + NK - 1) % STAGES))
+    mbarrier.arrive(turn.index(1 - C))
+    return acc
+
+
 def gl_dtype(t: Tensor):
     """The Gluon dtype of a 16-bit tensor."""
     return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16

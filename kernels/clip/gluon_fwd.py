@@ -61,8 +61,7 @@ from ..launching import cdiv, column_splits
 
 from . import gluon_common as gc
 from .gluon_common import (GLUON_ERROR, LN2, LOG2E, MAX_STAGES, SMEM_BYTES, SMEM_RESERVE, TensorDescriptor,
-                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, tma, warpgroup_mma,
-                           warpgroup_mma_wait)
+                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, mma_turn, tma)
 
 PART_BUDGET_BYTES = 32 << 20  # as launch.PART_BUDGET_BYTES: col_part stays <= 32 MB per launch
 
@@ -172,23 +171,7 @@ def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, o
         cols = j0 + cn
         ob2 = gl.load(off_b_ptr + gl.minimum(cols, hi - 1)) * s2  # issued before the MMA: latency hidden
         # -- compute tile --: wait for the turn (tile t - 1's wgmmas retired), then the NK chunks.
-        mbarrier.wait(turn.index(C), (gl.maximum(t - 1, 0) // 2) & 1, pred=t > 0)
-        g = t * NK
-        slot = g % STAGES
-        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-        acc = warpgroup_mma(a_smem.index(0), b_smem.index(slot).permute((1, 0)), acc, use_acc=False, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # no wait: the token back to a tensor
-        for k in range(1, NK):  # a runtime loop: unrolled, the chunks' hoisted addresses spill
-            g = t * NK + k
-            slot = g % STAGES
-            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            acc = warpgroup_mma(a_smem.index(k), b_smem.index(slot).permute((1, 0)), acc, is_async=True)
-            # The previous chunk's wgmma has retired: its slot goes back to the producer.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((g - 1) % STAGES))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((t * NK + NK - 1) % STAGES))
-        mbarrier.arrive(turn.index(1 - C))  # the other consumer's wgmmas run during this epilogue
+        acc = mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C, NK, STAGES, False)
         # -- epilogue --: base-2 logits less the offsets; fixes only on the edge / diagonal tiles.
         edge = (j0 + BN > hi) | (row0 + BM > M)
         diag = False

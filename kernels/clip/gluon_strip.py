@@ -75,8 +75,7 @@ from ..launching import cdiv, sm_count
 
 from . import gluon_common as gc
 from .gluon_common import (GLUON_ERROR, LN2, LOG2E, MAX_STAGES, SMEM_BYTES, SMEM_RESERVE, TensorDescriptor,
-                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, tma, warpgroup_mma,
-                           warpgroup_mma_wait)
+                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, mma_turn, tma)
 
 MIN_STAGES = 3  # fewer chunks in flight than this leave the wgmmas waiting on TMA
 
@@ -268,24 +267,7 @@ def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse
         g_b = gl.load(g_b_ptr + c_idx)
         ob2 = gl.load(off_b_ptr + c_idx) * s2
         # -- compute tile --: wait for the turn (local tile t - 1's wgmmas retired), then NK chunks.
-        mbarrier.wait(turn.index(C), (gl.maximum(t - 1, 0) // 2) & 1, pred=t > 0)
-        g = t * NK
-        slot = g % STAGES
-        mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-        acc = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, use_acc=False,
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        for k in range(1, NK):  # a runtime loop (as gluon_fwd: unrolled, hoisted addresses spill)
-            g = t * NK + k
-            slot = g % STAGES
-            mbarrier.wait(ready.index(slot), (g // STAGES) & 1)
-            acc = warpgroup_mma(a_smem.index(slot), b_smem.index(slot).permute((1, 0)), acc, is_async=True)
-            # The previous chunk's wgmma has retired: its slot goes back to the producer.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((g - 1) % STAGES))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((t * NK + NK - 1) % STAGES))
-        mbarrier.arrive(turn.index(1 - C))  # the other consumer's wgmmas run during this epilogue
+        acc = mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C, NK, STAGES, True)
         # -- epilogue --: ``_strip_epilogue`` (HAS_OFF == 2): base-2 logits less the offsets, s dX.
         xr = acc * s2 - oa2[:, None]
         xc = acc * s2 - ob2[None, :]

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import traceback
 
 import torch
 
 import triton
+from bench_loss import time_ms  # this folder's sibling script
 from infclip.kernels.clip import gluon_fwd
 from infclip.kernels.clip.ops import TritonTileOps
 from infclip.loss.function import positive_dots
 
+REPS = 5  # timed calls per case (median), after one warm-up
 REF_MAX_B = 8192  # float64 reference up to this batch (a b x b fp64 matrix: 512 MB at 8k)
 
 
@@ -52,20 +53,6 @@ def poison(*shape, device, dtype):
     return torch.full(shape, float("nan"), device=device, dtype=dtype)
 
 
-def time_ms(fn, reps: int = 5) -> float:
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
 
 def maxdiff(x: torch.Tensor, y: torch.Tensor) -> float:
     return (x.double() - y.double()).abs().max().item()
@@ -79,7 +66,7 @@ def run_case(c: int, b: int, dtype: torch.dtype, cfgs: list, time_it: bool) -> N
     tri = ops.forward(img, txt, s, offsets=(pos, pos), diag=True)
     ref = reference(img, txt, s, pos) if b <= REF_MAX_B else None
     fl = gluon_fwd.flops(b, b, c)
-    t_tri = time_ms(lambda: ops.forward(img, txt, s, offsets=(pos, pos), diag=True)) if time_it else math.nan
+    t_tri = time_ms(lambda: ops.forward(img, txt, s, offsets=(pos, pos), diag=True), REPS) if time_it else math.nan
     line = f"c={c:5d} b={b:6d} {str(dtype)[6:]:8s}"
     if ref is not None:
         line += f" | triton-ref {maxdiff(tri[0], ref[0]):.2e} {maxdiff(tri[1], ref[1]):.2e}"
@@ -98,7 +85,7 @@ def run_case(c: int, b: int, dtype: torch.dtype, cfgs: list, time_it: bool) -> N
             nans = int(got[0].isnan().sum() + got[1].isnan().sum())
             msg += f" | nan {nans}"
             if time_it:
-                t = time_ms(lambda: gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg))
+                t = time_ms(lambda: gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg), REPS)
                 msg += f" | {t:8.3f} ms {fl / t / 1e9:6.1f} TF/s  x{t_tri / t:.2f} vs triton"
             print(msg, flush=True)
         except Exception:  # noqa: BLE001 -- report and go on: one call, all the information
@@ -106,35 +93,41 @@ def run_case(c: int, b: int, dtype: torch.dtype, cfgs: list, time_it: bool) -> N
             traceback.print_exc()
 
 
-def report_kernels() -> None:
-    """Registers, spills, shared memory and wgmma / HGMMA counts of every compiled variant."""
-    kern = gluon_fwd._lse_fwd_ws_kernel
-    for dev, cache in getattr(kern, "device_caches", {}).items():
-        for key, compiled in cache[0].items():
-            try:
-                if hasattr(compiled, "result"):
-                    compiled = compiled.result()
-                info = gluon_fwd.compile_info(compiled)
-                try:
-                    sass = compiled.asm["sass"]
-                    info["sass_hgmma"] = sass.count("HGMMA")
-                except Exception as err:  # noqa: BLE001 -- cuobjdump missing: PTX counts only
-                    info["sass_hgmma"] = f"n/a ({type(err).__name__})"
-                consts = getattr(compiled, "src", None)
-                consts = getattr(consts, "constants", None) or getattr(compiled, "constants", None)
-                print(f"  device {dev}: {info} {consts if consts is not None else ''}")
-            except Exception:  # noqa: BLE001
-                traceback.print_exc()
+def print_versions() -> None:
+    """The device, triton and torch, and whether Gluon imported (also check_gluon_strip.py)."""
+    from infclip.kernels.clip import gluon_common
 
+    print(f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
+          f"triton {triton.__version__}, torch {torch.__version__}")
+    print(f"gluon imported: {gluon_common.gluon is not None} ({gluon_common.GLUON_ERROR})")
+
+
+def print_compiled(kernels: dict) -> None:
+    """Registers, spills, shared memory and wgmma / HGMMA counts of every variant each jit
+    kernel in ``kernels`` ({name: kernel}) compiled in this process (also used by
+    check_gluon_strip.py)."""
+    for name, kern in kernels.items():
+        for dev, cache in getattr(kern, "device_caches", {}).items():
+            for compiled in cache[0].values():
+                try:
+                    if hasattr(compiled, "result"):
+                        compiled = compiled.result()
+                    info = gluon_fwd.compile_info(compiled)
+                    try:
+                        info["sass_hgmma"] = compiled.asm["sass"].count("HGMMA")
+                    except Exception as err:  # noqa: BLE001 -- cuobjdump missing: PTX counts only
+                        info["sass_hgmma"] = f"n/a ({type(err).__name__})"
+                    consts = getattr(getattr(compiled, "src", None), "constants", None)
+                    print(f"  {name} device {dev}: {info} {consts if consts is not None else ''}")
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="c = 512, b in {1000, 8192} only")
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     args = ap.parse_args()
-    print(f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
-          f"triton {triton.__version__}, torch {torch.__version__}")
-    print(f"gluon imported: {gluon_fwd.gluon is not None} ({gluon_fwd.GLUON_ERROR})")
+    print_versions()
     cs = [512] if args.quick else [512, 768, 1024]
     bs = [1000, 8192] if args.quick else [1000, 8192, 32768, 65536]
     for c in cs:
@@ -155,7 +148,7 @@ def main() -> None:
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     print("compiled Gluon kernels:")
-    report_kernels()
+    print_compiled({"gluon forward": gluon_fwd._lse_fwd_ws_kernel})
 
 
 if __name__ == "__main__":

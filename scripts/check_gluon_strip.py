@@ -24,19 +24,21 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import traceback
 
 import torch
 
-import triton
+from bench_loss import time_ms  # this folder's sibling scripts
+from check_gluon_fwd import print_compiled, print_versions
 from infclip.kernels.clip import gluon_strip, launch
+from infclip.kernels.clip.kernels import _dx_strip_tma_kernel
 from infclip.kernels.clip.ops import TritonTileOps
 from infclip.loss.function import positive_dots
 
 # The LSEs come from the first forward config, untuned (the tuner would compile and time four
 # forward configs per case: a minute of the budget, for LSEs that do not depend on the config).
 os.environ.setdefault("INFCLIP_TRITON_TUNE", "0")
+REPS = 5  # timed calls per case (median), after one warm-up
 SENTINEL = 16  # NaN ds slots past the strip's tiles: a fill must leave them alone
 
 
@@ -84,20 +86,6 @@ def fill(kind: str, pb: dict, cfg, scratch: torch.Tensor, ds_buf: torch.Tensor) 
         launch._fill_tma(*args)
 
 
-def time_ms(fn, reps: int = 5) -> float:
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
 
 def ulp_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, int]:
     """(largest |got - want| in bf16 ulps of want, entries that differ)."""
@@ -124,7 +112,7 @@ def run_case(c: int, r: int, n: int, diag: bool, cfgs: list, time_it: bool) -> N
         for t in tri_cfgs:
             scratch, ds_t = torch.empty_like(want), torch.zeros(launch.cdiv(r, t.BM) * launch.cdiv(n, t.BN),
                                                                  device="cuda")
-            ms = time_ms(lambda: fill("triton", pb, t, scratch, ds_t))
+            ms = time_ms(lambda: fill("triton", pb, t, scratch, ds_t), REPS)
             best = min(best, ms)
             line += f" | triton {t.BM}x{t.BN}/{t.per_sm} {ms:7.3f} ms {fl / ms / 1e9:6.1f} TF/s"
     print(line, flush=True)
@@ -150,34 +138,12 @@ def run_case(c: int, r: int, n: int, diag: bool, cfgs: list, time_it: bool) -> N
                    f"{bool(ds_buf[tiles:].isnan().all())}")
             if time_it:
                 scratch, ds_g = torch.empty_like(got), torch.zeros(tiles, device="cuda")
-                ms = time_ms(lambda: fill("gluon", pb, cfg, scratch, ds_g))
+                ms = time_ms(lambda: fill("gluon", pb, cfg, scratch, ds_g), REPS)
                 msg += f" | {ms:7.3f} ms {fl / ms / 1e9:6.1f} TF/s  x{best / ms:.2f} vs best triton"
             print(msg, flush=True)
         except Exception:  # noqa: BLE001 -- report and go on: one call, all the information
             print(f"{tag}: FAILED")
             traceback.print_exc()
-
-
-def report_kernels() -> None:
-    """Registers, spills, shared memory and wgmma / HGMMA counts of every compiled variant
-    (the Gluon kernel's and, for comparison, the Triton TMA strip kernel's)."""
-    from infclip.kernels.clip.kernels import _dx_strip_tma_kernel
-
-    for name, kern in (("gluon", gluon_strip._dx_strip_ws_kernel), ("triton", _dx_strip_tma_kernel)):
-        for dev, cache in getattr(kern, "device_caches", {}).items():
-            for key, compiled in cache[0].items():
-                try:
-                    if hasattr(compiled, "result"):
-                        compiled = compiled.result()
-                    info = gluon_strip.compile_info(compiled)
-                    try:
-                        info["sass_hgmma"] = compiled.asm["sass"].count("HGMMA")
-                    except Exception as err:  # noqa: BLE001 -- cuobjdump missing: PTX counts only
-                        info["sass_hgmma"] = f"n/a ({type(err).__name__})"
-                    consts = getattr(getattr(compiled, "src", None), "constants", None)
-                    print(f"  {name} device {dev}: {info} {consts if consts is not None else ''}")
-                except Exception:  # noqa: BLE001
-                    traceback.print_exc()
 
 
 def main() -> None:
@@ -186,9 +152,7 @@ def main() -> None:
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--default-only", action="store_true", help="only the default Gluon config (64 x 128)")
     args = ap.parse_args()
-    print(f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
-          f"triton {triton.__version__}, torch {torch.__version__}")
-    print(f"gluon imported: {gluon_strip.gluon is not None} ({gluon_strip.GLUON_ERROR})")
+    print_versions()
     cs = [512] if args.quick else [512, 768, 1024]
     shapes = [(1000, 1000), (1000, 32768)] if args.quick else [
         (1000, 1000), (1000, 32768), (1000, 65536), (4096, 1000), (4096, 32768), (4096, 65536)]
@@ -205,7 +169,7 @@ def main() -> None:
                 traceback.print_exc()
             torch.cuda.empty_cache()
     print("compiled kernels:")
-    report_kernels()
+    print_compiled({"gluon strip": gluon_strip._dx_strip_ws_kernel, "triton strip": _dx_strip_tma_kernel})
 
 
 if __name__ == "__main__":

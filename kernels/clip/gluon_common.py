@@ -73,6 +73,22 @@ def sm90_16bit(a: Tensor, b: Tensor) -> bool:
 
 
 @jit
+def turn_barriers(STAGES: gl.constexpr):
+    """(ready, empty, turn): the ring's per-slot mbarriers (a chunk landed / a slot released)
+    and the two consumers' turn barriers, each initialized for one arrival; the caller fences
+    (``fence_async_shared``) once its own barriers are initialized too."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    return ready, empty, turn
+
+
+@jit
 def mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C: gl.constexpr, NK: gl.constexpr,
              STAGES: gl.constexpr, A_RING: gl.constexpr):
     """One consumer's MMA phase of its tile t (the ping-pong both kernels share): wait for its

@@ -61,7 +61,8 @@ from ..launching import cdiv, column_splits
 
 from . import gluon_common as gc
 from .gluon_common import (GLUON_ERROR, LN2, LOG2E, MAX_STAGES, SMEM_BYTES, SMEM_RESERVE, TensorDescriptor,
-                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, mma_turn, tma)
+                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, mma_turn, tma,
+                           turn_barriers)
 
 PART_BUDGET_BYTES = 32 << 20  # as launch.PART_BUDGET_BYTES: col_part stays <= 32 MB per launch
 
@@ -228,15 +229,8 @@ def _lse_fwd_ws_kernel(a_desc, b_desc, scale_ptr, off_a_ptr, off_b_ptr, row_part
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [NK, BM, BK], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     a_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(a_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    ready, empty, turn = turn_barriers(STAGES)
     fence_async_shared()  # the inits visible to the TMA unit and the other partitions
 
     # Argument tuples written out whole: tuple arithmetic in a Gluon function would turn the

@@ -75,7 +75,8 @@ from ..launching import cdiv, sm_count
 
 from . import gluon_common as gc
 from .gluon_common import (GLUON_ERROR, LN2, LOG2E, MAX_STAGES, SMEM_BYTES, SMEM_RESERVE, TensorDescriptor,
-                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, mma_turn, tma)
+                           compile_info, fence_async_shared, flops, gl, gluon, jit, mbarrier, mma_turn, tma,
+                           turn_barriers)
 
 MIN_STAGES = 3  # fewer chunks in flight than this leave the wgmmas waiting on TMA
 
@@ -313,14 +314,7 @@ def _dx_strip_ws_kernel(a_desc, b_desc, p_desc, scale_ptr, lse_a_ptr, lse_b_ptr,
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BKC], a_desc.layout)
     b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BKC], b_desc.layout)
     p_smem = gl.allocate_shared_memory(p_desc.dtype, [2, BM, BN], p_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    ready, empty, turn = turn_barriers(STAGES)
     fence_async_shared()  # the inits visible to the TMA unit and the other partitions
 
     # Argument tuples written out whole (as gluon_fwd: tuple arithmetic would turn the

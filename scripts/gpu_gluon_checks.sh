@@ -39,6 +39,7 @@ if has tests; then
   INFCLIP_TRITON_TUNE=0 INFCLIP_FORWARD_KERNEL=gluon INFCLIP_STRIP_KERNEL=gluon timeout "${TESTS_S:-200}" \
       $PY -m pytest -q -p no:cacheprovider -rf tests/kernels/test_gluon_fwd_cpu.py tests/kernels/test_gluon_strip_cpu.py \
       tests/loss/test_exact_positives.py tests/kernels/test_clip_kernels.py tests/loss/test_duplicates.py \
+      tests/loss/test_duplicates_band.py \
       > $OUT/tests.txt 2>&1
   echo "forced Gluon: pytest rc=$? (124: cut by TESTS_S)" >> $OUT/tests.txt
   timeout 120 $PY -m pytest -q -p no:cacheprovider -rf tests/kernels/test_clip_graphs.py >> $OUT/tests.txt 2>&1

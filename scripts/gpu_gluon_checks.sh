@@ -12,7 +12,7 @@
 #            ulps, ds), both timed; must pass before ops.STRIP_KERNEL_DEFAULT changes
 #   tests  - the exactness tests with both Gluon kernels forced wherever they apply
 #            (INFCLIP_TRITON_TUNE=0: the first candidate, i.e. the Gluon config), then the graphs'
-#            tests in the default modes
+#            and the one-pass backward's tests (memory rule included) in the default modes
 #   bench  - scripts/bench_loss.py, CLIP loss forward + backward, bf16: INFCLIP_STRIP_KERNEL=triton
 #            and =auto (the tuner times the Gluon fill too), one process each (MODES to choose)
 #   dup    - scripts/bench_loss.py --duplicates --breakdown (mask / positive against off)
@@ -42,8 +42,9 @@ if has tests; then
       tests/loss/test_duplicates_band.py \
       > $OUT/tests.txt 2>&1
   echo "forced Gluon: pytest rc=$? (124: cut by TESTS_S)" >> $OUT/tests.txt
-  timeout 120 $PY -m pytest -q -p no:cacheprovider -rf tests/kernels/test_clip_graphs.py >> $OUT/tests.txt 2>&1
-  echo "graphs, default modes: pytest rc=$?" >> $OUT/tests.txt
+  timeout 150 $PY -m pytest -q -p no:cacheprovider -rf tests/kernels/test_clip_graphs.py tests/kernels/test_clip_onepass.py \
+      >> $OUT/tests.txt 2>&1
+  echo "graphs and one-pass memory, default modes: pytest rc=$?" >> $OUT/tests.txt
   grep -E "rc=|passed|failed" $OUT/tests.txt
 fi
 if has bench; then

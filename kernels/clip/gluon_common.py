@@ -42,6 +42,7 @@ def jit(fn):
     return gluon.jit(fn) if gluon is not None else fn
 
 
+@functools.cache
 def version_ok() -> bool:
     """Whether the installed triton is at least ``MIN_GLUON``."""
     import triton

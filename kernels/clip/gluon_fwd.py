@@ -256,22 +256,24 @@ def _descriptors(a: Tensor, b: Tensor, cfg: GluonFwdConfig):
             TensorDescriptor.from_tensor(b, [cfg.BN, cfg.BK], b_layout))
 
 
-def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor, off_b: Tensor, has_diag: bool,
-                      cfg: GluonFwdConfig | None = None, alloc=torch.empty) -> tuple[Tensor, Tensor]:
+def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor | None, off_b: Tensor | None,
+                      has_diag: bool, cfg: GluonFwdConfig | None = None, alloc=torch.empty) -> tuple[Tensor, Tensor]:
     """(row_lse (m,), col_lse (n,)) fp32, natural log, relative to s * offsets: the final
     values ``launch.lse_forward(a, b, scale, cfg, prec, off_a=off_a, off_b=off_b,
     diag=has_diag)`` returns for 16-bit inputs (its HAS_OFF == 2 path, no group ids).
+    Offsets None (no diagonal then): zeros, which shift nothing (the same logits).
     ``gluon_available(a, b, cfg)`` must hold. alloc: as ``lse_forward`` (poisoned buffers in tests)."""
     m, k = a.shape
     n = b.shape[0]
     cfg = cfg or default_config(k)
     if not gluon_available(a, b, cfg):
         raise ValueError(f"the Gluon forward does not apply here ({GLUON_ERROR or 'see gluon_available'})")
-    if has_diag and m != n:
-        raise ValueError(f"has_diag needs a square block pair, got {m} x {n}")
+    if has_diag and (m != n or off_a is None):
+        raise ValueError(f"has_diag needs a square block pair and the offsets, got {m} x {n}"
+                         + ("" if off_a is not None else " without offsets"))
     stages = pick_stages(cfg, k)
-    off_a = off_a.float().contiguous()
-    off_b = off_b.float().contiguous()
+    off_a = torch.zeros(m, device=a.device) if off_a is None else off_a.float().contiguous()
+    off_b = torch.zeros(n, device=a.device) if off_b is None else off_b.float().contiguous()
     a_desc, b_desc = _descriptors(a, b, cfg)
     nrb = cdiv(m, cfg.BM)
     row_lse, col_lse = None, alloc(n, device=a.device, dtype=torch.float32)

@@ -32,7 +32,7 @@ BACKWARDS = ("auto", "onepass", "twopass")
 # faster (docs/benchmarks.md, "One-pass backward"). Elsewhere (fp32/fp16, the CUDA-graph path
 # of small b, the interpreter) it stays two-pass: not measured faster there.
 AUTO_BACKWARD = "onepass"
-FORWARD_KERNELS = ("auto", "triton", "gluon")
+KERNEL_CHOICES = ("auto", "triton", "gluon")  # forward_kernel, strip_kernel
 # forward_kernel="auto": the Gluon forward (``gluon_fwd``: warp-specialized, two consumer
 # warpgroups ping-ponging wgmma and the exp2 epilogue) joins the tuner's candidates for 16-bit
 # inputs on sm_90 without group ids, on the positives' square block pair, from this many rows
@@ -41,12 +41,20 @@ FORWARD_KERNELS = ("auto", "triton", "gluon")
 # (scripts/check_gluon_fwd.py): c = 512, b = 32k-64k 1.24-1.28x the Triton kernel (BM 128 x
 # BN 64); c = 768 1.03-1.05x, c = 1024 1.11-1.12x (BM 64 x BN 128); the tuner keeps the faster.
 GLUON_MIN_ROWS = 32768
-STRIP_KERNELS = ("auto", "triton", "gluon")
 # The Gluon strip fill (``gluon_strip``: the backward's P = s dX tiles, same ping-pong) compiles
 # for sm_90a without spills but has not yet run on a GPU, so the default keeps the Triton fill;
 # "auto" lets the tuner time both (as forward_kernel="auto"), "gluon" puts it first.
 # ``scripts/check_gluon_strip.py`` is what must pass before the default changes.
 STRIP_KERNEL_DEFAULT = "triton"
+
+
+def _kernel_choice(name: str, value: str | None, env: str, default: str) -> str:
+    """A kernel option's value: as given, else the environment's ``env``, else ``default``;
+    one of "auto", "triton", "gluon"."""
+    value = value or os.environ.get(env, default)
+    if value not in KERNEL_CHOICES:
+        raise ValueError(f"{name} must be one of {KERNEL_CHOICES} (or {env} set to one), got {value!r}")
+    return value
 
 
 class TritonTileOps:
@@ -133,14 +141,8 @@ class TritonTileOps:
         if backward == "onepass" and (grad_filter is not None or strips == "never"):
             raise ValueError("backward='onepass' is a strip path without gradient filtering: it needs "
                              "grad_filter=None and strips 'auto' or 'always'; use backward='twopass'")
-        forward_kernel = forward_kernel or os.environ.get("INFCLIP_FORWARD_KERNEL", "auto")
-        if forward_kernel not in FORWARD_KERNELS:
-            raise ValueError(f"forward_kernel must be one of {FORWARD_KERNELS}, got {forward_kernel!r}")
-        self.forward_kernel = forward_kernel
-        strip_kernel = strip_kernel or os.environ.get("INFCLIP_STRIP_KERNEL", STRIP_KERNEL_DEFAULT)
-        if strip_kernel not in STRIP_KERNELS:
-            raise ValueError(f"strip_kernel must be one of {STRIP_KERNELS}, got {strip_kernel!r}")
-        self.strip_kernel = strip_kernel
+        self.forward_kernel = _kernel_choice("forward_kernel", forward_kernel, "INFCLIP_FORWARD_KERNEL", "auto")
+        self.strip_kernel = _kernel_choice("strip_kernel", strip_kernel, "INFCLIP_STRIP_KERNEL", STRIP_KERNEL_DEFAULT)
         self.backward_path = backward
         self.fold = strip_positives == "fold"
         self.strip_budget = strip_budget
@@ -173,10 +175,8 @@ class TritonTileOps:
             sub = (o_row[:a.shape[0]], o_col[:b.shape[0]]) if o_row is not None else (None, None)
             gid = (gid_row[:a.shape[0]], gid_col[:b.shape[0]]) if gid_row is not None else (None, None)
             square = diag and a.shape[0] == b.shape[0]
-            if isinstance(cfg, gluon_fwd.GluonFwdConfig):  # no offsets: zeros shift nothing (same logits)
-                zero = (torch.zeros(a.shape[0], device=a.device), torch.zeros(b.shape[0], device=b.device))
-                o_a, o_b = sub if sub[0] is not None else zero
-                return gluon_fwd.lse_forward_gluon(a, b, scale, o_a, o_b, square, cfg=cfg, alloc=self._alloc)
+            if isinstance(cfg, gluon_fwd.GluonFwdConfig):
+                return gluon_fwd.lse_forward_gluon(a, b, scale, *sub, square, cfg=cfg, alloc=self._alloc)
             return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc, off_a=sub[0], off_b=sub[1],
                                       diag=square, gid_a=gid[0], gid_b=gid[1], band=band)
 

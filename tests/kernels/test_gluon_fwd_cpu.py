@@ -155,3 +155,23 @@ def test_tuner_skips_a_candidate_that_cannot_run_but_not_a_cuda_fault(monkeypatc
     launch._TUNED.clear()
     assert launch._skippable(ValueError("the Gluon forward does not apply here"))
     assert not launch._skippable(RuntimeError("CUDA error: misaligned address"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with the Triton forward on the GPU")
+def test_gluon_without_offsets_matches_triton_on_the_gpu():
+    """A block pair without offsets (and so without the diagonal): zero offsets, the same LSEs
+    as the Triton forward's plain path; the diagonal without offsets is refused."""
+    from infclip.kernels.clip.ops import TritonTileOps
+
+    torch.manual_seed(3)
+    img = torch.nn.functional.normalize(torch.randn(1000, 512, device="cuda"), dim=1).bfloat16()
+    txt = torch.nn.functional.normalize(torch.randn(1200, 512, device="cuda"), dim=1).bfloat16()
+    s = torch.tensor(1 / 0.07, device="cuda")
+    if not gluon_fwd.gluon_available(img, txt):
+        pytest.skip("not sm_90 / no Gluon: refusal covered by the test above")
+    want = TritonTileOps(forward_kernel="triton").forward(img, txt, s)
+    got = gluon_fwd.lse_forward_gluon(img, txt, s, None, None, False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=0)
+    with pytest.raises(ValueError, match="offsets"):
+        gluon_fwd.lse_forward_gluon(img[:1000], txt[:1000], s, None, None, True)

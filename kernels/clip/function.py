@@ -9,8 +9,8 @@ pairs), so the extra memory is O(b) vectors plus the bounded scratch/partial buf
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .ops import TritonTileOps
 from .reference import row_dot

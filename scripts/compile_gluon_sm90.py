@@ -32,8 +32,9 @@ def _load_triton(site: str) -> None:
     from triton.runtime import driver
 
     if not triton.__version__.startswith("3.6"):
-        raise SystemExit(f"{site} holds triton {triton.__version__}; the Gluon kernels target 3.6 "
-                         f"(pip install --no-deps --target {site} triton==3.6.0)")
+        _refuse(f"--triton {site}: the triton found there is {triton.__version__} (from {triton.__file__}), but the "
+                f"Gluon kernels are written against 3.6, the GPU machine's. Install it into a folder of its own "
+                f"and point --triton at it: pip install --no-deps --target {site} triton==3.6.0")
 
     class Sm90:  # what the JIT asks a driver while compiling (nothing is launched)
         def get_current_target(self):
@@ -53,6 +54,12 @@ def _load_triton(site: str) -> None:
             return True
 
     driver.set_active(Sm90())
+
+
+def _refuse(msg: str) -> None:
+    """Bad input: one paragraph on stderr, exit status 2."""
+    print(f"error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _module(name: str, path: Path):
@@ -76,7 +83,8 @@ def _kernels():
     strip = _module("infclip.kernels.clip.gluon_strip", ROOT / "kernels" / "clip" / "gluon_strip.py")
     for mod in (fwd, strip):
         if mod.gluon is None:
-            raise SystemExit(f"Gluon did not import: {mod.GLUON_ERROR}")
+            _refuse(f"triton 3.6's Gluon did not import ({mod.GLUON_ERROR}); reinstall it with "
+                    f"pip install --no-deps --target <folder> triton==3.6.0")
     return fwd, strip
 
 

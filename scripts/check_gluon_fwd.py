@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import traceback
 
 import torch
@@ -94,8 +95,16 @@ def run_case(c: int, b: int, dtype: torch.dtype, cfgs: list, time_it: bool) -> N
 
 
 def print_versions() -> None:
-    """The device, triton and torch, and whether Gluon imported (also check_gluon_strip.py)."""
+    """The device, triton and torch, and whether Gluon imported (also check_gluon_strip.py);
+    without a CUDA device: one paragraph and exit status 2."""
     from infclip.kernels.clip import gluon_common
+
+    if not torch.cuda.is_available():
+        print("error: this check runs the Gluon kernels against the Triton ones on an sm_90 GPU (H100 / H200), "
+              "and no CUDA device is visible here. Run it on the GPU machine (scripts/gpu_gluon_checks.sh); "
+              "on a CPU machine scripts/compile_gluon_sm90.py compiles the kernels without running them.",
+              file=sys.stderr)
+        raise SystemExit(2)
 
     print(f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}), "
           f"triton {triton.__version__}, torch {torch.__version__}")

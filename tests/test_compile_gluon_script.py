@@ -1,5 +1,6 @@
-"""scripts/compile_gluon_sm90.py refuses a --triton folder that does not hold triton 3.6 in
-one paragraph with exit status 2 (before compiling anything)."""
+"""The Gluon dev scripts refuse bad input in one paragraph with exit status 2, before any work:
+scripts/compile_gluon_sm90.py a --triton folder without triton 3.6, the GPU checks
+(check_gluon_fwd.py, check_gluon_strip.py) a machine without a CUDA device."""
 
 import subprocess
 import sys
@@ -18,3 +19,16 @@ def test_a_folder_without_triton_36_is_refused(tmp_path):
         return
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and "triton==3.6.0" in proc.stderr and triton.__version__ in proc.stderr
+
+
+def test_the_gpu_checks_refuse_a_machine_without_cuda():
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the checks would run (scripts/gpu_gluon_checks.sh runs them)")
+    for name in ("check_gluon_fwd.py", "check_gluon_strip.py"):
+        proc = subprocess.run([sys.executable, str(SCRIPT.parent / name), "--quick"], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "no CUDA device" in proc.stderr

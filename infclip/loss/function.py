@@ -21,8 +21,8 @@ Only O(b) vectors are saved for backward; tiles are recomputed there.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from infclip.loss import duplicates
 from infclip.loss.tiled import row_dot

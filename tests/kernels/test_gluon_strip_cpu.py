@@ -224,16 +224,17 @@ def test_gluon_matches_triton_on_the_gpu(diag):
 def test_strip_kernel_option(monkeypatch):
     from infclip.kernels.clip.ops import GLUON_MIN_ROWS, STRIP_KERNEL_DEFAULT, TritonTileOps
 
-    assert STRIP_KERNEL_DEFAULT == "triton"  # not the default until scripts/check_gluon_strip.py passes on a GPU
+    assert STRIP_KERNEL_DEFAULT == "auto"  # scripts/check_gluon_strip.py passed on an H200 (commit 4221a99)
     with pytest.raises(ValueError, match="strip_kernel"):
         TritonTileOps(strip_kernel="cutlass")
-    monkeypatch.setenv("INFCLIP_STRIP_KERNEL", "auto")
-    assert TritonTileOps().strip_kernel == "auto"
-    monkeypatch.delenv("INFCLIP_STRIP_KERNEL")
+    monkeypatch.setenv("INFCLIP_STRIP_KERNEL", "triton")
+    assert TritonTileOps().strip_kernel == "triton"
     big = torch.zeros(GLUON_MIN_ROWS, 512, dtype=torch.bfloat16)
-    assert TritonTileOps()._strip_candidates(big, big, True)[0] == "strip"  # the default: Triton only
     monkeypatch.setattr(gluon_strip, "gluon_strip_available", lambda a, b, cfg=None: True)
-    auto = TritonTileOps(strip_kernel="auto")
+    assert TritonTileOps()._strip_candidates(big, big, True)[0] == "strip"  # "triton": Triton only
+    monkeypatch.delenv("INFCLIP_STRIP_KERNEL")
+    assert TritonTileOps().strip_kernel == "auto"
+    auto = TritonTileOps()
     kind, cands = auto._strip_candidates(big, big, True)
     assert kind == "strip_gluon" and isinstance(cands[-1], gluon_strip.GluonStripConfig)
     assert not isinstance(cands[0], gluon_strip.GluonStripConfig)

@@ -294,6 +294,7 @@ class JpegDecoder(nn.Module):
         self.decoded = 0  # images decoded on the device (both passes)
         self.cpu_pixels = 0  # worker-decoded images uploaded (data.cpu_decode_share; both passes)
         self.decode_s = 0.0  # seconds the decode thread spent decoding (its rate's denominator)
+        self._decode_s_seen = 0.0  # decode_s at the previous stats() (its per-step busy time)
         # The decoders write on a stream of ours that we synchronize first: memory they get
         # from the caching allocator is then no longer read or written by earlier work.
         # High priority: the resize kernels are small and the towers' large ones would otherwise
@@ -323,9 +324,15 @@ class JpegDecoder(nn.Module):
         return self.selection.describe() + roi + (keep if self.keep_bytes else "")
 
     def stats(self) -> dict[str, float]:
-        """Decoder counters for the progress line: images/s of decode work, fallbacks, drops."""
-        rate = self.decoded / self.decode_s if self.decode_s > 0 else 0.0
-        return {"decode_imgs_per_s": rate, "decode_failures": self.failures, "decode_ahead": self.ahead_decoded,
+        """Decoder counters for the progress line: images/s of decode work, fallbacks, drops, and
+        ``decode_busy_s``: seconds of decode work since the previous call (the trainer calls it
+        once per step; its share of the step says whether decoding bounds the step)."""
+        with self._lock:
+            total, busy = self.decode_s, self.decode_s - self._decode_s_seen
+            self._decode_s_seen = total
+        rate = self.decoded / total if total > 0 else 0.0
+        return {"decode_imgs_per_s": rate, "decode_busy_s": busy, "decode_failures": self.failures,
+                "decode_ahead": self.ahead_decoded,
                 "decode_cpu_pixels": self.cpu_pixels,
                 **{f"decode_dropped/{k}": v for k, v in self.drops.items()}}
 

@@ -29,7 +29,7 @@ from infclip.train.resume import last_finite_checkpoint, maybe_resume, resume_co
 from infclip.train.profiling import mark_phase_end, profiled_step
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
-from infclip.train.sm_partition import running_on
+from infclip.train.sm_partition import decode_bound_hint, running_on
 from infclip.train.logger import _BOOKKEEPING, gpu_memory_gb, run_info
 from infclip.train.pipeline import (
     LoaderStalled, StallWatch, StepPipeline, StoppedWaiting, TensorFeed, build_step_pipeline, duplicate_warning,
@@ -49,6 +49,7 @@ class State:
     saved_step: int = -1  # step of the newest checkpoint this process wrote or resumed from
     data_state: Optional[dict] = None  # loader position after the last *trained* step (not a prefetched one)
     step_rng: Optional[dict] = None  # RNG state at the start of the current step (single rank: to abandon it)
+    decode_hinted: bool = False  # the decode-bound note was written (once a run)
 
 
 def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
@@ -212,7 +213,7 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
         "host_image_bytes_per_sample": pipeline.image_bytes_per_sample(),
         **{f"time_{k}": v for k, v in out.timings.items()},
         "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
-        "amp_overflow": int(overflow), **_decoder_stats(parts),
+        "amp_overflow": int(overflow), **_decoder_stats(parts, step_time),
         **{k: v.item() if isinstance(v, torch.Tensor) else v for k, v in out.metrics.items()},  # (0-d device counts)
     }
 
@@ -226,11 +227,16 @@ def _cpu_decode_stats(cfg: Any, info: DistInfo, pipeline: StepPipeline) -> dict:
             "cpu_decoded_samples": pipeline.cpu_decoded}
 
 
-def _decoder_stats(parts: Any) -> dict:
+def _decoder_stats(parts: Any, step_time: float) -> dict:
     """The device JPEG decoder's counters (data.decode=device): its images/s of decode work
-    beside the loader's rate, fallbacks and dropped samples."""
+    beside the loader's rate, the share of the step it worked (``decode_busy_pct``),
+    fallbacks and dropped samples."""
     stats = getattr(parts.engine.normalizer, "stats", None)
-    return stats() if stats is not None else {}
+    if stats is None:
+        return {}
+    out = stats()
+    out["decode_busy_pct"] = 100.0 * out.pop("decode_busy_s") / step_time
+    return out
 
 
 def _simclr_views(cfg: Any, info: DistInfo, state: State, feed: Any) -> Any:
@@ -340,6 +346,7 @@ def _weights_abort_message(cfg: Any, info: DistInfo, parts: Parts, state: State)
 def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: dict) -> None:
     step = state.step
     parts.logger.progress(step, {"loss": metrics["loss"], "lr": metrics["lr"]})
+    _hint_decode_bound(cfg, info, parts, state, metrics)
     skipped = bool(metrics["skipped_step"])
     _count_nonfinite(state, skipped)
     if _logged(cfg, step) or skipped:
@@ -354,6 +361,17 @@ def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: d
     every_ckpt = cfg.checkpoint.every_n_steps
     if state.stop_requested or (every_ckpt and step % every_ckpt == 0):
         _save(parts, state)
+
+
+def _hint_decode_bound(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: dict) -> None:
+    """Once a run, on the main rank: say when the device decoder bounds the step and the SM
+    reserve for its kernels is off."""
+    if state.decode_hinted or not info.is_main or "decode_busy_pct" not in metrics:
+        return
+    msg = decode_bound_hint(metrics["decode_busy_pct"], cfg.data.decode_reserved_sms, state.step)
+    if msg:
+        parts.logger.write(msg)
+        state.decode_hinted = True
 
 
 def _agree_on_stop(state: State, info: DistInfo) -> None:

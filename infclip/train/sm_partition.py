@@ -152,3 +152,23 @@ def running_on(part: Partition) -> Iterator[None]:
             yield
     finally:
         outer.wait_stream(part.stream)
+
+
+# Decode-bound steps: the reserve pays where the decoder's work fills the step. Measured on one
+# H200 (commit 4221a99, LiT ViT-B/16 compiled, 65,536, 512-px photo shards, one call): decoder
+# busy ~94 % of the step, 4,151 samples/s with no reserve, 4,613 with 4 SMs, 4,705 with 8; at
+# 256 px, where the towers bound the step, 4 SMs cost 2.5-4 % (docs/benchmarks.md).
+DECODE_BOUND_PCT = 90.0
+SUGGESTED_RESERVE = 8
+
+
+def decode_bound_hint(busy_pct: float, reserved_sms: int, step: int) -> Optional[str]:
+    """One paragraph for the log when the JPEG decoder worked ``busy_pct`` % of step ``step``
+    (>= ``DECODE_BOUND_PCT``: decoding bounds the step) and no SMs are kept for it; None
+    otherwise, and for the first step (compile and warm-up distort it)."""
+    if step < 2 or reserved_sms > 0 or not busy_pct >= DECODE_BOUND_PCT:
+        return None
+    return (f"note: the GPU JPEG decoder worked {busy_pct:.0f} % of step {step}, so decoding bounds the step. "
+            f"data.decode_reserved_sms={SUGGESTED_RESERVE} keeps {SUGGESTED_RESERVE} SMs free of the towers for "
+            f"its kernels (LiT ViT-B/16 on 512-px photos, one H200: +13 %); where the towers bound the step "
+            f"it costs them 3-4 %.")

@@ -211,3 +211,9 @@ def test_decode_rate_counts_decoding_not_the_wait_for_another_threads_decode(mon
     assert wall >= 0.6  # one at a time
     assert 0.6 <= decoder.decode_s < 0.6 + 0.25  # each decode's own 0.3 s, not 0.3 s of waiting more
     assert decoder.decoded == 4
+    # the trainer's per-step busy time: the decode work since the previous stats() call
+    first = decoder.stats()
+    assert first["decode_busy_s"] == decoder.decode_s and first["decode_imgs_per_s"] == 4 / decoder.decode_s
+    assert decoder.stats()["decode_busy_s"] == 0.0
+    decoder._decode_timed(rows)
+    assert 0.3 <= decoder.stats()["decode_busy_s"] < 0.3 + 0.15

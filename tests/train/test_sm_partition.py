@@ -184,3 +184,36 @@ def test_a_step_on_the_towers_stream_is_bit_identical_and_the_stream_is_restored
         got = step()
     assert torch.cuda.current_stream() == outer
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("busy, reserved, step, says", [
+    (94.0, 0, 2, True),  # decode-bound, no reserve: the note
+    (smp.DECODE_BOUND_PCT, 0, 5, True),
+    (89.9, 0, 3, False),  # the towers bound the step
+    (97.0, 4, 3, False),  # a reserve is already kept
+    (97.0, 0, 1, False),  # the first step: compile and warm-up
+    (float("nan"), 0, 3, False),
+])
+def test_the_decode_bound_note_is_written_only_for_a_decode_bound_step_without_a_reserve(busy, reserved, step, says):
+    msg = smp.decode_bound_hint(busy, reserved, step)
+    assert (msg is not None) == says
+    if says:
+        assert f"data.decode_reserved_sms={smp.SUGGESTED_RESERVE}" in msg and f"{busy:.0f} %" in msg
+
+
+def test_the_trainer_writes_the_decode_bound_note_once_on_the_main_rank():
+    from infclip.train import loop
+
+    written = []
+    parts = SimpleNamespace(logger=SimpleNamespace(write=written.append))
+    cfg = SimpleNamespace(data=SimpleNamespace(decode_reserved_sms=0))
+    state = loop.State(step=2)
+    main, other = SimpleNamespace(is_main=True), SimpleNamespace(is_main=False)
+    loop._hint_decode_bound(cfg, other, parts, state, {"decode_busy_pct": 95.0})
+    loop._hint_decode_bound(cfg, main, parts, state, {"decode_busy_pct": 50.0})
+    loop._hint_decode_bound(cfg, main, parts, state, {"loss": 1.0})  # no device decoder
+    assert written == [] and not state.decode_hinted
+    for step in (3, 4):
+        state.step = step
+        loop._hint_decode_bound(cfg, main, parts, state, {"decode_busy_pct": 95.0})
+    assert len(written) == 1 and "step 3" in written[0] and state.decode_hinted

@@ -111,7 +111,7 @@ class TritonTileOps:
             the default when tuning is off: ``INFCLIP_TRITON_TUNE=0``; the GPU tests).
         strip_kernel: the same choice for the backward's strip fill (``gluon_strip``; the
             environment's ``INFCLIP_STRIP_KERNEL``); default ``STRIP_KERNEL_DEFAULT``
-            ("triton": the Gluon fill has not yet run on a GPU). It applies with offsets,
+            ("auto", from ``GLUON_MIN_ROWS`` columns). It applies with offsets,
             without group ids, with the positives folded (``strip_positives="fold"``).
     """
 

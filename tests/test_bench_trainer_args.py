@@ -64,3 +64,11 @@ def test_runs_that_differ_past_the_cut_get_logs_of_their_own():
     a, b = bench_trainer._tag([long + "x'"]), bench_trainer._tag([long + "y'"])
     assert a != b and a.startswith("_data.decoder_options") and len(a) <= 1 + 60 + 1 + 8
     assert "/" not in a and " " not in a and bench_trainer._tag([]) == ""
+
+
+def test_the_table_shows_the_decoder_s_busy_share_and_a_dash_where_a_run_has_none():
+    runs = [{"kind": "lit_compile", "global_batch": 65536, "samples_per_s": 4705.0, "decode_busy_pct": 93.6},
+            {"kind": "ours", "global_batch": 32768, "samples_per_s": 5000.0, "decode_busy_pct": float("nan")}]
+    head, _, lit, ours = bench_trainer._table(runs).splitlines()
+    col = head.split(" | ").index("decoder busy %")
+    assert lit.split(" | ")[col] == "94" and ours.split(" | ")[col] == "—"

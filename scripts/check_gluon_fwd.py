@@ -11,6 +11,14 @@ Then the compiled kernels' registers, spills, shared memory and wgmma counts.
 
     python scripts/check_gluon_fwd.py            # the full grid (< 3 minutes on an H200)
     python scripts/check_gluon_fwd.py --quick    # c = 512, b in {1000, 8192}
+    python scripts/check_gluon_fwd.py --band     # duplicates "mask": the BAND variants (below)
+
+--band: the same grid with group ids (duplicates "mask" on one process): ids as
+``scripts/bench_loss.py --duplicates`` draws them (1 % of the samples take another's id:
+groups of 2-3, small w), and the same plus one group of 300 (w = 299: the band spans several
+tiles), sorted by group (``infclip.loss.duplicates.sort_groups``: int32 ids and the band w).
+Compares the Gluon forward's BAND variant with the Triton forward's (HAS_GID + BAND) and, at
+b <= 8192, with a float64 masked reference; times both.
 """
 
 from __future__ import annotations
@@ -48,6 +56,74 @@ def reference(img: torch.Tensor, txt: torch.Tensor, s: torch.Tensor, pos: torch.
     o = pos.double()
     sd = s.double()
     return torch.logsumexp(sd * (dot - o[:, None]), 1), torch.logsumexp(sd * (dot - o[None, :]), 0)
+
+
+def band_ids(b: int, big: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(ids (b,) int32, band (1,) int32, w) of a batch sorted by group: ``bench_loss.duplicate_ids``'
+    1 % duplicates, plus one group of ``big`` members (0: none), through ``sort_groups``."""
+    from bench_loss import duplicate_ids
+    from infclip.loss.duplicates import sort_groups
+
+    ids = duplicate_ids(b, 0.01, "cuda", seed=seed)
+    if big:
+        ids[torch.randperm(b, device="cuda")[:big]] = -1
+    srt = sort_groups(ids)
+    return srt.ids, srt.band, int(srt.band.item())
+
+
+def masked_reference(img: torch.Tensor, txt: torch.Tensor, s: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor):
+    """``reference`` with the same-group pairs i != j dropped from both directions."""
+    dot = img.double() @ txt.double().T
+    dot.diagonal().copy_(pos.double())
+    o = pos.double()
+    sd = s.double()
+    same = ids[:, None] == ids[None, :]
+    same.fill_diagonal_(False)
+    inf = torch.tensor(float("-inf"), device=dot.device, dtype=dot.dtype)
+    return (torch.logsumexp(torch.where(same, inf, sd * (dot - o[:, None])), 1),
+            torch.logsumexp(torch.where(same, inf, sd * (dot - o[None, :])), 0))
+
+
+def run_band_case(c: int, b: int, big: int, cfgs: list, time_it: bool) -> None:
+    """The BAND variant of the Gluon forward against the Triton forward's, on sorted ids."""
+    img, txt = features(b, c, torch.bfloat16, seed=b + c)
+    s = torch.tensor(1 / 0.07, device="cuda")
+    pos = positive_dots(img, txt)
+    ids, band, w = band_ids(b, big, seed=c)
+    groups = (ids, ids, band)
+    ops = TritonTileOps(forward_kernel="triton")
+    tri = ops.forward(img, txt, s, offsets=(pos, pos), diag=True, groups=groups)
+    ref = masked_reference(img, txt, s, pos, ids) if b <= REF_MAX_B else None
+    fl = gluon_fwd.flops(b, b, c)
+    call = lambda: ops.forward(img, txt, s, offsets=(pos, pos), diag=True, groups=groups)  # noqa: E731
+    t_tri = time_ms(call, REPS) if time_it else math.nan
+    line = f"band c={c:5d} b={b:6d} w={w:4d}"
+    if ref is not None:
+        line += f" | triton-ref {maxdiff(tri[0], ref[0]):.2e} {maxdiff(tri[1], ref[1]):.2e}"
+    print(f"{line} | triton {t_tri:8.3f} ms {fl / t_tri / 1e9:6.1f} TF/s", flush=True)
+    for cfg in cfgs:
+        tag = f"    gluon band BM={cfg.BM:3d} BN={cfg.BN:3d} stages={gluon_fwd.pick_stages(cfg, c):2d}"
+        try:
+            if not gluon_fwd.gluon_available(img, txt, cfg):
+                print(f"{tag}: not available here")
+                continue
+            def run(cfg=cfg, **kw):
+                return gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg, gid_a=ids, gid_b=ids,
+                                                   band=band, **kw)
+
+            got = run(alloc=poison)
+            torch.cuda.synchronize()
+            msg = f"{tag}: vs triton row {maxdiff(got[0], tri[0]):.2e} col {maxdiff(got[1], tri[1]):.2e}"
+            if ref is not None:
+                msg += f" | vs ref row {maxdiff(got[0], ref[0]):.2e} col {maxdiff(got[1], ref[1]):.2e}"
+            msg += f" | nan {int(got[0].isnan().sum() + got[1].isnan().sum())}"
+            if time_it:
+                t = time_ms(run, REPS)
+                msg += f" | {t:8.3f} ms {fl / t / 1e9:6.1f} TF/s  x{t_tri / t:.2f} vs triton band"
+            print(msg, flush=True)
+        except Exception:  # noqa: BLE001 -- report and go on: one call, all the information
+            print(f"{tag}: FAILED")
+            traceback.print_exc()
 
 
 def poison(*shape, device, dtype):
@@ -135,10 +211,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="c = 512, b in {1000, 8192} only")
     ap.add_argument("--no-time", action="store_true", help="correctness only")
+    ap.add_argument("--band", action="store_true", help="the BAND variants (duplicates 'mask', sorted ids)")
     args = ap.parse_args()
     print_versions()
     cs = [512] if args.quick else [512, 768, 1024]
     bs = [1000, 8192] if args.quick else [1000, 8192, 32768, 65536]
+    if args.band:
+        for c in cs:
+            cfgs = gluon_fwd.tune_candidates(c) or [gluon_fwd.default_config(c)]
+            for b in bs:
+                for big in (0, 300):  # groups of 2-3 (w small), and one of 300 (w spans tiles)
+                    try:
+                        run_band_case(c, b, big, cfgs, not args.no_time)
+                    except Exception:  # noqa: BLE001
+                        print(f"band c={c} b={b} big={big}: FAILED")
+                        traceback.print_exc()
+                    torch.cuda.empty_cache()
+        print("compiled Gluon kernels:")
+        print_compiled({"gluon forward": gluon_fwd._lse_fwd_ws_kernel})
+        return
     for c in cs:
         # the default (BM 64 x BN 128, A resident up to c = 1024) and, where A's 128 rows fit, 128 x 64
         cfgs = [gluon_fwd.default_config(c)]

@@ -17,6 +17,13 @@ memory and wgmma / HGMMA counts.
 
     python scripts/check_gluon_strip.py            # the full grid (< 2 minutes on an H200)
     python scripts/check_gluon_strip.py --quick    # c = 512, (R, N) in {(1000, 1000), (1000, 32768)}
+    python scripts/check_gluon_strip.py --band     # duplicates "mask": the BAND variants (below)
+
+--band: the square (diagonal) cases with group ids, sorted by group as duplicates "mask" on one
+process sorts them (``check_gluon_fwd.band_ids``: 1 % duplicates as ``bench_loss.py
+--duplicates`` draws them, groups of 2-3; and the same plus one group of 300, whose band spans
+several tiles), the LSEs from the Triton band forward; compares the Gluon fill's BAND variant
+with the Triton TMA fill's (HAS_GID + BAND) as above and times both.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import traceback
 import torch
 
 from bench_loss import time_ms  # this folder's sibling scripts
-from check_gluon_fwd import print_compiled, print_versions
+from check_gluon_fwd import band_ids, print_compiled, print_versions
 from infclip.kernels.clip import gluon_strip, launch
 from infclip.kernels.clip.kernels import _dx_strip_tma_kernel
 from infclip.kernels.clip.ops import TritonTileOps
@@ -51,10 +58,13 @@ def features(n: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.nn.functional.normalize(txt, dim=1).bfloat16())
 
 
-def problem(r: int, n: int, c: int, diag: bool) -> dict:
-    """A (m, c), B (n, c), their vectors and the strip's first row (module docs)."""
+def problem(r: int, n: int, c: int, diag: bool, big: int | None = None) -> dict:
+    """A (m, c), B (n, c), their vectors and the strip's first row (module docs); big not None:
+    sorted group ids and their band (``band_ids``, with one group of ``big``; diag only)."""
     if diag and n < r:
         raise ValueError("a diagonal case needs N >= R (the strip lies in the square pair)")
+    if big is not None and not diag:
+        raise ValueError("a band case needs the square pair with its diagonal")
     m = n if diag else max(n, r) + 517  # without the diagonal: a non-square pair
     big = max(m, n)
     img, txt = features(big, c, seed=r + n + c)
@@ -62,28 +72,34 @@ def problem(r: int, n: int, c: int, diag: bool) -> dict:
     a, b = img[:m], txt[:n]
     o_a, o_b = pos[:m].contiguous(), pos[:n].contiguous()
     s = torch.tensor(1 / 0.07, device="cuda")
-    lse_a, lse_b = TritonTileOps(forward_kernel="triton").forward(a, b, s, offsets=(o_a, o_b), diag=diag)
+    ids = band = None
+    kw = {}
+    if big is not None:
+        ids, band, _ = band_ids(n, big, seed=c)
+        kw = dict(groups=(ids, ids, band))
+    lse_a, lse_b = TritonTileOps(forward_kernel="triton").forward(a, b, s, offsets=(o_a, o_b), diag=diag, **kw)
     g_a = torch.full((m,), 1 / (2 * big), device="cuda")
     g_b = torch.full((n,), 1 / (2 * big), device="cuda")
     g_d = (g_a + g_b) if diag else None
     # A strip that crosses the diagonal (odd first row: no tile alignment), within the m rows.
     row_start = min(max(0, n // 3) | 1, m - r) if m > r else 0
     return dict(a=a, b=b, s=s, lse_a=lse_a.float().contiguous(), lse_b=lse_b.float().contiguous(), o_a=o_a,
-                o_b=o_b, g_a=g_a, g_b=g_b, g_d=g_d, r=r, r0=row_start, diag=diag)
+                o_b=o_b, g_a=g_a, g_b=g_b, g_d=g_d, r=r, r0=row_start, diag=diag, ids=ids, band=band)
 
 
 def fill(kind: str, pb: dict, cfg, scratch: torch.Tensor, ds_buf: torch.Tensor) -> None:
     """One strip fill of P = s dX[r0:r0 + r] into scratch, its ds partials into ds_buf."""
     a, b, r = pb["a"], pb["b"], pb["r"]
     o_a, o_b, gd, flags = launch._vecs(a, pb["o_a"], pb["o_b"], pb["g_d"], True)
-    flags["HAS_GID"] = False
+    ids, band = pb.get("ids"), pb.get("band")
+    flags["HAS_GID"] = ids is not None
     tiles = launch.cdiv(r, cfg.BM) * launch.cdiv(b.shape[0], cfg.BN)
     args = (a, b, pb["s"], pb["lse_a"], pb["lse_b"], o_a, o_b, pb["g_a"], pb["g_b"], gd, scratch, ds_buf, pb["s"],
-            r, pb["r0"], cfg, "tf32", True, flags, tiles)
+            r, pb["r0"], cfg, "tf32", True, flags, tiles, ids, ids)
     if kind == "gluon":
-        gluon_strip.fill_strip_gluon(*args)
+        gluon_strip.fill_strip_gluon(*args, band=band)
     else:
-        launch._fill_tma(*args)
+        launch._fill_tma(*args, launch._band(band, ids, a.shape[0], b.shape[0]))
 
 
 
@@ -96,11 +112,13 @@ def ulp_diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, int]:
     return (diff / ulp).max().item(), int((diff > 0).sum().item())
 
 
-def run_case(c: int, r: int, n: int, diag: bool, cfgs: list, time_it: bool) -> None:
-    pb = problem(r, n, c, diag)
+def run_case(c: int, r: int, n: int, diag: bool, cfgs: list, time_it: bool, big: int | None = None) -> None:
+    pb = problem(r, n, c, diag, big)
     fl = gluon_strip.flops(r, n, c)
     tri_cfgs = [t for t in launch.strip_candidates(c, 2) if t.tma]
     head = f"c={c:5d} R={r:5d} N={n:6d} m={pb['a'].shape[0]:6d} row0={pb['r0']:6d} diag={int(diag)}"
+    if big is not None:
+        head = f"band w={int(pb['band'].item()):4d} {head}"
     want = torch.full((r, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     t0 = tri_cfgs[0]
     want_ds_buf = torch.zeros(launch.cdiv(r, t0.BM) * launch.cdiv(n, t0.BN), device="cuda")
@@ -151,6 +169,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="c = 512, R = 1000, N in {1000, 32768}")
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--default-only", action="store_true", help="only the default Gluon config (64 x 128)")
+    ap.add_argument("--band", action="store_true", help="the BAND variants (duplicates 'mask', sorted ids)")
     args = ap.parse_args()
     print_versions()
     cs = [512] if args.quick else [512, 768, 1024]
@@ -158,12 +177,14 @@ def main() -> None:
         (1000, 1000), (1000, 32768), (1000, 65536), (4096, 1000), (4096, 32768), (4096, 65536)]
     for c in cs:
         cfgs = [gluon_strip.default_config(c)] if args.default_only else gluon_strip.tune_candidates(c)
-        cases = [(r, n, n >= r) for r, n in shapes]
+        cases = [(r, n, n >= r, None) for r, n in shapes]
         if c == 512 and not args.quick:
-            cases.append((1000, 32768, False))  # offsets without the diagonal on a wide pair
-        for r, n, diag in cases:
+            cases.append((1000, 32768, False, None))  # offsets without the diagonal on a wide pair
+        if args.band:  # the square cases, groups of 2-3 (w small) and one of 300 (w spans tiles)
+            cases = [(r, n, True, big) for r, n, diag, _ in cases if diag for big in (0, 300)]
+        for r, n, diag, big in cases:
             try:
-                run_case(c, r, n, diag, cfgs, not args.no_time)
+                run_case(c, r, n, diag, cfgs, not args.no_time, big)
             except Exception:  # noqa: BLE001
                 print(f"c={c} R={r} N={n} diag={diag}: FAILED")
                 traceback.print_exc()

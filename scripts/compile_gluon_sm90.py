@@ -5,7 +5,8 @@ The H200 machine runs triton 3.6; the Gluon kernels (``kernels/clip/gluon_fwd.py
 installed into a folder of its own (not the environment's triton), stands a stub driver in
 for the GPU (target ``cuda:90``), compiles every shipped variant through the wheel's own
 ``ptxas`` and prints, per variant: registers, spilled bytes, shared memory, wgmma in the PTX
-and HGMMA in the SASS. It runs nothing: correctness and speed need the GPU
+and HGMMA in the SASS (and setmaxnreg in the PTX), the BAND variants (group ids of a batch
+sorted by group) beside the plain ones. It runs nothing: correctness and speed need the GPU
 (``scripts/check_gluon_fwd.py``, ``scripts/check_gluon_strip.py``). What it catches first: API
 names a triton version lacks, layouts that do not lower, spills and shared memory over budget.
 
@@ -111,7 +112,18 @@ def sass_report(kernel, site: str) -> dict:
                 ex2=sass.count("MUFU.EX2"))
 
 
-def compile_fwd(gf, k: int, cfg, diag: bool, dtype):
+def _band(m: int, n: int, band: bool) -> dict:
+    """The kernels' group-id arguments: None / False, or int32 ids and w (``gluon_common.band_args``)."""
+    import torch
+
+    if not band:
+        return dict(gid_a_ptr=None, gid_b_ptr=None, band_ptr=None, BAND=False)
+    i32 = torch.int32
+    return dict(gid_a_ptr=torch.empty(m, dtype=i32), gid_b_ptr=torch.empty(n, dtype=i32),
+                band_ptr=torch.empty(1, dtype=i32), BAND=True)
+
+
+def compile_fwd(gf, k: int, cfg, diag: bool, dtype, band: bool = False):
     import torch
 
     m = n = 4096
@@ -120,11 +132,11 @@ def compile_fwd(gf, k: int, cfg, diag: bool, dtype):
     kern = gf._lse_fwd_ws_kernel.warmup(
         a_desc, b_desc, torch.empty(()), torch.empty(m), torch.empty(n), torch.empty(2, m),
         torch.empty(m // cfg.BM, n), m, 0, n, n, n, K=k, STAGES=gf.pick_stages(cfg, k), HAS_DIAG=diag,
-        REGS=cfg.regs, num_warps=4, maxnreg=cfg.maxnreg, grid=(1,))
+        REGS=cfg.regs, num_warps=4, maxnreg=cfg.maxnreg, grid=(1,), **_band(m, n, band))
     return kern
 
 
-def compile_strip(gs, k: int, cfg, diag: bool, dtype):
+def compile_strip(gs, k: int, cfg, diag: bool, dtype, band: bool = False):
     import torch
 
     m = n = 4096
@@ -135,7 +147,7 @@ def compile_strip(gs, k: int, cfg, diag: bool, dtype):
     kern = gs._dx_strip_ws_kernel.warmup(
         a_desc, b_desc, p_desc, torch.empty(()), va[0], vb[0], va[1], vb[1], va[2], vb[2], va[0],
         torch.empty(1024), r, 0, n, K=k, STAGES=gs.pick_stages(cfg), GROUP=cfg.GROUP, HAS_DIAG=diag,
-        REGS=cfg.regs, num_warps=4, maxnreg=cfg.maxnreg, grid=(1,))
+        REGS=cfg.regs, num_warps=4, maxnreg=cfg.maxnreg, grid=(1,), **_band(m, n, band))
     return kern
 
 
@@ -144,33 +156,40 @@ def main() -> None:
     p.add_argument("--triton", required=True, help="folder holding triton 3.6 (pip install --target)")
     p.add_argument("--dims", default="512,768,1024")
     p.add_argument("--save", metavar="DIR", help="also write each variant's PTX there (to diff two versions)")
+    p.add_argument("--only", choices=("forward", "strip"), help="compile one kernel's variants only")
     args = p.parse_args()
     _load_triton(args.triton)
     import torch
 
     gf, gs = _kernels()
-    print("| kernel | K | tile | diag | registers | spill stores (bytes) | shared KB | HGMMA | STL / LDL | MUFU.EX2 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| kernel | K | tile | diag | band | registers | spill stores (bytes) | shared KB | HGMMA | STL / LDL | "
+          "MUFU.EX2 | setmaxnreg |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    # (diag, band): the plain variants, and the band's (duplicates "mask" on a batch sorted by
+    # group: the positives' square pair, so with the diagonal only)
+    variants = ((True, False), (False, False), (True, True))
     for k in (int(x) for x in args.dims.split(",")):
         for name, cands, build in (("forward", gf.tune_candidates(k), compile_fwd),
                                    ("strip", gs.tune_candidates(k), compile_strip)):
+            if args.only and name != args.only:
+                continue
             for cfg in cands:
-                for diag in (True, False):
+                for diag, band in variants:
                     try:
-                        kern = build(gf if name == "forward" else gs, k, cfg, diag, torch.bfloat16)
+                        kern = build(gf if name == "forward" else gs, k, cfg, diag, torch.bfloat16, band)
                         rep = sass_report(kern, args.triton)
                         if args.save:
                             Path(args.save).mkdir(parents=True, exist_ok=True)
-                            tag = f"{name}_{k}_{cfg.BM}x{cfg.BN}_{'diag' if diag else 'off'}"
+                            tag = f"{name}_{k}_{cfg.BM}x{cfg.BN}_{'diag' if diag else 'off'}{'_band' if band else ''}"
                             (Path(args.save) / f"{tag}.ptx").write_text(kern.asm["ptx"])
                     except Exception as err:  # noqa: BLE001 -- report and go on: one table for all
                         msg = (str(err).splitlines() or [""])[0][:120]
-                        print(f"| {name} | {k} | {cfg.BM}x{cfg.BN} | {diag} | failed: {type(err).__name__}: {msg} "
-                              f"| | | | | |")
+                        print(f"| {name} | {k} | {cfg.BM}x{cfg.BN} | {diag} | {band} | failed: {type(err).__name__}: "
+                              f"{msg} | | | | | | |")
                         continue
-                    print(f"| {name} | {k} | {cfg.BM}x{cfg.BN} | {diag} | {rep['regs']} | {rep['spill_stores']} | "
-                          f"{kern.metadata.shared / 1024:.0f} | {rep['hgmma']} | {rep['stl']} / {rep['ldl']} | "
-                          f"{rep['ex2']} |")
+                    print(f"| {name} | {k} | {cfg.BM}x{cfg.BN} | {diag} | {band} | {rep['regs']} | "
+                          f"{rep['spill_stores']} | {kern.metadata.shared / 1024:.0f} | {rep['hgmma']} | "
+                          f"{rep['stl']} / {rep['ldl']} | {rep['ex2']} | {kern.asm['ptx'].count('setmaxnreg')} |")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 27 on a GPU machine, in one call: the Gluon kernels checked, then timed against the
 # Triton ones inside the loss, then the duplicates' cost. Each part has its own timeout; results
-# in $OUT (at most 8 files come back: env.txt strip.txt tests.txt bench_<mode>.txt dup.txt).
+# in $OUT (at most 8 files come back: env.txt strip.txt tests.txt bench_<mode>.txt dup.txt band.txt).
 #
-#   bash scripts/gpu_gluon_checks.sh <commit>                       # all parts, ~9 min
-#   PARTS=setup,strip,tests bash scripts/gpu_gluon_checks.sh <commit>
+#   bash scripts/gpu_gluon_checks.sh <commit>                       # all parts: ~15 min at the defaults
+#   PARTS=setup,strip,tests bash scripts/gpu_gluon_checks.sh <commit>   # so, two calls of < 10 min:
+#   PARTS=bench,dup,band bash scripts/gpu_gluon_checks.sh <commit>      # (the second on the warm machine)
 #
 # Parts:
 #   setup  - install the carried wheels (.whl/*.whl) and this checkout (as gpu_real_data.sh)
@@ -16,9 +17,12 @@
 #   bench  - scripts/bench_loss.py, CLIP loss forward + backward, bf16: INFCLIP_STRIP_KERNEL=triton
 #            and =auto (the tuner times the Gluon fill too), one process each (MODES to choose)
 #   dup    - scripts/bench_loss.py --duplicates --breakdown (mask / positive against off)
-# Knobs: STRIP_S TESTS_S BENCH_S DUP_S (seconds per part), BATCHES DIMS MODES.
+#   band   - duplicates "mask" in the Gluon kernels (forced only until this passes: ops.GLUON_BAND_AUTO):
+#            check_gluon_fwd.py --band and check_gluon_strip.py --band against the Triton band
+#            kernels, then bench_loss.py --duplicates --breakdown with both Gluon kernels forced
+# Knobs: STRIP_S TESTS_S BENCH_S DUP_S BAND_S (seconds per part), BATCHES DIMS MODES.
 set -o pipefail
-PARTS="${PARTS:-setup,strip,tests,bench,dup}"
+PARTS="${PARTS:-setup,strip,tests,bench,dup,band}"
 COMMIT="${1:-unknown}"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 PY="${PY:-python3}"
@@ -61,4 +65,12 @@ if has dup; then
       > $OUT/dup.txt 2>&1
   echo "rc=$?" >> $OUT/dup.txt
   tail -12 $OUT/dup.txt
+fi
+if has band; then
+  { timeout "${BAND_S:-120}" $PY -u scripts/check_gluon_fwd.py --band; echo "forward rc=$?"
+    timeout "${BAND_S:-120}" $PY -u scripts/check_gluon_strip.py --band; echo "strip rc=$?"
+    INFCLIP_FORWARD_KERNEL=gluon INFCLIP_STRIP_KERNEL=gluon timeout "${BAND_S:-120}" $PY -u scripts/bench_loss.py \
+        --duplicates --breakdown --commit "$COMMIT" --out /tmp/dup_gluon; echo "bench rc=$?"
+  } > $OUT/band.txt 2>&1
+  grep -E "rc=|mask|FAIL" $OUT/band.txt | tail -20
 fi

@@ -4,8 +4,9 @@ The guarded import of triton's Gluon (triton >= 3.6, whose API the kernels are w
 against): importing this module never fails; without Gluon ``gluon`` and ``gl`` are None,
 ``jit`` returns the plain function (never launched) and ``sm90_16bit`` says no. Also the
 base-2 constants the kernels read as constexprs, the shared-memory budget, the availability
-prelude both kernels need (sm_90, 16-bit, TMA-able rows, K a multiple of ``BK``) and the
-compiled-kernel report of the check scripts.
+prelude both kernels need (sm_90, 16-bit, TMA-able rows, K a multiple of ``BK``), the checks of
+their group-id arguments (``band_args``: the sorted-band case only) and the compiled-kernel
+report of the check scripts.
 """
 
 from __future__ import annotations
@@ -119,6 +120,29 @@ def mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C: gl.constexpr, NK: gl
     mbarrier.arrive(empty.index((t * NK + NK - 1) % STAGES))
     mbarrier.arrive(turn.index(1 - C))
     return acc
+
+
+def band_args(gid_a: Tensor | None, gid_b: Tensor | None, band: Tensor | None, m: int, n: int,
+              has_diag: bool) -> dict:
+    """The kernels' group-id arguments (``gid_a_ptr``, ``gid_b_ptr``, ``band_ptr``, ``BAND``) for
+    ``lse_forward_gluon`` and ``gluon_strip.fill_strip_gluon``: all None / False without ids;
+    else the sorted-band case only (``launch._band``'s): int32 ids of one device, a (1,) int32
+    w on it, the positives' square block pair (``has_diag``; the Triton kernels' BAND needs
+    it too). Ids without a band (the ring, whose blocks compare every tile) are refused: the
+    Triton kernels take those."""
+    if gid_a is None and gid_b is None and band is None:
+        return dict(gid_a_ptr=None, gid_b_ptr=None, band_ptr=None, BAND=False)
+    if gid_a is None or gid_b is None or band is None:
+        raise ValueError("the Gluon kernels take group ids only as (gid_a, gid_b, band) of a batch sorted by group "
+                         "(the ring's ids without a band run on the Triton kernels)")
+    if not has_diag or m != n:
+        raise ValueError(f"the band needs the positives' square block pair (has_diag), got {m} x {n}"
+                         + ("" if has_diag else " without has_diag"))
+    for name, t, size in (("gid_a", gid_a, m), ("gid_b", gid_b, n), ("band", band, 1)):
+        if t.dtype != torch.int32 or t.shape != (size,) or not t.is_contiguous() or t.device != gid_a.device:
+            raise ValueError(f"{name} must be a contiguous ({size},) int32 tensor on {gid_a.device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    return dict(gid_a_ptr=gid_a, gid_b_ptr=gid_b, band_ptr=band, BAND=True)
 
 
 def gl_dtype(t: Tensor):

@@ -2,8 +2,8 @@
 
 Computes what ``launch.lse_forward`` computes for its fast case -- 16-bit A (M, K) and B
 (N, K), the offsets' one-FMA shift (HAS_OFF == 2), optionally the positives' diagonal
-(HAS_DIAG), no group ids -- and returns the same final (row_lse (M,), col_lse (N,)) fp32,
-natural log, relative to s * offsets. Written against triton 3.6's Gluon API
+(HAS_DIAG), group ids only in the band case (BAND, below) -- and returns the same final
+(row_lse (M,), col_lse (N,)) fp32, natural log, relative to s * offsets. Written against triton 3.6's Gluon API
 (``triton.experimental.gluon``); importing this module never fails (no GPU, no Gluon: the
 kernel is simply not available, see ``gluon_available``).
 
@@ -37,6 +37,16 @@ Design (one program = BM rows x one column range, as the Triton kernel's (pid_m,
     the edge tiles only (a uniform runtime branch). Row direction: online (max, sum) per
     row over the consumer's tiles; column direction: the tile's LSE over the BM rows,
     stored to ``col_part[pid_m, col - col_start]``.
+  * Band (BAND, with HAS_DIAG; ``kernels._lse_fwd_kernel`` with HAS_GID and BAND): int32 group
+    ids of a batch sorted by group and w (a (1,) device tensor: every same-group pair has
+    |i - j| <= w). A tile within w of the diagonal (``kernels._in_band``'s test, one uniform
+    branch per tile) loads its columns' ids and sets the dot products of same-group entries to
+    -inf (both directions; i == j put back to 0 by the diagonal fix after it), with the
+    guards of ``kernels._fwd_step`` for a row or column whose entries so far are all dropped;
+    any other tile loads and compares nothing. The Triton kernel splits its column loop
+    instead (no runtime branch in a Triton loop); here a uniform branch per tile is what the
+    edge / diagonal fixes use already. BAND off: the id pointers are None and the kernel
+    compiles to the PTX of before (checked, sm_90a).
   * Partials: ``row_part[2 * pid_s + consumer, rows]`` (each consumer saw half the tiles:
     twice the Triton path's row splits) and ``col_part[pid_m, cols]``; the host merges them
     with ``torch.logsumexp`` exactly as ``lse_forward`` does, column chunks bounding
@@ -151,9 +161,9 @@ def _producer(a_desc, b_desc, a_smem, b_smem, a_bar, ready, empty, row0, lo, n_t
 
 @jit
 def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
-              col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp,
-              C: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              HAS_DIAG: gl.constexpr):
+              col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp, gid_a_ptr, gid_b_ptr,
+              band_ptr, C: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+              HAS_DIAG: gl.constexpr, BAND: gl.constexpr):
     """One warpgroup: the column tiles t = C, C + 2, ... of the range (module docs)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -166,6 +176,9 @@ def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, o
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_l)
     l_i = gl.zeros([BM], gl.float32, layout=row_l)
     acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+    if BAND:  # the rows' group ids and w, once (the columns' ids: in the band's tiles only)
+        gid_a = gl.load(gid_a_ptr + gl.minimum(rows, M - 1))
+        w = gl.load(band_ptr)
     mbarrier.wait(a_bar, 0)
     for t in range(C, n_tiles, 2):
         j0 = lo + t * BN
@@ -178,21 +191,42 @@ def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, o
         diag = False
         if HAS_DIAG:
             diag = (j0 < row0 + BM) & (j0 + BN > row0)
+        band = False
+        if BAND:  # a tile within w of the diagonal: duplicates leave both directions (-inf dot products,
+            # which shift and scale to -inf: ``kernels._fwd_step``'s select), before _fix puts i == j back
+            band = (j0 < row0 + BM + w) & (j0 + BN > row0 - w)  # ``kernels._in_band``
+            if band:
+                acc = gl.where(_same_group(gid_a, gid_b_ptr, cols, hi), float("-inf"), acc)
         xr = acc * s2 - oa2[:, None]
         if edge | diag:
             xr = _fix(xr, rows, cols, cols < hi, 1, HAS_DIAG)
         m_new = gl.maximum(m_i, gl.max(xr, 1))
-        l_i = l_i * gl.exp2(m_i - m_new) + gl.sum(gl.exp2(xr - m_new[:, None]), 1)
+        m_use = m_new
+        if band:  # a row with no entry yet (all dropped): any finite base gives l = 0, not NaN
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * gl.exp2(m_i - m_use) + gl.sum(gl.exp2(xr - m_use[:, None]), 1)
         m_i = m_new
         xc = acc * s2 - ob2[None, :]
         if edge | diag:
             xc = _fix(xc, rows, cols, row_ok, 0, HAS_DIAG)
         cm = gl.max(xc, 0)
+        if band:  # an all-dropped column: its partial is log2(0) = -inf
+            cm = gl.where(cm == float("-inf"), 0.0, cm)
         cl = gl.sum(gl.exp2(xc - cm[None, :]), 0)
         gl.store(col_part_ptr + pid_m * stride_cp + (cols - col_start), (cm + gl.log2(cl)) * LN2,
                  mask=cols < hi)
     # A consumer without tiles stores -inf (m = -inf, l = 0): nothing, for the host's logsumexp.
     gl.store(row_part_ptr + (2 * pid_s + C) * M + rows, (m_i + gl.log2(l_i)) * LN2, mask=row_ok)
+
+
+@jit
+def _same_group(gid_a, gid_b_ptr, cols, hi):
+    """(BM, BN) bool: the tile's entries whose row and column share a group id
+    (``kernels._group_drop``; i == j too, put back by ``_fix``); the columns' ids loaded here
+    by a masked load (past hi: -inf by ``_fix``), whose addresses stay one base plus constant
+    offsets (clamped ones take a register pair each: ``gluon_strip._same_group``)."""
+    gid_b = gl.load(gid_b_ptr + cols, mask=cols < hi, other=0)
+    return gid_a[:, None] == gid_b[None, :]
 
 
 @jit
@@ -211,10 +245,14 @@ def _fix(x, rows, cols, ok, AXIS: gl.constexpr, HAS_DIAG: gl.constexpr):
 
 @jit
 def _lse_fwd_ws_kernel(a_desc, b_desc, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr, col_part_ptr,
-                       M, col_start, col_stop, cols_per_split, stride_cp,
-                       K: gl.constexpr, STAGES: gl.constexpr, HAS_DIAG: gl.constexpr, REGS: gl.constexpr):
+                       M, col_start, col_stop, cols_per_split, stride_cp, gid_a_ptr, gid_b_ptr, band_ptr,
+                       K: gl.constexpr, STAGES: gl.constexpr, HAS_DIAG: gl.constexpr, REGS: gl.constexpr,
+                       BAND: gl.constexpr = False):
     """row_part[2 pid_s + c, rows], col_part[pid_m, cols - col_start]: partial LSEs (natural,
-    relative to s * offsets) of rows pid_m * BM.. over the columns of split pid_s (module docs)."""
+    relative to s * offsets) of rows pid_m * BM.. over the columns of split pid_s (module docs).
+    BAND: int32 group ids (rows gid_a, columns gid_b) of a batch sorted by group and w =
+    band_ptr[0]; the tiles within w of the diagonal drop same-group entries (module docs).
+    Without it the three pointers are None (the kernel of before)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -237,11 +275,11 @@ def _lse_fwd_ws_kernel(a_desc, b_desc, scale_ptr, off_a_ptr, off_b_ptr, row_part
     # constexprs into plain ints, which a worker partition's arguments reject.
     gl.warp_specialize([
         (_consumer, (a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
-                     col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp,
-                     gl.constexpr(0), NK, STAGES, BM, BN, HAS_DIAG)),
+                     col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp, gid_a_ptr,
+                     gid_b_ptr, band_ptr, gl.constexpr(0), NK, STAGES, BM, BN, HAS_DIAG, BAND)),
         (_consumer, (a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
-                     col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp,
-                     gl.constexpr(1), NK, STAGES, BM, BN, HAS_DIAG)),
+                     col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp, gid_a_ptr,
+                     gid_b_ptr, band_ptr, gl.constexpr(1), NK, STAGES, BM, BN, HAS_DIAG, BAND)),
         (_producer, (a_desc, b_desc, a_smem, b_smem, a_bar, ready, empty, row0, lo, n_tiles, NK, STAGES)),
     ], [4, 1], [REGS, 24])
 
@@ -257,11 +295,14 @@ def _descriptors(a: Tensor, b: Tensor, cfg: GluonFwdConfig):
 
 
 def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor | None, off_b: Tensor | None,
-                      has_diag: bool, cfg: GluonFwdConfig | None = None, alloc=torch.empty) -> tuple[Tensor, Tensor]:
+                      has_diag: bool, cfg: GluonFwdConfig | None = None, alloc=torch.empty,
+                      gid_a: Tensor | None = None, gid_b: Tensor | None = None,
+                      band: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(row_lse (m,), col_lse (n,)) fp32, natural log, relative to s * offsets: the final
     values ``launch.lse_forward(a, b, scale, cfg, prec, off_a=off_a, off_b=off_b,
-    diag=has_diag)`` returns for 16-bit inputs (its HAS_OFF == 2 path, no group ids).
-    Offsets None (no diagonal then): zeros, which shift nothing (the same logits).
+    diag=has_diag, gid_a=gid_a, gid_b=gid_b, band=band)`` returns for 16-bit inputs (its
+    HAS_OFF == 2 path; group ids only with the band: ``gluon_common.band_args``). Offsets None (no
+    diagonal then): zeros, which shift nothing (the same logits).
     ``gluon_available(a, b, cfg)`` must hold. alloc: as ``lse_forward`` (poisoned buffers in tests)."""
     m, k = a.shape
     n = b.shape[0]
@@ -271,6 +312,7 @@ def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor | None,
     if has_diag and (m != n or off_a is None):
         raise ValueError(f"has_diag needs a square block pair and the offsets, got {m} x {n}"
                          + ("" if off_a is not None else " without offsets"))
+    bnd = gc.band_args(gid_a, gid_b, band, m, n, has_diag)
     stages = pick_stages(cfg, k)
     off_a = torch.zeros(m, device=a.device) if off_a is None else off_a.float().contiguous()
     off_b = torch.zeros(n, device=a.device) if off_b is None else off_b.float().contiguous()
@@ -284,8 +326,9 @@ def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor | None,
         row_part = alloc(2 * splits, m, device=a.device, dtype=torch.float32)
         col_part = alloc(nrb, length, device=a.device, dtype=torch.float32)
         _lse_fwd_ws_kernel[(nrb, splits)](
-            a_desc, b_desc, scale, off_a, off_b, row_part, col_part, m, c0, c1, per, length,
-            K=k, STAGES=stages, HAS_DIAG=bool(has_diag), REGS=cfg.regs, num_warps=4, maxnreg=cfg.maxnreg,
+            a_desc, b_desc, scale, off_a, off_b, row_part, col_part, m, c0, c1, per, length, bnd["gid_a_ptr"],
+            bnd["gid_b_ptr"], bnd["band_ptr"], K=k, STAGES=stages, HAS_DIAG=bool(has_diag), REGS=cfg.regs,
+            BAND=bnd["BAND"], num_warps=4, maxnreg=cfg.maxnreg,
         )
         part = torch.logsumexp(row_part, 0)
         row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)

@@ -3,7 +3,8 @@
 Writes what ``launch._fill_tma`` writes for its common case -- P = s * dX[row_start:row_start + R]
 (R, N) into a 16-bit scratch, and the strip's d scale partials -- for 16-bit A (M, K) and B
 (N, K), the offsets' one-FMA shift (HAS_OFF == 2), optionally the positives (HAS_DIAG, folded
-into P: FOLD), no group ids. Written against triton 3.6's Gluon API
+into P: FOLD), and group ids only in the band case (BAND: duplicates "mask" on one process,
+the batch sorted by group, see below). Written against triton 3.6's Gluon API
 (``triton.experimental.gluon``, as ``gluon_fwd``); importing this module never fails (no GPU,
 no Gluon: the kernel is simply not available, see ``gluon_strip_available``).
 
@@ -37,6 +38,12 @@ cdiv(R, BM) x cdiv(N, BN) tiles in ``tiles.grouped_tile`` order, GROUP row tiles
     global``; the scratch descriptor covers scratch[:R, :N], so rows / columns past the strip
     are clipped by the TMA unit); the buffer's previous store is waited for (``tma.store_wait``)
     only when the next tile's P is ready to go in.
+  * Band (BAND; ``kernels._strip_epilogue`` with HAS_GID and BAND): int32 group ids of a batch
+    sorted by group and w (a (1,) device tensor, every same-group pair within w of the
+    diagonal). A tile within w of the diagonal (``kernels._in_band``'s test, one uniform branch
+    per tile) loads its rows' and columns' ids and zeroes p and q where they match, before the
+    positives' fold puts i == j back; any other tile loads and compares nothing. BAND off: the
+    id pointers are None and the kernel compiles to the PTX of before (checked, sm_90a).
   * d scale: each consumer sums sum_j q_ij (+ e_o) per row slot over its tiles in fp32 and
     stores sum / s2 once, at ``ds_part[pid + C * P]`` -- the index of its first tile -- and only
     if it had a tile. So the slots written are exactly [0, min(tiles, 2 P)), all below the
@@ -240,10 +247,21 @@ def _positives(p, q, lse_a, g_a, rows, cols, row_ok, j0, idx, off_a_ptr, lse_b_p
 
 
 @jit
+def _same_group(gid_a_ptr, gid_b_ptr, r_idx, cols, N):
+    """(BM, BN) bool: the tile's entries whose row and column share a group id
+    (``kernels._group_drop``), the ids loaded here: the rows' at their clamped indices, the
+    columns' by a masked load (past N: never stored), whose addresses stay one base plus
+    constant offsets (clamped ones take a register pair each: at 64 x 128 the band tiles'
+    epilogue then spilled 580 bytes, none this way; triton 3.6, sm_90a)."""
+    gid_b = gl.load(gid_b_ptr + cols, mask=cols < N, other=0)
+    return gl.load(gid_a_ptr + r_idx)[:, None] == gid_b[None, :]
+
+
+@jit
 def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr,
-              off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, ds_ptr, R, row_start, N, n_m, n_n, n_tiles,
-              C: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              GROUP: gl.constexpr, HAS_DIAG: gl.constexpr):
+              off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, ds_ptr, R, row_start, N, n_m, n_n, n_tiles, gid_a_ptr,
+              gid_b_ptr, band_ptr, C: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, GROUP: gl.constexpr, HAS_DIAG: gl.constexpr, BAND: gl.constexpr):
     """One warpgroup: the program's local tiles C, C + 2, ... (module docs)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
@@ -256,6 +274,8 @@ def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse
     cn = gl.arange(0, BN, layout=col_l)
     ds_acc = gl.zeros([BM], gl.float32, layout=row_l)
     acc = gl.zeros([BM, BN], gl.float32, layout=mma)
+    if BAND:
+        w = gl.load(band_ptr)
     n_my = gl.cdiv(n_tiles - pid, nprog)
     for t in range(C, n_my, 2):
         r0, j0 = _tile_origin(pid + t * nprog, n_m, n_n, BM, BN, GROUP)
@@ -282,6 +302,12 @@ def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse
             ok = (r0 + rr < R)[:, None] & (j0 + cn < N)[None, :]
             p = gl.where(ok, p, 0.0)
             q = gl.where(ok, q, 0.0)
+        if BAND:  # duplicates are not negatives: dX = 0 where the ids match, compared only in the tiles
+            # within w of the diagonal (``kernels._in_band``; i == j too, put back just below)
+            if (j0 < row0 + BM + w) & (j0 + BN > row0 - w):
+                drop = _same_group(gid_a_ptr, gid_b_ptr, r_idx, j0 + cn, N)
+                p = gl.where(drop, 0.0, p)
+                q = gl.where(drop, 0.0, q)
         if HAS_DIAG:
             if (j0 < row0 + BM) & (j0 + BN > row0):  # the tile crosses the diagonal i == j
                 p, q, ds_row = _positives(p, q, lse_a, g_a, row0 + rr, j0 + cn, r0 + rr < R, j0, r_idx, off_a_ptr,
@@ -300,11 +326,14 @@ def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse
 
 @jit
 def _dx_strip_ws_kernel(a_desc, b_desc, p_desc, scale_ptr, lse_a_ptr, lse_b_ptr, off_a_ptr, off_b_ptr, g_a_ptr,
-                        g_b_ptr, g_d_ptr, ds_ptr, R, row_start, N,
+                        g_b_ptr, g_d_ptr, ds_ptr, R, row_start, N, gid_a_ptr, gid_b_ptr, band_ptr,
                         K: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, HAS_DIAG: gl.constexpr,
-                        REGS: gl.constexpr):
+                        REGS: gl.constexpr, BAND: gl.constexpr = False):
     """P[i, j] = s dX[row_start + i, j] for the strip's tiles pid, pid + P, ...; ds_part slots
-    of this program's consumers (module docs)."""
+    of this program's consumers (module docs). BAND: int32 group ids (rows gid_a, global
+    indices, columns gid_b) of a batch sorted by group and w = band_ptr[0]; the tiles within
+    w of the diagonal zero same-group entries (module docs). Without it the three pointers
+    are None (the kernel of before)."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BKC: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -324,10 +353,10 @@ def _dx_strip_ws_kernel(a_desc, b_desc, p_desc, scale_ptr, lse_a_ptr, lse_b_ptr,
     gl.warp_specialize([
         (_consumer, (a_smem, b_smem, p_smem.index(0), ready, empty, turn, p_desc, scale_ptr, lse_a_ptr, lse_b_ptr,
                      off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, ds_ptr, R, row_start, N, n_m, n_n, n_tiles,
-                     gl.constexpr(0), NK, STAGES, BM, BN, GROUP, HAS_DIAG)),
+                     gid_a_ptr, gid_b_ptr, band_ptr, gl.constexpr(0), NK, STAGES, BM, BN, GROUP, HAS_DIAG, BAND)),
         (_consumer, (a_smem, b_smem, p_smem.index(1), ready, empty, turn, p_desc, scale_ptr, lse_a_ptr, lse_b_ptr,
                      off_a_ptr, off_b_ptr, g_a_ptr, g_b_ptr, g_d_ptr, ds_ptr, R, row_start, N, n_m, n_n, n_tiles,
-                     gl.constexpr(1), NK, STAGES, BM, BN, GROUP, HAS_DIAG)),
+                     gid_a_ptr, gid_b_ptr, band_ptr, gl.constexpr(1), NK, STAGES, BM, BN, GROUP, HAS_DIAG, BAND)),
         (_producer, (a_desc, b_desc, a_smem, b_smem, ready, empty, row_start, n_m, n_n, n_tiles, NK, STAGES,
                      GROUP)),
     ], [4, 1], [REGS, 24])
@@ -346,12 +375,14 @@ def _descriptors(a: Tensor, b: Tensor, p: Tensor, cfg: GluonStripConfig):
 
 
 def fill_strip_gluon(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec,
-                     fold, flags, tiles=None, gid_a=None, gid_b=None) -> None:
+                     fold, flags, tiles=None, gid_a=None, gid_b=None, band=None) -> None:
     """``launch._fill_tma``'s effects for its common case, by the Gluon kernel: scratch[:r] =
     s dX[r0:r0 + r] (a's dtype), ds_part[:ds_slots(tiles, programs)] = the strip's d scale
     partials (the rest untouched: ``grad_rows_strips`` zeroes its buffer). Same arguments as
-    ``_fill_tma``; it applies where ``gluon_strip_available(a, b, cfg)``, flags["HAS_OFF"] == 2,
-    no group ids, and the positives (flags["HAS_DIAG"], square a, b) folded (``fold``). d_vec
+    ``_fill_tma`` (band: ``launch._band``'s tensor, or None); it applies where
+    ``gluon_strip_available(a, b, cfg)``, flags["HAS_OFF"] == 2, group ids only with the band
+    (int32, the sorted batch: ``gluon_common.band_args``; flags["HAS_GID"] says whether they
+    are given), and the positives (flags["HAS_DIAG"], square a, b) folded (``fold``). d_vec
     and prec are unused (folded positives; 16-bit inputs always run bf16/fp16 wgmmas); tiles,
     when given, must be the strip's tile count for cfg's BM x BN (the caller sized ds_part by
     it); cfg None: ``default_config``."""
@@ -362,10 +393,11 @@ def fill_strip_gluon(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch,
     if not gluon_strip_available(a, b, cfg):
         raise ValueError(f"the Gluon strip fill does not apply here ({GLUON_ERROR or 'see gluon_strip_available'})")
     has_diag = bool(flags.get("HAS_DIAG", False))
-    if flags.get("HAS_OFF") != 2 or flags.get("HAS_GID") or gid_a is not None or gid_b is not None:
-        raise ValueError(f"the Gluon strip fill needs HAS_OFF == 2 and no group ids, got {flags}")
+    if flags.get("HAS_OFF") != 2 or bool(flags.get("HAS_GID")) != (gid_a is not None):
+        raise ValueError(f"the Gluon strip fill needs HAS_OFF == 2 and HAS_GID as the ids given, got {flags}")
     if has_diag and (not fold or a.shape[0] != b.shape[0]):
         raise ValueError("the Gluon strip fill applies the positives folded (fold=True), on a square pair only")
+    bnd = gc.band_args(gid_a, gid_b, band, a.shape[0], b.shape[0], has_diag)
     n = b.shape[0]
     want = strip_tiles(r, n, cfg)
     if tiles is not None and tiles != want:
@@ -385,9 +417,9 @@ def fill_strip_gluon(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch,
     g_d = gd.float().contiguous() if has_diag else vecs[4]  # (never read without HAS_DIAG)
     a_desc, b_desc, p_desc = _descriptors(a, b, scratch[:r], cfg)
     _dx_strip_ws_kernel[(progs,)](
-        a_desc, b_desc, p_desc, scale, *vecs, g_d, ds_part, r, r0, n,
-        K=a.shape[1], STAGES=pick_stages(cfg, a.element_size()), GROUP=cfg.GROUP, HAS_DIAG=has_diag,
-        REGS=cfg.regs, num_warps=4, maxnreg=cfg.maxnreg,
+        a_desc, b_desc, p_desc, scale, *vecs, g_d, ds_part, r, r0, n, bnd["gid_a_ptr"], bnd["gid_b_ptr"],
+        bnd["band_ptr"], K=a.shape[1], STAGES=pick_stages(cfg, a.element_size()), GROUP=cfg.GROUP,
+        HAS_DIAG=has_diag, REGS=cfg.regs, BAND=bnd["BAND"], num_warps=4, maxnreg=cfg.maxnreg,
     )
 
 

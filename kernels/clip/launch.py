@@ -268,7 +268,7 @@ def grad_rows_strips(a: Tensor, b: Tensor, scale: Tensor, lse_a: Tensor, lse_b: 
         ds_part = ds_all[r0 // rows * per:]
         if isinstance(cfg, gluon_strip.GluonStripConfig):  # chosen only where it applies (ops)
             gluon_strip.fill_strip_gluon(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec,
-                                         r, r0, cfg, prec, fold, flags, grid, gid_a, gid_b)
+                                         r, r0, cfg, prec, fold, flags, grid, gid_a, gid_b, band=bnd["band_ptr"])
             return
         if use_tma:
             _fill_tma(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg,

@@ -48,6 +48,15 @@ GLUON_MIN_ROWS = 32768
 # 1.04-1.18x the Triton fill at c = 512-768, 0.97-1.04x at 1024, slower on 1,000-row strips
 # (the tuner keeps the faster per size class). CLIP loss step, bf16, b = 32k-64k: 1.04-1.12x.
 STRIP_KERNEL_DEFAULT = "auto"
+# duplicates="mask" on one process (the batch sorted by group: int32 ids and a band w, the
+# kernels' BAND): the Gluon forward and strip fill take it (``gluon_common.band_args``) only
+# when forced (forward_kernel / strip_kernel = "gluon", or INFCLIP_FORWARD_KERNEL /
+# INFCLIP_STRIP_KERNEL = gluon), never under "auto": compiled for sm_90a without spills beyond
+# the plain variants' (scripts/compile_gluon_sm90.py), not yet run on a GPU. Flip this once
+# scripts/check_gluon_fwd.py --band and scripts/check_gluon_strip.py --band agree with the
+# Triton band kernels on an H100 / H200 (and are faster). Ids without a band (the ring) keep
+# the Triton kernels.
+GLUON_BAND_AUTO = False
 
 
 def _kernel_choice(name: str, value: str | None, env: str, default: str) -> str:
@@ -108,11 +117,14 @@ class TritonTileOps:
             the positives' square block pair (the case checked on the GPU; a ring's other
             blocks keep the Triton forward);
             "triton" never uses it; "gluon" puts it first wherever it applies, any b (also
-            the default when tuning is off: ``INFCLIP_TRITON_TUNE=0``; the GPU tests).
+            the default when tuning is off: ``INFCLIP_TRITON_TUNE=0``; the GPU tests), and
+            also for duplicates "mask" on one process (int32 ids with a band: the sorted
+            batch), which "auto" leaves to the Triton kernels (``GLUON_BAND_AUTO``).
         strip_kernel: the same choice for the backward's strip fill (``gluon_strip``; the
             environment's ``INFCLIP_STRIP_KERNEL``); default ``STRIP_KERNEL_DEFAULT``
             ("auto", from ``GLUON_MIN_ROWS`` columns). It applies with offsets,
-            without group ids, with the positives folded (``strip_positives="fold"``).
+            with the positives folded (``strip_positives="fold"``), without group ids or,
+            forced ("gluon"), with the sorted batch's int32 ids and band (as forward_kernel).
     """
 
     name = "triton"
@@ -177,35 +189,42 @@ class TritonTileOps:
             sub = (o_row[:a.shape[0]], o_col[:b.shape[0]]) if o_row is not None else (None, None)
             gid = (gid_row[:a.shape[0]], gid_col[:b.shape[0]]) if gid_row is not None else (None, None)
             square = diag and a.shape[0] == b.shape[0]
-            if isinstance(cfg, gluon_fwd.GluonFwdConfig):
-                return gluon_fwd.lse_forward_gluon(a, b, scale, *sub, square, cfg=cfg, alloc=self._alloc)
+            if isinstance(cfg, gluon_fwd.GluonFwdConfig):  # ids only in the band case (_forward_candidates)
+                return gluon_fwd.lse_forward_gluon(a, b, scale, *sub, square, cfg=cfg, alloc=self._alloc,
+                                                   gid_a=gid[0], gid_b=gid[1], band=band)
             return launch.lse_forward(a, b, scale, cfg, prec, alloc=self._alloc, off_a=sub[0], off_b=sub[1],
                                       diag=square, gid_a=gid[0], gid_b=gid[1], band=band)
 
         kind, cands = self._forward_candidates(img, txt, has_gid=gid_row is not None,
                                                positives=diag and img.shape[0] == txt.shape[0],
-                                               offsets=o_row is not None)
+                                               offsets=o_row is not None, band=_sorted_band(gid_row, band))
         return run(launch.pick_config(kind, img, txt, prec, cands, run), img, txt)
 
     def _forward_candidates(self, img: Tensor, txt: Tensor, *, has_gid: bool, positives: bool,
-                            offsets: bool) -> tuple[str, list]:
+                            offsets: bool, band: bool = False) -> tuple[str, list]:
         """(tuner key kind, configs): the Triton forward's, with the Gluon forward's joined
         (``forward_kernel`` "auto": from ``GLUON_MIN_ROWS`` rows, on the positives' square
         block pair with its offsets, the one-GPU loss's only call and the case checked on the
         GPU) or first ("gluon": any block pair; also the untuned default) where
-        ``gluon_fwd.gluon_available``, without group ids, and never for positives without
-        offsets (the Triton forward refuses those). The kind tells the two orders apart, so
-        untuned instances of both modes never share a cached choice."""
+        ``gluon_fwd.gluon_available``, and never for positives without offsets (the Triton
+        forward refuses those). Group ids: only the sorted-band case (``band``: int32 ids with
+        a band, ``_sorted_band``) on the positives' pair, and only when forced ("gluon"; "auto"
+        too once ``GLUON_BAND_AUTO``), kind "fwd_band_gluon(_first)"; the ring's ids never.
+        The kind tells the orders and the cases apart, so that no two share a cached choice."""
         cands = launch.fwd_candidates(img.shape[1], img.element_size())
-        if (self.forward_kernel == "triton" or has_gid or (positives and not offsets)
+        banded = has_gid and band and positives
+        if (self.forward_kernel == "triton" or (has_gid and not banded) or (positives and not offsets)
                 or not gluon_fwd.gluon_available(img, txt)):
+            return "fwd", cands
+        if banded and self.forward_kernel == "auto" and not GLUON_BAND_AUTO:
             return "fwd", cands
         if self.forward_kernel == "auto" and (not positives or min(img.shape[0], txt.shape[0]) < GLUON_MIN_ROWS):
             return "fwd", cands
         glu = gluon_fwd.tune_candidates(img.shape[1])
+        tag = "fwd_band_gluon" if banded else "fwd_gluon"
         if self.forward_kernel == "gluon":
-            return "fwd_gluon_first", glu + cands
-        return "fwd_gluon", cands + glu
+            return f"{tag}_first", glu + cands
+        return tag, cands + glu
 
     def backward(self, img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
                  g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,
@@ -284,7 +303,8 @@ class TritonTileOps:
             return launch.grad_rows(a, b, scale, lse_a, lse_b, g_a, g_b, out, accumulate, compute_ds, cfg, prec,
                                     threshold=self.threshold, kept=self.kept, **vecs)
         if self._use_strips(a, out, accumulate, rows):
-            cfg = self._strip_cfg(a, b, prec, scale, rows, self._gluon_strip_ok(g_d, off_a, gid_a))
+            cfg = self._strip_cfg(a, b, prec, scale, rows, self._gluon_strip_ok(g_d, off_a, gid_a, band),
+                                  banded=gid_a is not None)
             ds = launch.grad_rows_strips(a, b, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec,
                                          alloc=self._alloc, fold=self.fold, **vecs)
             return ds if compute_ds else None
@@ -312,7 +332,8 @@ class TritonTileOps:
         it; both None: the fills alone, for ds), the other one bit for bit as with both."""
         rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],
                                  temp=not self.fold)
-        cfg = self._strip_cfg(img, txt, prec, scale, rows, self._gluon_strip_ok(g_d, o_row, gid_row))
+        cfg = self._strip_cfg(img, txt, prec, scale, rows, self._gluon_strip_ok(g_d, o_row, gid_row, band),
+                              banded=gid_row is not None)
         if dtxt is None:  # the same fills and P @ txt, without the second product
             return launch.grad_rows_strips(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, rows, cfg, prec,
                                            alloc=self._alloc, g_d=g_d, off_a=o_row, off_b=o_col, fold=self.fold,
@@ -331,12 +352,24 @@ class TritonTileOps:
         auto = a.is_cuda and a.dtype == torch.bfloat16 and rows >= launch.STRIP_MIN_ROWS
         return self.strips == "auto" and fits and auto
 
-    def _gluon_strip_ok(self, g_d: Tensor | None, off: Tensor | None, gid: Tensor | None) -> bool:
+    def _gluon_strip_ok(self, g_d: Tensor | None, off: Tensor | None, gid: Tensor | None,
+                        band: Tensor | None = None) -> bool:
         """Whether this backward's fills are of the kind the Gluon strip fill computes
-        (offsets given, no group ids, positives absent or folded)."""
-        return off is not None and gid is None and (g_d is None or self.fold)
+        (offsets given, positives absent or folded; group ids only in the sorted-band case,
+        ``_sorted_band``, with the positives: ``gluon_common.band_args``)."""
+        if off is None or (g_d is not None and not self.fold):
+            return False
+        if gid is None:
+            return True
+        # the band only where the Gluon fill may take it: forced, or "auto" once GLUON_BAND_AUTO
+        # (else "auto" tunes and runs the Triton fills exactly as before the band variant)
+        wanted = self.strip_kernel == "gluon" or (self.strip_kernel == "auto" and GLUON_BAND_AUTO)
+        return wanted and _sorted_band(gid, band) and g_d is not None
 
-    def _strip_cfg(self, a: Tensor, b: Tensor, prec: str, scale: Tensor, rows: int, gluon_ok: bool = False):
+    def _strip_cfg(self, a: Tensor, b: Tensor, prec: str, scale: Tensor, rows: int, gluon_ok: bool = False,
+                   banded: bool = False):
+        """The strip config (tuned per ``_strip_candidates``' kind). banded: the fills carry
+        group ids with a band; the tuner's fills then do too (w = 0: the diagonal's tiles)."""
         def run(cfg, a_sub, b_sub):
             ms, ns = a_sub.shape[0], b_sub.shape[0]
             lse_a = torch.full((ms,), 30.0, device=a.device)
@@ -346,24 +379,34 @@ class TritonTileOps:
             # zero offsets: the fast-offset path every real call with offsets takes (the Gluon
             # fill's only one), at the cost of the same tiles
             off = (torch.zeros(ms, device=a.device), torch.zeros(ns, device=a.device)) if gluon_ok else (None, None)
+            ids = {}
+            if banded and gluon_ok:  # the band case: square, with the positives (band_args)
+                arange = torch.arange(max(ms, ns), device=a.device, dtype=torch.int32)
+                ids = dict(g_d=2 * g_a, gid_a=arange[:ms], gid_b=arange[:ns],
+                           band=torch.zeros(1, device=a.device, dtype=torch.int32), fold=True)
             launch.grad_rows_strips(a_sub, b_sub, scale, lse_a, lse_b, g_a, g_b, out, rows, cfg, prec,
-                                    off_a=off[0], off_b=off[1])
+                                    off_a=off[0], off_b=off[1], **ids)
 
-        kind, cands = self._strip_candidates(a, b, gluon_ok)
+        kind, cands = self._strip_candidates(a, b, gluon_ok, banded)
         return launch.pick_config(kind, a, b, prec, cands, run)
 
-    def _strip_candidates(self, a: Tensor, b: Tensor, gluon_ok: bool) -> tuple[str, list]:
+    def _strip_candidates(self, a: Tensor, b: Tensor, gluon_ok: bool, banded: bool = False) -> tuple[str, list]:
         """(tuner key kind, configs): the Triton strip configs, with the Gluon fill's joined
-        ("auto": from ``GLUON_MIN_ROWS`` columns) or first ("gluon") where it applies."""
+        ("auto": from ``GLUON_MIN_ROWS`` columns) or first ("gluon") where it applies. banded
+        (group ids, which ``gluon_ok`` admits in the sorted-band case only): only when forced
+        ("gluon"; "auto" too once ``GLUON_BAND_AUTO``), kind "strip_band_gluon(_first)"."""
         cands = launch.strip_candidates(a.shape[1], a.element_size())
         if self.strip_kernel == "triton" or not gluon_ok or not gluon_strip.gluon_strip_available(a, b):
+            return "strip", cands
+        if banded and self.strip_kernel == "auto" and not GLUON_BAND_AUTO:
             return "strip", cands
         if self.strip_kernel == "auto" and b.shape[0] < GLUON_MIN_ROWS:
             return "strip", cands
         glu = gluon_strip.tune_candidates(a.shape[1], a.element_size())
+        tag = "strip_band_gluon" if banded else "strip_gluon"
         if self.strip_kernel == "gluon":
-            return "strip_gluon_first", glu + cands
-        return "strip_gluon", cands + glu
+            return f"{tag}_first", glu + cands
+        return tag, cands + glu
 
     def _out(self, buf: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
         if buf is None:
@@ -416,6 +459,12 @@ def _groups(groups, m: int, n: int) -> tuple[Tensor | None, Tensor | None, Tenso
         raise ValueError(f"groups must be int32 or int64 (one dtype) ({m},) and ({n},), got {g_row.dtype} "
                          f"{tuple(g_row.shape)} and {g_col.dtype} {tuple(g_col.shape)}")
     return g_row.contiguous(), g_col.contiguous(), band
+
+
+def _sorted_band(gid: Tensor | None, band: Tensor | None) -> bool:
+    """Whether group ids come in the case the Gluon kernels take: int32 with a band (the
+    one-process batch sorted by group, ``infclip.loss.duplicates.sort_groups``)."""
+    return gid is not None and band is not None and gid.dtype == torch.int32
 
 
 def _prep(img: Tensor, txt: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -251,7 +251,7 @@ def test_gluon_strip_ok_follows_the_fill_kinds():
     fold, fixup = TritonTileOps(), TritonTileOps(strip_positives="fixup")
     assert fold._gluon_strip_ok(gd, off, None) and fold._gluon_strip_ok(None, off, None)
     assert not fold._gluon_strip_ok(gd, None, None)  # no offsets: the kernel's shift is the offsets'
-    assert not fold._gluon_strip_ok(gd, off, gid)  # group ids: the Triton fill only
+    assert not fold._gluon_strip_ok(gd, off, gid)  # the ring's group ids (no band): the Triton fill only
     assert not fixup._gluon_strip_ok(gd, off, None) and fixup._gluon_strip_ok(None, off, None)
 
 
@@ -261,7 +261,7 @@ def test_grad_rows_strips_dispatches_a_gluon_config(monkeypatch):
     calls = []
 
     def fake_fill(a, b, scale, lse_a, lse_b, o_a, o_b, g_a, g_b, gd, scratch, ds_part, d_vec, r, r0, cfg, prec,
-                  fold, flags, tiles, gid_a, gid_b):
+                  fold, flags, tiles, gid_a, gid_b, band=None):
         calls.append((r0, r, cfg, tiles, flags["HAS_OFF"]))
         scratch[:r].zero_()
         ds_part[0] = 1.0

@@ -66,8 +66,8 @@ def problem(r: int, n: int, c: int, diag: bool, big: int | None = None) -> dict:
     if big is not None and not diag:
         raise ValueError("a band case needs the square pair with its diagonal")
     m = n if diag else max(n, r) + 517  # without the diagonal: a non-square pair
-    big = max(m, n)
-    img, txt = features(big, c, seed=r + n + c)
+    rows = max(m, n)  # (not ``big``: that is the band case's group size)
+    img, txt = features(rows, c, seed=r + n + c)
     pos = positive_dots(img, txt)
     a, b = img[:m], txt[:n]
     o_a, o_b = pos[:m].contiguous(), pos[:n].contiguous()
@@ -78,8 +78,8 @@ def problem(r: int, n: int, c: int, diag: bool, big: int | None = None) -> dict:
         ids, band, _ = band_ids(n, big, seed=c)
         kw = dict(groups=(ids, ids, band))
     lse_a, lse_b = TritonTileOps(forward_kernel="triton").forward(a, b, s, offsets=(o_a, o_b), diag=diag, **kw)
-    g_a = torch.full((m,), 1 / (2 * big), device="cuda")
-    g_b = torch.full((n,), 1 / (2 * big), device="cuda")
+    g_a = torch.full((m,), 1 / (2 * rows), device="cuda")
+    g_b = torch.full((n,), 1 / (2 * rows), device="cuda")
     g_d = (g_a + g_b) if diag else None
     # A strip that crosses the diagonal (odd first row: no tile alignment), within the m rows.
     row_start = min(max(0, n // 3) | 1, m - r) if m > r else 0

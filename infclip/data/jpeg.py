@@ -295,6 +295,7 @@ class JpegDecoder(nn.Module):
         self.cpu_pixels = 0  # worker-decoded images uploaded (data.cpu_decode_share; both passes)
         self.decode_s = 0.0  # seconds the decode thread spent decoding (its rate's denominator)
         self._decode_s_seen = 0.0  # decode_s at the previous stats() (its per-step busy time)
+        self._first_pass_busy: Optional[float] = None  # decode work up to the trainer's first-pass end
         # The decoders write on a stream of ours that we synchronize first: memory they get
         # from the caching allocator is then no longer read or written by earlier work.
         # High priority: the resize kernels are small and the towers' large ones would otherwise
@@ -329,12 +330,22 @@ class JpegDecoder(nn.Module):
         once per step; its share of the step says whether decoding bounds the step)."""
         with self._lock:
             total, busy = self.decode_s, self.decode_s - self._decode_s_seen
+            first, self._first_pass_busy = self._first_pass_busy, None
             self._decode_s_seen = total
         rate = self.decoded / total if total > 0 else 0.0
-        return {"decode_imgs_per_s": rate, "decode_busy_s": busy, "decode_failures": self.failures,
+        firsts = {} if first is None else {"decode_busy_first_s": first}
+        return {"decode_imgs_per_s": rate, "decode_busy_s": busy, **firsts, "decode_failures": self.failures,
                 "decode_ahead": self.ahead_decoded,
                 "decode_cpu_pixels": self.cpu_pixels,
                 **{f"decode_dropped/{k}": v for k, v in self.drops.items()}}
+
+    def mark_first_pass_end(self) -> None:
+        """The trainer's first pass (the gradient cache's) ended: the next ``stats`` also reports
+        ``decode_busy_first_s``, the decode work from the previous ``stats`` up to here. Where
+        only the first pass decodes (LiT), the step's busy share under-reads how much decoding
+        bounds that pass; this is its share."""
+        with self._lock:
+            self._first_pass_busy = self.decode_s - self._decode_s_seen
 
     # -- decode once per step ---------------------------------------------------------
     @staticmethod

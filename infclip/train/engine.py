@@ -210,6 +210,9 @@ class StepEngine:
             img_c.append(_cache(img, m.img_emb, self.s.cache_dtype))
             txt_c.append(_cache(txt, m.txt_emb, self.s.cache_dtype))
         clock.lap("cache_pass")
+        mark = getattr(self.normalizer, "mark_first_pass_end", None)  # a decoding normalizer's busy share
+        if mark is not None:
+            mark()
         keep = self._kept_rows(dropped, self.s.local)
         ids = None if ids[0] is None else torch.cat(ids)
         loss, g_img, g_txt, g_extras = self._loss_grads(torch.cat(img_c), torch.cat(txt_c), keep, ids)

@@ -213,7 +213,7 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
         "host_image_bytes_per_sample": pipeline.image_bytes_per_sample(),
         **{f"time_{k}": v for k, v in out.timings.items()},
         "gpu_mem_gb": gpu_memory_gb(info.device), "skipped_step": int(not applied),
-        "amp_overflow": int(overflow), **_decoder_stats(parts, step_time),
+        "amp_overflow": int(overflow), **_decoder_stats(parts, step_time, out.timings.get("cache_pass")),
         **{k: v.item() if isinstance(v, torch.Tensor) else v for k, v in out.metrics.items()},  # (0-d device counts)
     }
 
@@ -227,15 +227,18 @@ def _cpu_decode_stats(cfg: Any, info: DistInfo, pipeline: StepPipeline) -> dict:
             "cpu_decoded_samples": pipeline.cpu_decoded}
 
 
-def _decoder_stats(parts: Any, step_time: float) -> dict:
+def _decoder_stats(parts: Any, step_time: float, first_pass_s: Optional[float]) -> dict:
     """The device JPEG decoder's counters (data.decode=device): its images/s of decode work
-    beside the loader's rate, the share of the step it worked (``decode_busy_pct``),
-    fallbacks and dropped samples."""
+    beside the loader's rate, the share of the step it worked (``decode_busy_pct``) and of
+    the gradient cache's first pass (``decode_busy_first_pct``), fallbacks and drops."""
     stats = getattr(parts.engine.normalizer, "stats", None)
     if stats is None:
         return {}
     out = stats()
     out["decode_busy_pct"] = 100.0 * out.pop("decode_busy_s") / step_time
+    first = out.pop("decode_busy_first_s", None)
+    if first is not None and first_pass_s:
+        out["decode_busy_first_pct"] = 100.0 * first / first_pass_s
     return out
 
 
@@ -368,7 +371,8 @@ def _hint_decode_bound(cfg: Any, info: DistInfo, parts: Parts, state: State, met
     reserve for its kernels is off."""
     if state.decode_hinted or not info.is_main or "decode_busy_pct" not in metrics:
         return
-    msg = decode_bound_hint(metrics["decode_busy_pct"], cfg.data.decode_reserved_sms, state.step)
+    msg = decode_bound_hint(metrics["decode_busy_pct"], cfg.data.decode_reserved_sms, state.step,
+                            metrics.get("decode_busy_first_pct", float("nan")))
     if msg:
         parts.logger.write(msg)
         state.decode_hinted = True

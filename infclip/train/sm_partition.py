@@ -162,13 +162,19 @@ DECODE_BOUND_PCT = 90.0
 SUGGESTED_RESERVE = 8
 
 
-def decode_bound_hint(busy_pct: float, reserved_sms: int, step: int) -> Optional[str]:
+def decode_bound_hint(busy_pct: float, reserved_sms: int, step: int,
+                      first_pass_pct: float = float("nan")) -> Optional[str]:
     """One paragraph for the log when the JPEG decoder worked ``busy_pct`` % of step ``step``
-    (>= ``DECODE_BOUND_PCT``: decoding bounds the step) and no SMs are kept for it; None
-    otherwise, and for the first step (compile and warm-up distort it)."""
-    if step < 2 or reserved_sms > 0 or not busy_pct >= DECODE_BOUND_PCT:
+    or ``first_pass_pct`` % of its first pass (the gradient cache's; LiT decodes only there),
+    either >= ``DECODE_BOUND_PCT`` (decoding bounds the step), and no SMs are kept for it;
+    None otherwise, and for the first step (compile and warm-up distort it)."""
+    shares = [p for p in (busy_pct, first_pass_pct) if p == p]  # (NaN: not measured)
+    if step < 2 or reserved_sms > 0 or not shares or max(shares) < DECODE_BOUND_PCT:
         return None
-    return (f"note: the GPU JPEG decoder worked {busy_pct:.0f} % of step {step}, so decoding bounds the step. "
+    where = f"{busy_pct:.0f} % of step {step}"
+    if first_pass_pct == first_pass_pct:
+        where += f" ({first_pass_pct:.0f} % of its first pass)"
+    return (f"note: the GPU JPEG decoder worked {where}, so decoding bounds the step. "
             f"data.decode_reserved_sms={SUGGESTED_RESERVE} keeps {SUGGESTED_RESERVE} SMs free of the towers for "
             f"its kernels (LiT ViT-B/16 on 512-px photos, one H200: +13 %); where the towers bound the step "
             f"it costs them 3-4 %.")

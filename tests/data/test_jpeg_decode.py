@@ -217,3 +217,10 @@ def test_decode_rate_counts_decoding_not_the_wait_for_another_threads_decode(mon
     assert decoder.stats()["decode_busy_s"] == 0.0
     decoder._decode_timed(rows)
     assert 0.3 <= decoder.stats()["decode_busy_s"] < 0.3 + 0.15
+    # the first pass's share: the work up to the trainer's mark, reported once
+    decoder._decode_timed(rows)
+    decoder.mark_first_pass_end()
+    decoder._decode_timed(rows)  # (the replay's, or the next step's decoded ahead)
+    got = decoder.stats()
+    assert 0.3 <= got["decode_busy_first_s"] < 0.3 + 0.15 and 0.6 <= got["decode_busy_s"] < 0.6 + 0.25
+    assert "decode_busy_first_s" not in decoder.stats()

@@ -201,6 +201,15 @@ def test_the_decode_bound_note_is_written_only_for_a_decode_bound_step_without_a
         assert f"data.decode_reserved_sms={smp.SUGGESTED_RESERVE}" in msg and f"{busy:.0f} %" in msg
 
 
+def test_a_decode_bound_first_pass_counts_where_the_step_s_share_under_reads():
+    """LiT decodes only in the cache pass: 61 % of the step can be ~100 % of that pass."""
+    msg = smp.decode_bound_hint(61.0, 0, 2, first_pass_pct=96.0)
+    assert msg is not None and "61 % of step 2 (96 % of its first pass)" in msg
+    assert smp.decode_bound_hint(61.0, 0, 2, first_pass_pct=70.0) is None
+    assert smp.decode_bound_hint(61.0, 8, 2, first_pass_pct=96.0) is None
+    assert "first pass" not in smp.decode_bound_hint(95.0, 0, 2)
+
+
 def test_the_trainer_writes_the_decode_bound_note_once_on_the_main_rank():
     from infclip.train import loop
 

@@ -189,6 +189,7 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
            "replay_s": pick("time_replay"), "optim_s": pick("time_optim"),
            "loader_sps": pick("loader_samples_per_s"), "decode_ips": pick("decode_imgs_per_s"),
            "decode_busy_pct": pick("decode_busy_pct"),  # the decoder's share of the step (data.decode=device)
+           "decode_busy_first_pct": pick("decode_busy_first_pct"),  # ... and of the cache pass
            "cpu_decoded_sps": pick("loader_cpu_decoded_per_s"),  # data.cpu_decode_share (NaN without)
            "host_kb_per_sample": pick("host_image_bytes_per_sample") / 1000,
            "decoder": _decoder_line(out), "gpu_gb": _peak(out, "PEAK_GPU_GB"),
@@ -330,6 +331,7 @@ def _table(results: list[dict]) -> str:
             ("data_wait_s", "data wait s", "{:.2f}"), ("cache_s", "cache s", "{:.2f}"), ("loss_s", "loss s", "{:.3f}"),
             ("replay_s", "replay s", "{:.2f}"), ("optim_s", "optim s", "{:.3f}"), ("loader_sps", "loader samples/s", "{:,.0f}"),
             ("decode_ips", "GPU decode images/s", "{:,.0f}"), ("decode_busy_pct", "decoder busy %", "{:.0f}"),
+            ("decode_busy_first_pct", "decoder busy % of cache pass", "{:.0f}"),
             ("cpu_decoded_sps", "worker-decoded images/s", "{:,.0f}"), ("host_kb_per_sample", "host image kB/sample", "{:.1f}"),
             ("gpu_gb", "peak GPU GB", "{:.1f}"), ("host_rss_gb", "peak host RSS GB", "{:.1f}")]
     lines = ["| run | global batch | " + " | ".join(k[1] for k in keys) + " |",

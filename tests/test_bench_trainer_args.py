@@ -67,8 +67,11 @@ def test_runs_that_differ_past_the_cut_get_logs_of_their_own():
 
 
 def test_the_table_shows_the_decoder_s_busy_share_and_a_dash_where_a_run_has_none():
-    runs = [{"kind": "lit_compile", "global_batch": 65536, "samples_per_s": 4705.0, "decode_busy_pct": 93.6},
+    runs = [{"kind": "lit_compile", "global_batch": 65536, "samples_per_s": 4705.0, "decode_busy_pct": 93.6,
+             "decode_busy_first_pct": 99.2},
             {"kind": "ours", "global_batch": 32768, "samples_per_s": 5000.0, "decode_busy_pct": float("nan")}]
     head, _, lit, ours = bench_trainer._table(runs).splitlines()
     col = head.split(" | ").index("decoder busy %")
     assert lit.split(" | ")[col] == "94" and ours.split(" | ")[col] == "—"
+    first = head.split(" | ").index("decoder busy % of cache pass")
+    assert lit.split(" | ")[first] == "99" and ours.split(" | ")[first] == "—"

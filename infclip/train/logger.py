@@ -162,7 +162,8 @@ class MetricsLogger:
 
 
 _TERMINAL_KEYS = ("loss", "lr", "logit_scale", "samples_per_s", "data_wait_pct", "loader_samples_per_s",
-                  "decode_imgs_per_s", "decode_busy_pct", "decode_busy_first_pct", "loader_cpu_decoded_per_s", "gpu_mem_gb", "skipped_samples")
+                  "decode_imgs_per_s", "decode_busy_pct", "decode_busy_first_pct", "loader_cpu_decoded_per_s",
+                  "gpu_mem_gb", "skipped_samples")
 _BOOKKEEPING = ("_chance", "num_samples", "num_classes", "num_images", "num_texts", "seconds")
 
 

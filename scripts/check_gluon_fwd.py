@@ -90,26 +90,33 @@ def run_band_case(c: int, b: int, big: int, cfgs: list, time_it: bool) -> None:
     s = torch.tensor(1 / 0.07, device="cuda")
     pos = positive_dots(img, txt)
     ids, band, w = band_ids(b, big, seed=c)
-    groups = (ids, ids, band)
-    ops = TritonTileOps(forward_kernel="triton")
-    tri = ops.forward(img, txt, s, offsets=(pos, pos), diag=True, groups=groups)
     ref = masked_reference(img, txt, s, pos, ids) if b <= REF_MAX_B else None
-    fl = gluon_fwd.flops(b, b, c)
-    call = lambda: ops.forward(img, txt, s, offsets=(pos, pos), diag=True, groups=groups)  # noqa: E731
+    compare(f"band c={c:5d} b={b:6d} w={w:4d}", "band", cfgs, img, txt, s, pos, ref, time_it,
+            gid_a=ids, gid_b=ids, band=band)
+
+
+def compare(line: str, label: str, cfgs: list, img, txt, s, pos, ref, time_it: bool, **groups) -> None:
+    """Print the Triton forward's line (its time, its distance from ``ref`` when given), then
+    one line per Gluon config: its distance from the Triton forward and ``ref``, NaNs left in
+    NaN-filled buffers, its time. ``groups`` (gid_a, gid_b, band): the BAND variants."""
+    ops = TritonTileOps(forward_kernel="triton")  # the baseline: never the Gluon forward itself
+    kw = {} if not groups else {"groups": (groups["gid_a"], groups["gid_b"], groups["band"])}
+    call = lambda: ops.forward(img, txt, s, offsets=(pos, pos), diag=True, **kw)  # noqa: E731
+    tri = call()
+    fl = gluon_fwd.flops(img.shape[0], txt.shape[0], img.shape[1])
     t_tri = time_ms(call, REPS) if time_it else math.nan
-    line = f"band c={c:5d} b={b:6d} w={w:4d}"
     if ref is not None:
         line += f" | triton-ref {maxdiff(tri[0], ref[0]):.2e} {maxdiff(tri[1], ref[1]):.2e}"
     print(f"{line} | triton {t_tri:8.3f} ms {fl / t_tri / 1e9:6.1f} TF/s", flush=True)
+    name = f"gluon {label} " if label else "gluon "
     for cfg in cfgs:
-        tag = f"    gluon band BM={cfg.BM:3d} BN={cfg.BN:3d} stages={gluon_fwd.pick_stages(cfg, c):2d}"
+        tag = f"    {name}BM={cfg.BM:3d} BN={cfg.BN:3d} stages={gluon_fwd.pick_stages(cfg, img.shape[1]):2d}"
         try:
             if not gluon_fwd.gluon_available(img, txt, cfg):
                 print(f"{tag}: not available here")
                 continue
-            def run(cfg=cfg, **kw):
-                return gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg, gid_a=ids, gid_b=ids,
-                                                   band=band, **kw)
+            def run(cfg=cfg, **alloc):
+                return gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg, **groups, **alloc)
 
             got = run(alloc=poison)
             torch.cuda.synchronize()
@@ -119,7 +126,7 @@ def run_band_case(c: int, b: int, big: int, cfgs: list, time_it: bool) -> None:
             msg += f" | nan {int(got[0].isnan().sum() + got[1].isnan().sum())}"
             if time_it:
                 t = time_ms(run, REPS)
-                msg += f" | {t:8.3f} ms {fl / t / 1e9:6.1f} TF/s  x{t_tri / t:.2f} vs triton band"
+                msg += f" | {t:8.3f} ms {fl / t / 1e9:6.1f} TF/s  x{t_tri / t:.2f} vs triton{' ' + label if label else ''}"
             print(msg, flush=True)
         except Exception:  # noqa: BLE001 -- report and go on: one call, all the information
             print(f"{tag}: FAILED")
@@ -130,7 +137,6 @@ def poison(*shape, device, dtype):
     return torch.full(shape, float("nan"), device=device, dtype=dtype)
 
 
-
 def maxdiff(x: torch.Tensor, y: torch.Tensor) -> float:
     return (x.double() - y.double()).abs().max().item()
 
@@ -139,35 +145,8 @@ def run_case(c: int, b: int, dtype: torch.dtype, cfgs: list, time_it: bool) -> N
     img, txt = features(b, c, dtype, seed=b + c)
     s = torch.tensor(1 / 0.07, device="cuda")
     pos = positive_dots(img, txt)
-    ops = TritonTileOps(forward_kernel="triton")  # the baseline: never the Gluon forward itself
-    tri = ops.forward(img, txt, s, offsets=(pos, pos), diag=True)
     ref = reference(img, txt, s, pos) if b <= REF_MAX_B else None
-    fl = gluon_fwd.flops(b, b, c)
-    t_tri = time_ms(lambda: ops.forward(img, txt, s, offsets=(pos, pos), diag=True), REPS) if time_it else math.nan
-    line = f"c={c:5d} b={b:6d} {str(dtype)[6:]:8s}"
-    if ref is not None:
-        line += f" | triton-ref {maxdiff(tri[0], ref[0]):.2e} {maxdiff(tri[1], ref[1]):.2e}"
-    print(f"{line} | triton {t_tri:8.3f} ms {fl / t_tri / 1e9:6.1f} TF/s", flush=True)
-    for cfg in cfgs:
-        tag = f"    gluon BM={cfg.BM:3d} BN={cfg.BN:3d} stages={gluon_fwd.pick_stages(cfg, c):2d}"
-        try:
-            if not gluon_fwd.gluon_available(img, txt, cfg):
-                print(f"{tag}: not available here")
-                continue
-            got = gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg, alloc=poison)
-            torch.cuda.synchronize()
-            msg = f"{tag}: vs triton row {maxdiff(got[0], tri[0]):.2e} col {maxdiff(got[1], tri[1]):.2e}"
-            if ref is not None:
-                msg += f" | vs ref row {maxdiff(got[0], ref[0]):.2e} col {maxdiff(got[1], ref[1]):.2e}"
-            nans = int(got[0].isnan().sum() + got[1].isnan().sum())
-            msg += f" | nan {nans}"
-            if time_it:
-                t = time_ms(lambda: gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg), REPS)
-                msg += f" | {t:8.3f} ms {fl / t / 1e9:6.1f} TF/s  x{t_tri / t:.2f} vs triton"
-            print(msg, flush=True)
-        except Exception:  # noqa: BLE001 -- report and go on: one call, all the information
-            print(f"{tag}: FAILED")
-            traceback.print_exc()
+    compare(f"c={c:5d} b={b:6d} {str(dtype)[6:]:8s}", "", cfgs, img, txt, s, pos, ref, time_it)
 
 
 def print_versions() -> None:

@@ -216,7 +216,7 @@ class TritonTileOps:
         if (self.forward_kernel == "triton" or (has_gid and not banded) or (positives and not offsets)
                 or not gluon_fwd.gluon_available(img, txt)):
             return "fwd", cands
-        if banded and self.forward_kernel == "auto" and not GLUON_BAND_AUTO:
+        if banded and not _gluon_takes_band(self.forward_kernel):
             return "fwd", cands
         if self.forward_kernel == "auto" and (not positives or min(img.shape[0], txt.shape[0]) < GLUON_MIN_ROWS):
             return "fwd", cands
@@ -361,10 +361,9 @@ class TritonTileOps:
             return False
         if gid is None:
             return True
-        # the band only where the Gluon fill may take it: forced, or "auto" once GLUON_BAND_AUTO
-        # (else "auto" tunes and runs the Triton fills exactly as before the band variant)
-        wanted = self.strip_kernel == "gluon" or (self.strip_kernel == "auto" and GLUON_BAND_AUTO)
-        return wanted and _sorted_band(gid, band) and g_d is not None
+        # (where the Gluon fill may not take the band, "auto" tunes and runs the Triton fills
+        # exactly as before the band variant)
+        return _gluon_takes_band(self.strip_kernel) and _sorted_band(gid, band) and g_d is not None
 
     def _strip_cfg(self, a: Tensor, b: Tensor, prec: str, scale: Tensor, rows: int, gluon_ok: bool = False,
                    banded: bool = False):
@@ -398,7 +397,7 @@ class TritonTileOps:
         cands = launch.strip_candidates(a.shape[1], a.element_size())
         if self.strip_kernel == "triton" or not gluon_ok or not gluon_strip.gluon_strip_available(a, b):
             return "strip", cands
-        if banded and self.strip_kernel == "auto" and not GLUON_BAND_AUTO:
+        if banded and not _gluon_takes_band(self.strip_kernel):
             return "strip", cands
         if self.strip_kernel == "auto" and b.shape[0] < GLUON_MIN_ROWS:
             return "strip", cands
@@ -459,6 +458,12 @@ def _groups(groups, m: int, n: int) -> tuple[Tensor | None, Tensor | None, Tenso
         raise ValueError(f"groups must be int32 or int64 (one dtype) ({m},) and ({n},), got {g_row.dtype} "
                          f"{tuple(g_row.shape)} and {g_col.dtype} {tuple(g_col.shape)}")
     return g_row.contiguous(), g_col.contiguous(), band
+
+
+def _gluon_takes_band(choice: str) -> bool:
+    """Whether a Gluon kernel under ``choice`` (forward_kernel / strip_kernel) may take the
+    sorted band: forced ("gluon"), or "auto" once ``GLUON_BAND_AUTO``."""
+    return choice == "gluon" or (choice == "auto" and GLUON_BAND_AUTO)
 
 
 def _sorted_band(gid: Tensor | None, band: Tensor | None) -> bool:

@@ -20,8 +20,8 @@ sample's group (~1 % duplicate pairs), and prints a table with the overhead over
 (the bar: <= 5 %); ``--dry-run`` runs the same table on the CPU (PyTorch tiles, tiny shapes).
 
 ``--breakdown`` adds forward alone, backward alone and the group ids' preparation
-(``duplicates.prepare``) per mode, so the run shows where any overhead is; ``--dup-backward``
-picks the Triton backward (default: ``AUTO_BACKWARD`` of ``kernels/clip/ops.py``).
+(``duplicates.sort_groups`` for mask, ``duplicates.prepare`` for positive), so the run shows
+where any overhead is; ``--dup-backward`` picks the Triton backward (default: ``AUTO_BACKWARD`` of ``kernels/clip/ops.py``).
 
     python scripts/bench_loss.py --duplicates --out bench_out   # b 32k, 64k; c 512, 1024
     python scripts/bench_loss.py --duplicates --breakdown --dup-backward onepass --out bench_out
@@ -271,11 +271,11 @@ def measure_duplicates(b: int, c: int, frac: float, reps: int, device: str, impl
     """ms (median of ``reps``, forward + backward) of clip_loss with duplicates off / mask /
     positive on the same inputs; off is the default call (no group ids). ``breakdown``: also
     each mode's forward and backward alone (``<mode>_fwd``, ``<mode>_bwd``) and the per-call
-    preparation of the group ids alone (``<mode>_prep``: ``duplicates.prepare``, inside the
-    forward's time too: int32 dense ids for mask, the pair list and its one host sync for
-    positive)."""
+    preparation of the group ids alone (``<mode>_prep``, inside the forward's time too: the
+    sort by group, ``duplicates.sort_groups``, for mask; ``duplicates.prepare``, the pair list
+    and its one host sync, for positive)."""
     from infclip.loss import clip_loss
-    from infclip.loss.duplicates import duplicate_pairs, prepare
+    from infclip.loss.duplicates import duplicate_pairs, prepare, sort_groups
 
     gen = torch.Generator(device=device).manual_seed(b + c)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -302,8 +302,8 @@ def measure_duplicates(b: int, c: int, frac: float, reps: int, device: str, impl
             kw = {} if mode == "off" else {"group_ids": ids, "duplicates": mode}
             out[f"{mode}_fwd"], out[f"{mode}_bwd"] = time_split(
                 lambda: clip_loss(*feats, logit_scale.exp(), impl=impl, **kw), zero, reps)
-        for mode in DUP_MODES[1:]:
-            out[f"{mode}_prep"] = time_ms(lambda: prepare(mode, ids), reps)
+        out["mask_prep"] = time_ms(lambda: sort_groups(ids), reps)  # what the fused "mask" runs
+        out["positive_prep"] = time_ms(lambda: prepare("positive", ids), reps)
     return out
 
 

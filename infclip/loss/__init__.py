@@ -124,10 +124,13 @@ def clip_loss(
         )
     if impl in ("vanilla", "local"):
         return vanilla_loss(image_features, text_features, logit_scale)
-    if dup is not None:  # one process: int32 dense ids ("mask"), the pair list ("positive", one host sync)
-        dup = prepare(duplicates, group_ids)
     ops = tile_ops(impl, image_features.device, fp32_precision=fp32_precision)
-    if hasattr(ops, "fused_loss"):  # Triton: one autograd node, positive pairs in the kernels
+    fused = hasattr(ops, "fused_loss")  # Triton: one autograd node, positive pairs in the kernels
+    if dup is not None and not (fused and duplicates == "mask"):
+        # one process: int32 dense ids ("mask" on the tiles), the pair list ("positive", one
+        # host sync); the fused "mask" sorts the ids as given (sort_groups), one sort, not two
+        dup = prepare(duplicates, group_ids)
+    if fused:
         if dup is None:
             return ops.fused_loss(image_features, text_features, logit_scale)
         return fused_duplicates_loss(image_features, text_features, logit_scale, ops, dup)

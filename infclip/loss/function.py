@@ -191,7 +191,8 @@ def fused_duplicates_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, dup) -> 
     """The one-process CLIP loss with duplicates on a backend with a fused loss node (Triton):
     "mask" is ``_SortedMask`` (the fused loss's kernels and passes on the batch sorted by group,
     the group compare only in the band of tiles around the diagonal); "positive" is
-    ``_FusedPositive``. ``dup``: from ``duplicates.prepare``."""
+    ``_FusedPositive``. ``dup``: from ``duplicates.prepare`` ("positive"), or the ids as given
+    ("mask": ``sort_groups`` takes any integer ids and gives the kernels their int32 ranks)."""
     if dup.mode == "mask":
         from infclip.kernels.clip import graphs
 

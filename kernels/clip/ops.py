@@ -49,14 +49,13 @@ GLUON_MIN_ROWS = 32768
 # (the tuner keeps the faster per size class). CLIP loss step, bf16, b = 32k-64k: 1.04-1.12x.
 STRIP_KERNEL_DEFAULT = "auto"
 # duplicates="mask" on one process (the batch sorted by group: int32 ids and a band w, the
-# kernels' BAND): the Gluon forward and strip fill take it (``gluon_common.band_args``) only
-# when forced (forward_kernel / strip_kernel = "gluon", or INFCLIP_FORWARD_KERNEL /
-# INFCLIP_STRIP_KERNEL = gluon), never under "auto": compiled for sm_90a without spills beyond
-# the plain variants' (scripts/compile_gluon_sm90.py), not yet run on a GPU. Flip this once
-# scripts/check_gluon_fwd.py --band and scripts/check_gluon_strip.py --band agree with the
-# Triton band kernels on an H100 / H200 (and are faster). Ids without a band (the ring) keep
-# the Triton kernels.
-GLUON_BAND_AUTO = False
+# kernels' BAND): the Gluon forward and strip fill take it (``gluon_common.band_args``) when
+# forced and, since both agreed with the Triton band kernels on an H200 and ran faster
+# (scripts/check_gluon_fwd.py --band: row / column LSE within 1.4e-6, 1.02-1.27x at b >= 32k;
+# scripts/check_gluon_strip.py --band: P within 1 bf16 ulp, d scale within 1e-7; commit
+# 640e884), under "auto" too, where the tuner times them beside the Triton band kernels.
+# Ids without a band (the ring) keep the Triton kernels.
+GLUON_BAND_AUTO = True
 
 
 def _kernel_choice(name: str, value: str | None, env: str, default: str) -> str:
@@ -119,7 +118,7 @@ class TritonTileOps:
             "triton" never uses it; "gluon" puts it first wherever it applies, any b (also
             the default when tuning is off: ``INFCLIP_TRITON_TUNE=0``; the GPU tests), and
             also for duplicates "mask" on one process (int32 ids with a band: the sorted
-            batch), which "auto" leaves to the Triton kernels (``GLUON_BAND_AUTO``).
+            batch), which "auto" tunes too while ``GLUON_BAND_AUTO``.
         strip_kernel: the same choice for the backward's strip fill (``gluon_strip``; the
             environment's ``INFCLIP_STRIP_KERNEL``); default ``STRIP_KERNEL_DEFAULT``
             ("auto", from ``GLUON_MIN_ROWS`` columns). It applies with offsets,
@@ -208,8 +207,8 @@ class TritonTileOps:
         GPU) or first ("gluon": any block pair; also the untuned default) where
         ``gluon_fwd.gluon_available``, and never for positives without offsets (the Triton
         forward refuses those). Group ids: only the sorted-band case (``band``: int32 ids with
-        a band, ``_sorted_band``) on the positives' pair, and only when forced ("gluon"; "auto"
-        too once ``GLUON_BAND_AUTO``), kind "fwd_band_gluon(_first)"; the ring's ids never.
+        a band, ``_sorted_band``) on the positives' pair: forced ("gluon"), or "auto" while
+        ``GLUON_BAND_AUTO``, kind "fwd_band_gluon(_first)"; the ring's ids never.
         The kind tells the orders and the cases apart, so that no two share a cached choice."""
         cands = launch.fwd_candidates(img.shape[1], img.element_size())
         banded = has_gid and band and positives
@@ -392,8 +391,8 @@ class TritonTileOps:
     def _strip_candidates(self, a: Tensor, b: Tensor, gluon_ok: bool, banded: bool = False) -> tuple[str, list]:
         """(tuner key kind, configs): the Triton strip configs, with the Gluon fill's joined
         ("auto": from ``GLUON_MIN_ROWS`` columns) or first ("gluon") where it applies. banded
-        (group ids, which ``gluon_ok`` admits in the sorted-band case only): only when forced
-        ("gluon"; "auto" too once ``GLUON_BAND_AUTO``), kind "strip_band_gluon(_first)"."""
+        (group ids, which ``gluon_ok`` admits in the sorted-band case only): forced ("gluon"),
+        or "auto" while ``GLUON_BAND_AUTO``, kind "strip_band_gluon(_first)"."""
         cands = launch.strip_candidates(a.shape[1], a.element_size())
         if self.strip_kernel == "triton" or not gluon_ok or not gluon_strip.gluon_strip_available(a, b):
             return "strip", cands
@@ -462,7 +461,7 @@ def _groups(groups, m: int, n: int) -> tuple[Tensor | None, Tensor | None, Tenso
 
 def _gluon_takes_band(choice: str) -> bool:
     """Whether a Gluon kernel under ``choice`` (forward_kernel / strip_kernel) may take the
-    sorted band: forced ("gluon"), or "auto" once ``GLUON_BAND_AUTO``."""
+    sorted band: forced ("gluon"), or "auto" while ``GLUON_BAND_AUTO``."""
     return choice == "gluon" or (choice == "auto" and GLUON_BAND_AUTO)
 
 

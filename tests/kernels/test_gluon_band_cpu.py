@@ -133,7 +133,7 @@ def test_grad_rows_strips_hands_the_band_to_the_gluon_fill(monkeypatch):
     assert len(seen) == 3 and all(h and ga is ids and gb is ids and b is band for h, ga, gb, b in seen)
 
 
-def test_forward_dispatch_takes_gluon_for_the_band_only_when_forced(monkeypatch):
+def test_forward_dispatch_tunes_gluon_for_the_band_and_forces_it_first(monkeypatch):
     monkeypatch.delenv("INFCLIP_FORWARD_KERNEL", raising=False)
     monkeypatch.setattr(gluon_fwd, "gluon_available", lambda a, b, cfg=None: True)
     big = torch.zeros(GLUON_MIN_ROWS, 512, dtype=torch.bfloat16)
@@ -141,8 +141,12 @@ def test_forward_dispatch_takes_gluon_for_the_band_only_when_forced(monkeypatch)
     ring = {**band, "band": False}
     plain = {**band, "has_gid": False, "band": False}
     auto, forced = TritonTileOps(), TritonTileOps(forward_kernel="gluon")
-    assert not ops_mod.GLUON_BAND_AUTO  # until check_gluon_fwd.py --band passes on a GPU
-    assert auto._forward_candidates(big, big, **band)[0] == "fwd"
+    assert ops_mod.GLUON_BAND_AUTO  # check_gluon_fwd.py --band passed on an H200 (commit 640e884)
+    kind, cands = auto._forward_candidates(big, big, **band)
+    assert kind == "fwd_band_gluon" and not isinstance(cands[0], gluon_fwd.GluonFwdConfig)  # joined, Triton first
+    assert any(isinstance(c, gluon_fwd.GluonFwdConfig) for c in cands)
+    small = torch.zeros(GLUON_MIN_ROWS - 1, 512, dtype=torch.bfloat16)
+    assert auto._forward_candidates(small, small, **band)[0] == "fwd"  # below GLUON_MIN_ROWS: Triton
     assert auto._forward_candidates(big, big, **plain)[0] == "fwd_gluon"  # without ids: as before
     kind, cands = forced._forward_candidates(big, big, **band)
     assert kind == "fwd_band_gluon_first" and isinstance(cands[0], gluon_fwd.GluonFwdConfig)
@@ -152,8 +156,8 @@ def test_forward_dispatch_takes_gluon_for_the_band_only_when_forced(monkeypatch)
     assert TritonTileOps(forward_kernel="triton")._forward_candidates(big, big, **band)[0] == "fwd"
     monkeypatch.setenv("INFCLIP_FORWARD_KERNEL", "gluon")
     assert TritonTileOps()._forward_candidates(big, big, **band)[0] == "fwd_band_gluon_first"
-    monkeypatch.setattr(ops_mod, "GLUON_BAND_AUTO", True)  # the switch, once the GPU check passed
-    assert auto._forward_candidates(big, big, **band)[0] == "fwd_band_gluon"
+    monkeypatch.setattr(ops_mod, "GLUON_BAND_AUTO", False)  # the switch off: "auto" keeps Triton
+    assert auto._forward_candidates(big, big, **band)[0] == "fwd"
 
 
 def test_forward_sends_sorted_ids_to_gluon_and_the_ring_to_triton(monkeypatch):
@@ -191,7 +195,7 @@ def test_forward_sends_sorted_ids_to_gluon_and_the_ring_to_triton(monkeypatch):
     assert calls[1][3] is None and calls[3][3] is band
 
 
-def test_strip_dispatch_takes_gluon_for_the_band_only_when_forced(monkeypatch):
+def test_strip_dispatch_tunes_gluon_for_the_band_and_forces_it_first(monkeypatch):
     monkeypatch.delenv("INFCLIP_STRIP_KERNEL", raising=False)
     monkeypatch.setattr(gluon_strip, "gluon_strip_available", lambda a, b, cfg=None: True)
     big = torch.zeros(GLUON_MIN_ROWS, 512, dtype=torch.bfloat16)
@@ -203,11 +207,13 @@ def test_strip_dispatch_takes_gluon_for_the_band_only_when_forced(monkeypatch):
     assert not forced._gluon_strip_ok(gd, off, ids.long(), band)  # int64 ids: the Triton fill
     assert not forced._gluon_strip_ok(None, off, ids, band)  # the band lives on the positives' pair
     assert not TritonTileOps(strip_positives="fixup")._gluon_strip_ok(gd, off, ids, band)
-    assert not auto._gluon_strip_ok(gd, off, ids, band)  # "auto": the Triton fills, tuned as before
-    monkeypatch.setattr(ops_mod, "GLUON_BAND_AUTO", True)
-    assert auto._gluon_strip_ok(gd, off, ids, band)  # the switch, once the GPU check passed
+    assert auto._gluon_strip_ok(gd, off, ids, band)  # "auto" too (check_gluon_strip.py --band passed)
+    kind, cands = auto._strip_candidates(big, big, True, banded=True)
+    assert kind == "strip_band_gluon" and not isinstance(cands[0], gluon_strip.GluonStripConfig)
+    assert any(isinstance(c, gluon_strip.GluonStripConfig) for c in cands)
     monkeypatch.setattr(ops_mod, "GLUON_BAND_AUTO", False)
-    assert auto._strip_candidates(big, big, True, banded=True)[0] == "strip"  # "auto": Triton until checked
+    assert not auto._gluon_strip_ok(gd, off, ids, band)  # the switch off: the Triton fills
+    assert auto._strip_candidates(big, big, True, banded=True)[0] == "strip"
     assert auto._strip_candidates(big, big, True)[0] == "strip_gluon"  # without ids: as before
     kind, cands = forced._strip_candidates(big, big, True, banded=True)
     assert kind == "strip_band_gluon_first" and isinstance(cands[0], gluon_strip.GluonStripConfig)

@@ -163,6 +163,10 @@ class LoggingConfig:
     # profile this step (1-based; 0: none) under the PyTorch profiler: every kernel and copy of
     # the process, the decoders' included; trace and GPU-time summary in <run_dir>/profile/
     profile_step: int = 0
+    # record the device JPEG decoder's timeline in this step (1-based; 0: none; data.decode
+    # device or auto on the GPU): when it worked and idled per phase, printed to the log and
+    # written to <run_dir>/decode_trace/ (cheap: the step runs at full speed)
+    decode_trace_step: int = 0
 
 
 @dataclass
@@ -298,7 +302,8 @@ def validate(cfg: Any, world_size: int) -> None:
 
 _POSITIVE = ("steps", "optim.lr", "optim.eps", "checkpoint.keep_last", "max_nonfinite", "memory.stream_rows")
 _NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps", "memory.prefetch_steps",
-                 "logging.every_n_steps", "checkpoint.every_n_steps", "logging.profile_step")
+                 "logging.every_n_steps", "checkpoint.every_n_steps", "logging.profile_step",
+                 "logging.decode_trace_step")
 
 
 def _validate_numbers(cfg: Any) -> None:

@@ -56,6 +56,7 @@ from PIL import Image
 from torch import Tensor, nn
 from torchvision.transforms import RandomResizedCrop
 
+from infclip.data.decode_trace import DecodeTrace
 from infclip.kernels.resize import resized_crop, resized_crop_reference
 
 HEADER_INTS = 8
@@ -237,6 +238,13 @@ def unpack_header(rows) -> Tensor:
     return head.view(torch.int32)
 
 
+def _source() -> str:
+    """Which of the decoder's callers runs this decode (for a trace): "ahead" (the next step's
+    decode-ahead thread), "prefetch" (the micro-batch after the towers' one) or "inline"."""
+    name = threading.current_thread().name
+    return "ahead" if name.startswith("jpeg-ahead") else "prefetch" if name.startswith("jpeg-decode") else "inline"
+
+
 def _autocast_off(device_type: str):
     """autocast disabled for ``device_type``, touching autocast state only where it is on: a
     decode thread (autocast off, as every new thread) must never enter or leave autocast
@@ -317,6 +325,7 @@ class JpegDecoder(nn.Module):
         self._ahead_pool: Optional[ThreadPoolExecutor] = None
         self.ahead_decoded = 0  # micro-batches decoded ahead (during the previous step's replay)
         self._hold: dict[int, list] = {}  # thread -> its last decoded images (read by pointer)
+        self._trace: Optional[DecodeTrace] = None  # one step's timeline (logging.decode_trace_step)
 
     def describe(self) -> str:
         """The startup line's decoder part."""
@@ -346,6 +355,26 @@ class JpegDecoder(nn.Module):
         bounds that pass; this is its share."""
         with self._lock:
             self._first_pass_busy = self.decode_s - self._decode_s_seen
+
+    # -- one step's timeline (logging.decode_trace_step) ---------------------------------
+    def start_trace(self) -> None:
+        """Record this step's decode calls, waits and phase ends (``decode_trace``)."""
+        with self._lock:
+            self._trace = DecodeTrace(time.perf_counter())
+
+    def stop_trace(self) -> Optional[DecodeTrace]:
+        """The trace since ``start_trace`` (None if none), recording stopped."""
+        with self._lock:
+            trace, self._trace = self._trace, None
+        if trace is not None:
+            trace.end = time.perf_counter()
+        return trace
+
+    def mark_phase(self, name: str, when: float) -> None:
+        """The engine's clock ended phase ``name`` at ``when`` (perf_counter); kept if tracing."""
+        with self._lock:
+            if self._trace is not None:
+                self._trace.marks.append((when, name))
 
     # -- decode once per step ---------------------------------------------------------
     @staticmethod
@@ -471,6 +500,10 @@ class JpegDecoder(nn.Module):
         rows = fetch_rows()
         kept = self._take_kept(rows)
         if kept is not None:
+            if self._trace is not None:
+                with self._lock:
+                    if self._trace is not None:
+                        self._trace.hits += 1
             return (rows, *kept)
         out, dropped, done = self._decode_timed(rows)
         self._maybe_keep(rows, out, dropped, done)
@@ -507,6 +540,8 @@ class JpegDecoder(nn.Module):
             self.decode_s += elapsed
             self.decoded += rows.shape[0] - pixels
             self.cpu_pixels += pixels
+            if self._trace is not None:
+                self._trace.spans.append((t0, t0 + elapsed, _source(), rows.shape[0]))
         return out, dropped, done
 
     def _prefetched(self, rows: Tensor):
@@ -518,7 +553,12 @@ class JpegDecoder(nn.Module):
 
     def forward(self, rows: Tensor) -> Tensor:
         """Normalized float32 images; autocast is off inside, so every pass decodes identically."""
+        t0 = time.perf_counter()
         hit = self._prefetched(rows)
+        if hit is not None and self._trace is not None:
+            with self._lock:
+                if self._trace is not None:
+                    self._trace.waits.append((t0, time.perf_counter()))
         if hit is None:
             _, out, dropped, done = self._decode_on_stream(lambda: rows)
         else:

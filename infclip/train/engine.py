@@ -394,7 +394,8 @@ class StepEngine:
 
     def _clock(self) -> "_Clock":
         self.last_phase_peaks = {}
-        return _Clock(self.device, self.measure_timings, self.last_phase_peaks if self.measure_memory else None)
+        return _Clock(self.device, self.measure_timings, self.last_phase_peaks if self.measure_memory else None,
+                      on_lap=getattr(self.normalizer, "mark_phase", None))
 
     def _scaled(self, loss: Tensor) -> Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
@@ -464,9 +465,12 @@ def _replayed_rng(device: torch.device, state):
 
 class _Clock:
     """Phase timer; synchronizes CUDA at each lap only when ``sync`` (measuring). With a
-    ``peaks`` dict (CUDA), also records each phase's peak allocated bytes."""
+    ``peaks`` dict (CUDA), also records each phase's peak allocated bytes; ``on_lap(name,
+    time)`` hears each phase's end (a decoding normalizer's trace)."""
 
-    def __init__(self, device: torch.device, sync: bool, peaks: Optional[dict] = None):
+    def __init__(self, device: torch.device, sync: bool, peaks: Optional[dict] = None,
+                 on_lap: Optional[Callable[[str, float], None]] = None):
+        self.on_lap = on_lap
         self.peaks = peaks if device.type == "cuda" else None
         self.sync = (sync or self.peaks is not None) and device.type == "cuda"
         self.device = device
@@ -483,6 +487,8 @@ class _Clock:
     def lap(self, name: str) -> None:
         t = self._now()
         mark_phase_end(name)  # a profiled step's summary splits the step here
+        if self.on_lap is not None:  # a decoding normalizer's trace splits the step here too
+            self.on_lap(name, t)
         self.laps[name] = t - self._t
         if self.peaks is not None:
             self.peaks[name] = torch.cuda.max_memory_allocated(self.device)

@@ -10,13 +10,15 @@ import math
 import os
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from infclip.config import check_run_length, validate
+from infclip.data.decode_trace import format_summary, write_trace
 from infclip.model import clamp_logit_scale
 from infclip.train import checkpoint as ckpt
 from infclip.train.build import Parts, apply_epochs, build
@@ -94,12 +96,13 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
                                    _stall_watch(cfg, info, parts, state))
     parts.engine.next_feed = pipeline.peek  # a decoding normalizer starts on the next step during the replay
     parts.logger.set_start(state.step)
-    _warn_unreached_profile(cfg, info, state)
+    _warn_unreached_profile(cfg, info, parts, state)
     t_run = time.perf_counter()
     try:
         while state.step < cfg.steps:
             try:
-                with profiled_step(parts.run_dir, state.step + 1, info.rank, _profiled(cfg, state)) as profile:
+                with profiled_step(parts.run_dir, state.step + 1, info.rank, _profiled(cfg, state)) as profile, \
+                        _decode_traced(cfg, info, parts, state):
                     metrics = train_step(cfg, info, parts, state, pipeline)
                 if profile is not None:
                     on_rank0(info, lambda: print(f"profile: step {state.step + 1} in {profile} "
@@ -133,12 +136,43 @@ def _profiled(cfg: Any, state: State) -> bool:
     return cfg.logging.profile_step == state.step + 1
 
 
-def _warn_unreached_profile(cfg: Any, info: DistInfo, state: State) -> None:
-    """logging.profile_step names a step this process will not run: say so at the start."""
-    n = cfg.logging.profile_step
-    if n and not state.step < n <= cfg.steps:
-        on_rank0(info, lambda: print(f"warning: logging.profile_step={n} is outside the steps this run trains "
-                                     f"({state.step + 1}..{cfg.steps}): no step is profiled", flush=True))
+def _traced(cfg: Any, state: State) -> bool:
+    """Whether the step about to run is logging.decode_trace_step."""
+    return cfg.logging.decode_trace_step == state.step + 1
+
+
+@contextmanager
+def _decode_traced(cfg: Any, info: DistInfo, parts: Parts, state: State) -> Iterator[None]:
+    """logging.decode_trace_step: the device decoder records the enclosed step's timeline;
+    each rank writes it to <run_dir>/decode_trace/step_N_rank_r.json, rank 0 logs its summary
+    (not when the step raised: a half step's timeline would mislead)."""
+    start = getattr(parts.engine.normalizer, "start_trace", None)
+    if not _traced(cfg, state) or start is None:
+        yield
+        return
+    start()
+    try:
+        yield
+    finally:
+        trace = parts.engine.normalizer.stop_trace()
+    step = state.step + 1
+    path = write_trace(parts.run_dir / "decode_trace" / f"step_{step}_rank_{info.rank}.json", step, trace)
+    if info.is_main:
+        parts.logger.write(format_summary(step, trace) + f"\n  (the timeline: {path})")
+
+
+def _warn_unreached_profile(cfg: Any, info: DistInfo, parts: Parts, state: State) -> None:
+    """logging.profile_step / decode_trace_step names a step this process will not run, or
+    there is no device decoder to trace: say so at the start."""
+    for key, what in (("profile_step", "profiled"), ("decode_trace_step", "traced")):
+        n = getattr(cfg.logging, key)
+        if n and not state.step < n <= cfg.steps:
+            on_rank0(info, lambda: print(f"warning: logging.{key}={n} is outside the steps this run trains "
+                                         f"({state.step + 1}..{cfg.steps}): no step is {what}", flush=True))
+    if cfg.logging.decode_trace_step and not hasattr(parts.engine.normalizer, "start_trace"):
+        on_rank0(info, lambda: print(f"warning: logging.decode_trace_step={cfg.logging.decode_trace_step} traces the "
+                                     "device JPEG decoder, and this run decodes in the loader workers "
+                                     f"(data.decode={cfg.data.decode}): nothing is traced", flush=True))
 
 
 def _stall_watch(cfg: Any, info: DistInfo, parts: Parts, state: State) -> StallWatch:
@@ -188,8 +222,8 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
     feed = pipeline.next()
     parts.model.train()
     lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
-    # phase timings sync CUDA (a profiled step too: its summary splits the step at the syncs)
-    parts.engine.measure_timings = _logged(cfg, state.step + 1) or _profiled(cfg, state)
+    # phase timings sync CUDA (a profiled or traced step too: its summary splits the step at the syncs)
+    parts.engine.measure_timings = _logged(cfg, state.step + 1) or _profiled(cfg, state) or _traced(cfg, state)
     out = parts.engine.step_feed(_simclr_views(cfg, info, state, feed))
     feed.wait_complete()  # every row arrived, so the feed's data position is set
     state.data_state, wait = feed.data_state, feed.wait_s

@@ -4,6 +4,7 @@ for bit alike; the run matches data.decode=cpu up to one 8-bit level of resampli
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -30,10 +31,18 @@ def test_device_decode_is_deterministic_across_offload_and_prefetch_and_close_to
     assert sorted(ref) == [1, 2, 3, 4]
     # data.decode_reserved_sms moves the towers to a green-context stream on a GPU; on a CPU
     # device the startup line says why not, and nothing else changes
+    # logging.decode_trace_step: the decoder's timeline of step 2, logged and written; the
+    # losses below stay equal to the untraced run's
     proc = run(train_cmd(tmp_path / "data", tmp_path / "offload", *STEPS, "memory.offload=true",
-                         "memory.prefetch_steps=2", "data.decode_reserved_sms=4"), cwd=tmp_path)
+                         "memory.prefetch_steps=2", "data.decode_reserved_sms=4",
+                         "logging.decode_trace_step=2"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "; towers on all SMs (not a CUDA device) (data.decode_reserved_sms=4)" in proc.stdout
+    assert proc.stdout.count("decode trace, step 2") == 1 and "decode trace, step 1" not in proc.stdout
+    doc = json.loads((tmp_path / "offload" / "decode_trace" / "step_2_rank_0.json").read_text())
+    phases = {p["name"]: p for p in doc["phases"]}
+    assert {"cache_pass", "loss", "replay", "step"} <= set(phases), list(phases)
+    assert doc["trace"]["spans"] and 0.0 < phases["step"]["busy"] <= phases["step"]["wall"]
     recs = step_records(tmp_path / "offload")
     busy = [r["decode_busy_pct"] for r in recs]
     assert len(busy) == 4 and all(0.0 < b < 150.0 for b in busy), busy  # the decoder's share of each step

@@ -66,3 +66,14 @@ def test_a_profile_step_past_the_run_is_named_at_the_start(tmp_path):
     proc = run_train(tmp_path, f"run_dir={run_dir}", "steps=1", "eval.tasks=[]", "logging.profile_step=5")
     assert "warning: logging.profile_step=5 is outside the steps this run trains (1..1)" in proc.stdout
     assert not (run_dir / "profile").exists()
+
+
+def test_a_decode_trace_step_past_the_run_or_without_a_device_decoder_is_named_at_the_start(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(tmp_path, f"run_dir={run_dir}", "steps=1", "eval.tasks=[]", "data.decode=cpu",
+                     "logging.decode_trace_step=5")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning: logging.decode_trace_step=5 is outside the steps this run trains (1..1): no step is traced" \
+        in proc.stdout
+    assert "this run decodes in the loader workers (data.decode=cpu): nothing is traced" in proc.stdout
+    assert not (run_dir / "decode_trace").exists()

@@ -1,0 +1,146 @@
+"""A timeline of the JPEG decoder's work in one training step (``logging.decode_trace_step=N``).
+
+Where the decoder bounds a step (``decode_busy_pct`` near 100 %) the step can be no shorter
+than its decode work; where it works less than all of the step while still bounding it, the
+question is *when* it idles. The PyTorch profiler answers that only at a cost (it slows the
+host several-fold, and the decoder is a host-driven chain), so the decoder records its own
+spans, cheaply, for one step:
+
+* ``spans``: (start, end, source, images) of each decode call, ``source`` the thread that
+  made it: "ahead" (the next step's micro-batches, during this step's replay and on into
+  the next step's first pass), "prefetch" (the micro-batch after the one the towers are on),
+  "inline" (the training thread itself, when nothing was prefetched);
+* ``waits``: (start, end) of the training thread waiting for a prefetched micro-batch;
+* ``hits``: micro-batches the training side found already decoded (kept pixels);
+* ``marks``: (time, name) of the step's phase ends as the engine's clock laps them
+  ("cache_pass", "loss", "replay"; a plain step "cache_pass", "loss", "replay" too).
+
+Times are ``time.perf_counter()`` seconds; the summary gives them relative to the trace's
+start. Invariant: tracing changes no result (it appends to lists under the decoder's lock).
+Layering: data only; the trainer starts and stops a trace and prints its summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MIN_GAP_S = 0.005  # idle stretches shorter than this are not listed (thread hand-offs)
+
+
+@dataclass
+class DecodeTrace:
+    """One step's decoder timeline (see the module docs); ``origin``: the step's start."""
+
+    origin: float
+    spans: list[tuple[float, float, str, int]] = field(default_factory=list)
+    waits: list[tuple[float, float]] = field(default_factory=list)
+    hits: int = 0
+    marks: list[tuple[float, str]] = field(default_factory=list)
+    end: float | None = None
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    """The decoder in one phase [start, end) of the step (seconds from the step's start):
+    ``busy`` the union of decode spans inside it, ``gaps`` its idle stretches of at least
+    ``MIN_GAP_S`` as (offset from the step's start, length), longest first, ``calls`` decode
+    calls by source (a call counts in the phase where it started), ``wait`` the training
+    thread's waits for prefetched micro-batches."""
+
+    name: str
+    start: float
+    end: float
+    busy: float
+    gaps: list[tuple[float, float]]
+    calls: dict[str, int]
+    wait: float
+
+    @property
+    def wall(self) -> float:
+        return self.end - self.start
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of (start, end) spans as sorted disjoint spans."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _clip(spans: list[tuple[float, float]], a: float, b: float) -> list[tuple[float, float]]:
+    return [(max(x, a), min(y, b)) for x, y in spans if y > a and x < b]
+
+
+def phase_bounds(trace: DecodeTrace) -> list[tuple[str, float, float]]:
+    """(name, start, end) of each phase in seconds from the step's start: the marks in time
+    order, then "rest" (the optimizer and the step's bookkeeping) up to ``trace.end``."""
+    end = (trace.end if trace.end is not None else max([trace.origin] + [m[0] for m in trace.marks])) - trace.origin
+    out, t = [], 0.0
+    for when, name in sorted(trace.marks):
+        out.append((name, t, when - trace.origin))
+        t = when - trace.origin
+    if end > t:
+        out.append(("rest", t, end))
+    return out
+
+
+def summarize(trace: DecodeTrace) -> list[PhaseSummary]:
+    """Per phase, and a last entry "step" for the whole step: busy time, idle gaps, calls
+    by source and the training thread's waits (see ``PhaseSummary``)."""
+    spans = _union([(a - trace.origin, b - trace.origin) for a, b, _, _ in trace.spans])
+    waits = [(a - trace.origin, b - trace.origin) for a, b in trace.waits]
+    phases = phase_bounds(trace)
+    whole = ("step", 0.0, phases[-1][2] if phases else 0.0)
+    out = []
+    for name, a, b in phases + [whole]:
+        inside = _clip(spans, a, b)
+        busy = sum(y - x for x, y in inside)
+        edges = [a] + [t for s in inside for t in s] + [b]
+        gaps = [(x, y - x) for x, y in zip(edges[::2], edges[1::2]) if y - x >= MIN_GAP_S]
+        calls: dict[str, int] = {}
+        for s0, _, src, _ in trace.spans:
+            if a <= s0 - trace.origin < b:
+                calls[src] = calls.get(src, 0) + 1
+        wait = sum(y - x for x, y in _clip(waits, a, b))
+        out.append(PhaseSummary(name, a, b, busy, sorted(gaps, key=lambda g: -g[1]), calls, wait))
+    return out
+
+
+def format_summary(step: int, trace: DecodeTrace, top: int = 3) -> str:
+    """Lines for the log: per phase its wall time, the decoder's busy share, the longest idle
+    stretches (at +offset from the step's start) and the decode calls by source."""
+    lines = [f"decode trace, step {step} (times from the step's start; {trace.hits} micro-batch reads "
+             f"found their pixels decoded already):"]
+    for p in summarize(trace):
+        share = 100.0 * p.busy / p.wall if p.wall > 0 else 0.0
+        gaps = ", ".join(f"{g:.3f} s at +{t:.3f}" for t, g in p.gaps[:top]) or "none"
+        calls = " ".join(f"{k} {v}" for k, v in sorted(p.calls.items())) or "no calls"
+        lines.append(f"  {p.name:<10} +{p.start:7.3f} .. +{p.end:7.3f} s: decoder busy {p.busy:.3f} s "
+                     f"({share:.0f} %), idle {p.wall - p.busy:.3f} s in {len(p.gaps)} stretch(es) "
+                     f"(longest: {gaps}); calls: {calls}; training thread waited {p.wait:.3f} s")
+    return "\n".join(lines)
+
+
+def write_trace(path: Path, step: int, trace: DecodeTrace) -> Path:
+    """The raw trace and its summary as JSON at ``path``, written atomically."""
+    doc = {"step": step, "trace": asdict(trace),
+           "phases": [{**asdict(p), "wall": p.wall} for p in summarize(trace)]}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path

@@ -1,0 +1,101 @@
+"""logging.decode_trace_step's timeline: the summary's arithmetic on a hand-made trace, and
+the decoder recording its calls (by thread), the training thread's waits, kept-pixel hits and
+the engine's phase ends, for exactly the traced interval."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from infclip.data.decode_trace import MIN_GAP_S, DecodeTrace, format_summary, phase_bounds, summarize, write_trace
+from infclip.data.jpeg import JpegDecoder, JpegPacker, PackedJpegs
+
+S = 32
+
+
+def _trace() -> DecodeTrace:
+    """Step from t = 100: cache pass to +4, loss to +4.5, replay to +8, the rest to +8.5.
+    Decode spans (two overlapping) with idle stretches of 1.0 s (+0..+1), 0.5 s (+3.5..+4,
+    the phase's end), 0.002 s (under MIN_GAP_S) and the loss and rest phases idle."""
+    t = 100.0
+    tr = DecodeTrace(t)
+    tr.spans = [(t + 1.0, t + 2.0, "prefetch", 8), (t + 1.5, t + 2.5, "ahead", 8),
+                (t + 2.502, t + 3.5, "prefetch", 8), (t + 4.5, t + 7.0, "ahead", 16)]
+    tr.waits = [(t + 0.2, t + 1.1), (t + 7.5, t + 7.6)]
+    tr.marks = [(t + 4.5, "loss"), (t + 4.0, "cache_pass"), (t + 8.0, "replay")]  # any order
+    tr.hits, tr.end = 3, t + 8.5
+    return tr
+
+
+def test_phases_follow_the_marks_in_time_order_and_end_at_the_trace_end():
+    assert phase_bounds(_trace()) == [("cache_pass", 0.0, 4.0), ("loss", 4.0, 4.5), ("replay", 4.5, 8.0),
+                                      ("rest", 8.0, 8.5)]
+
+
+def test_summary_busy_gaps_calls_and_waits_per_phase():
+    got = {p.name: p for p in summarize(_trace())}
+    cache = got["cache_pass"]
+    assert cache.busy == pytest.approx(1.5 + 0.998)  # the union: 1.0..2.5 and 2.502..3.5
+    assert [(round(t, 6), round(g, 6)) for t, g in cache.gaps] == [(0.0, 1.0), (3.5, 0.5)]  # longest first
+    assert cache.calls == {"prefetch": 2, "ahead": 1} and cache.wait == pytest.approx(0.9)
+    assert got["loss"].busy == 0.0 and got["loss"].gaps == [(4.0, 0.5)] and got["loss"].calls == {}
+    replay = got["replay"]
+    assert replay.busy == pytest.approx(2.5) and replay.gaps[0] == pytest.approx((7.0, 1.0))
+    assert replay.calls == {"ahead": 1} and replay.wait == pytest.approx(0.1)
+    step = got["step"]
+    assert (step.start, step.end) == (0.0, 8.5) and step.busy == pytest.approx(cache.busy + replay.busy)
+    assert step.wall - step.busy == pytest.approx(sum(g for _, g in step.gaps) + 0.002)  # the one under MIN_GAP_S
+    assert all(g >= MIN_GAP_S for _, g in step.gaps)
+    text = format_summary(7, _trace())
+    assert "decode trace, step 7" in text and "3 micro-batch reads found their pixels decoded already" in text
+    assert "1.000 s at +0.000" in text and "calls: ahead 1 prefetch 2" in text
+
+
+def test_the_timeline_is_written_atomically_as_json(tmp_path):
+    path = write_trace(tmp_path / "decode_trace" / "step_7_rank_0.json", 7, _trace())
+    doc = json.loads(path.read_text())
+    assert doc["step"] == 7 and len(doc["trace"]["spans"]) == 4
+    assert [p["name"] for p in doc["phases"]] == ["cache_pass", "loss", "replay", "rest", "step"]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+
+
+def _rows(k: int, seed: int) -> PackedJpegs:
+    """k random-noise JPEGs, packed as a loader batch."""
+    out = []
+    for i in range(k):
+        buf = io.BytesIO()
+        rng = np.random.default_rng(seed + i)
+        Image.fromarray(rng.integers(0, 256, (48, 56, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
+        torch.manual_seed(seed + i)
+        out.append(JpegPacker(S)(buf.getvalue()))
+    return PackedJpegs.collate(out)
+
+
+def test_the_decoder_records_its_calls_waits_hits_and_marks_only_while_tracing():
+    a, b, c = _rows(2, 0), _rows(3, 10), _rows(2, 20)
+    dec = JpegDecoder(S, keep_bytes=1 << 20)
+    dec(a)  # before the trace: not recorded
+    assert dec.stop_trace() is None
+    dec.start_trace()
+    dec.mark_reread(a)
+    dec(a)  # inline: decoded by the calling thread, kept for its re-read
+    dec.prefetch(lambda: b)
+    got_b = dec(b)  # the prefetch thread decoded it; this thread waited for it
+    dec.mark_phase("cache_pass", dec._trace.origin + 10.0)
+    dec(a)  # kept: a hit, no decode
+    dec.decode_ahead([lambda: c])
+    dec._ahead_pool.shutdown(wait=True)
+    tr = dec.stop_trace()
+    dec(c)
+    dec.mark_phase("replay", 0.0)  # after the trace: ignored
+    assert [(s[2], s[3]) for s in tr.spans] == [("inline", 2), ("prefetch", 3), ("ahead", 2)]
+    assert all(tr.origin <= s0 <= s1 <= tr.end for s0, s1, _, _ in tr.spans)
+    assert len(tr.waits) == 1 and tr.waits[0][0] <= tr.waits[0][1]
+    assert tr.hits == 1  # a's kept pixels (c's, decoded ahead, are taken after the stop: not counted)
+    assert tr.marks == [(tr.origin + 10.0, "cache_pass")]
+    assert torch.equal(got_b, JpegDecoder(S)(b))  # tracing changes no pixel

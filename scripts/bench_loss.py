@@ -271,9 +271,10 @@ def measure_duplicates(b: int, c: int, frac: float, reps: int, device: str, impl
     """ms (median of ``reps``, forward + backward) of clip_loss with duplicates off / mask /
     positive on the same inputs; off is the default call (no group ids). ``breakdown``: also
     each mode's forward and backward alone (``<mode>_fwd``, ``<mode>_bwd``) and the per-call
-    preparation of the group ids alone (``<mode>_prep``, inside the forward's time too: the
-    sort by group, ``duplicates.sort_groups``, for mask; ``duplicates.prepare``, the pair list
-    and its one host sync, for positive)."""
+    preparation of the group ids alone (``<mode>_prep``, inside the forward's time too: for
+    mask the sort by group, ``duplicates.sort_groups`` (Triton; the tiles: the dense ids,
+    ``duplicates.prepare``); for positive ``duplicates.prepare``, the pair list and its one
+    host sync)."""
     from infclip.loss import clip_loss
     from infclip.loss.duplicates import duplicate_pairs, prepare, sort_groups
 
@@ -302,7 +303,8 @@ def measure_duplicates(b: int, c: int, frac: float, reps: int, device: str, impl
             kw = {} if mode == "off" else {"group_ids": ids, "duplicates": mode}
             out[f"{mode}_fwd"], out[f"{mode}_bwd"] = time_split(
                 lambda: clip_loss(*feats, logit_scale.exp(), impl=impl, **kw), zero, reps)
-        out["mask_prep"] = time_ms(lambda: sort_groups(ids), reps)  # what the fused "mask" runs
+        # what "mask" runs: the sort by group on the fused Triton loss, the dense ids on the tiles
+        out["mask_prep"] = time_ms(lambda: sort_groups(ids) if impl == "triton" else prepare("mask", ids), reps)
         out["positive_prep"] = time_ms(lambda: prepare("positive", ids), reps)
     return out
 

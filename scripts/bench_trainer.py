@@ -182,6 +182,8 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     summary = run_dir / "profile" / f"step_{a.profile_step}_rank_0.md"
     if a.profile_step and summary.exists():
         shutil.copyfile(summary, Path(a.out) / f"profile_{kind}_{global_batch}{_tag(overrides)}.md")
+    for trace in sorted((run_dir / "decode_trace").glob("step_*_rank_0.json")):  # logging.decode_trace_step
+        shutil.copyfile(trace, Path(a.out) / f"decode_trace_{kind}_{global_batch}{_tag(overrides)}_{trace.stem}.json")
     steady = steps_[1:] or steps_  # the first step (compile, warm-up) is not counted
     pick = lambda k: _median(r.get(k, float("nan")) for r in steady)  # noqa: E731
     res = {"samples_per_s": pick("samples_per_s"), "step_s": pick("step_time"),

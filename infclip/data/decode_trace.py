@@ -13,7 +13,10 @@ spans, cheaply, for one step:
 * ``waits``: (start, end) of the training thread waiting for a prefetched micro-batch;
 * ``hits``: micro-batches the training side found already decoded (kept pixels);
 * ``marks``: (time, name) of the step's phase ends as the engine's clock laps them
-  ("cache_pass", "loss", "replay"; a plain step "cache_pass", "loss", "replay" too).
+  ("cache_pass", "loss", "replay"; the gradient cache's step and the plain one alike).
+
+A decode under way when the trace stops is in it up to the stop; one begun before the trace
+started is clipped to it and counts in the first phase.
 
 Times are ``time.perf_counter()`` seconds; the summary gives them relative to the trace's
 start. Invariant: tracing changes no result (it appends to lists under the decoder's lock).
@@ -48,8 +51,8 @@ class PhaseSummary:
     """The decoder in one phase [start, end) of the step (seconds from the step's start):
     ``busy`` the union of decode spans inside it, ``gaps`` its idle stretches of at least
     ``MIN_GAP_S`` as (offset from the step's start, length), longest first, ``calls`` decode
-    calls by source (a call counts in the phase where it started), ``wait`` the training
-    thread's waits for prefetched micro-batches."""
+    calls by source (a call counts in the phase where it started, or the first), ``wait`` the
+    training thread's waits for decoded micro-batches."""
 
     name: str
     start: float
@@ -107,7 +110,7 @@ def summarize(trace: DecodeTrace) -> list[PhaseSummary]:
         gaps = [(x, y - x) for x, y in zip(edges[::2], edges[1::2]) if y - x >= MIN_GAP_S]
         calls: dict[str, int] = {}
         for s0, _, src, _ in trace.spans:
-            if a <= s0 - trace.origin < b:
+            if a <= max(s0 - trace.origin, 0.0) < b:  # a call begun before the step: its first phase
                 calls[src] = calls.get(src, 0) + 1
         wait = sum(y - x for x, y in _clip(waits, a, b))
         out.append(PhaseSummary(name, a, b, busy, sorted(gaps, key=lambda g: -g[1]), calls, wait))
@@ -139,6 +142,7 @@ def write_trace(path: Path, step: int, trace: DecodeTrace) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f)
+        os.chmod(tmp, 0o644)  # as the run directory's other files (mkstemp makes it 0600)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -326,6 +326,7 @@ class JpegDecoder(nn.Module):
         self.ahead_decoded = 0  # micro-batches decoded ahead (during the previous step's replay)
         self._hold: dict[int, list] = {}  # thread -> its last decoded images (read by pointer)
         self._trace: Optional[DecodeTrace] = None  # one step's timeline (logging.decode_trace_step)
+        self._running: Optional[tuple[float, str, int]] = None  # (start, source, images) of the decode under way
 
     def describe(self) -> str:
         """The startup line's decoder part."""
@@ -363,12 +364,22 @@ class JpegDecoder(nn.Module):
             self._trace = DecodeTrace(time.perf_counter())
 
     def stop_trace(self) -> Optional[DecodeTrace]:
-        """The trace since ``start_trace`` (None if none), recording stopped."""
+        """The trace since ``start_trace`` (None if none), recording stopped; a decode still
+        under way (the next step's decode-ahead, typically) is in it up to now."""
         with self._lock:
             trace, self._trace = self._trace, None
-        if trace is not None:
-            trace.end = time.perf_counter()
+            if trace is not None:
+                trace.end = time.perf_counter()
+                if self._running is not None:
+                    start, source, images = self._running
+                    trace.spans.append((start, trace.end, source, images))
         return trace
+
+    def _note_wait(self, t0: float) -> None:
+        """The training thread waited from ``t0`` until now for decoded pixels (if tracing)."""
+        with self._lock:
+            if self._trace is not None:
+                self._trace.waits.append((t0, time.perf_counter()))
 
     def mark_phase(self, name: str, when: float) -> None:
         """The engine's clock ended phase ``name`` at ``when`` (perf_counter); kept if tracing."""
@@ -456,7 +467,10 @@ class JpegDecoder(nn.Module):
                     self._claimed.add(key)  # ours now: no decode-ahead may start on these rows
                 return None
         if pending is not None:
+            t0 = time.perf_counter()
             pending.wait()
+            if self._trace is not None and _source() == "inline":  # the training thread waited
+                self._note_wait(t0)
         with self._lock:
             got = self._kept.get(key)
             if got is None:
@@ -520,21 +534,14 @@ class JpegDecoder(nn.Module):
         # decode, which reuses their buffers, is (stream order keeps the rest).
         with self._decode_lock:
             t0 = time.perf_counter()
-            if self._stream is None:
-                with _autocast_off("cpu"):  # the CPU reference's matmuls stay float32
-                    out, dropped = self._decode_resize(rows)
-                done = None
-            else:
-                # No autocast context here: nothing on this path is autocast-sensitive (a Triton
-                # kernel and uint8 copies), and entering/leaving autocast in a decode thread while
-                # the training thread compiles deadlocked (autocast's global cast-cache mutex vs
-                # the GIL: seen at 262,144 under model.compile).
-                with torch.cuda.stream(self._stream):
-                    self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
-                    out, dropped = self._decode_resize(rows)
-                    done = torch.cuda.Event()
-                    done.record(self._stream)
-            elapsed = time.perf_counter() - t0
+            with self._lock:
+                self._running = (t0, _source(), rows.shape[0])  # a trace stopped meanwhile keeps it
+            try:
+                out, dropped, done = self._decode_now(rows)
+            finally:
+                elapsed = time.perf_counter() - t0
+                with self._lock:
+                    self._running = None
         pixels = int(rows.pixel_mask().sum()) if isinstance(rows, PackedJpegs) else 0
         with self._lock:
             self.decode_s += elapsed
@@ -542,6 +549,24 @@ class JpegDecoder(nn.Module):
             self.cpu_pixels += pixels
             if self._trace is not None:
                 self._trace.spans.append((t0, t0 + elapsed, _source(), rows.shape[0]))
+        return out, dropped, done
+
+    def _decode_now(self, rows: Tensor):
+        """(uint8 images, dropped mask, event or None) of ``rows``: the decode and resize, on
+        our stream on CUDA (under ``_decode_lock``)."""
+        if self._stream is None:
+            with _autocast_off("cpu"):  # the CPU reference's matmuls stay float32
+                out, dropped = self._decode_resize(rows)
+            return out, dropped, None
+        # No autocast context here: nothing on this path is autocast-sensitive (a Triton
+        # kernel and uint8 copies), and entering/leaving autocast in a decode thread while
+        # the training thread compiles deadlocked (autocast's global cast-cache mutex vs
+        # the GIL: seen at 262,144 under model.compile).
+        with torch.cuda.stream(self._stream):
+            self._stream.synchronize()  # its earlier work (and the blocks it freed) is done
+            out, dropped = self._decode_resize(rows)
+            done = torch.cuda.Event()
+            done.record(self._stream)
         return out, dropped, done
 
     def _prefetched(self, rows: Tensor):
@@ -555,10 +580,8 @@ class JpegDecoder(nn.Module):
         """Normalized float32 images; autocast is off inside, so every pass decodes identically."""
         t0 = time.perf_counter()
         hit = self._prefetched(rows)
-        if hit is not None and self._trace is not None:
-            with self._lock:
-                if self._trace is not None:
-                    self._trace.waits.append((t0, time.perf_counter()))
+        if self._trace is not None:  # the wait for prefetched results, matched or not
+            self._note_wait(t0)
         if hit is None:
             _, out, dropped, done = self._decode_on_stream(lambda: rows)
         else:

@@ -19,8 +19,9 @@ Where it is computed:
 * ``mask`` changes the LSEs themselves, so it lives in the tiles: ``TorchTileOps`` and the
   Triton kernels take ``groups = (g_row (m,), g_col (n,))`` and drop same-group entries
   (except a positive pair's own i == j on the diagonal block) from both directions, in the
-  forward and in dX of the backward. On one process the ids are first mapped to int32 dense
-  ranks (``dense_ids``, ``prepare``): one integer compare per tile entry in the kernels.
+  forward and in dX of the backward. On one process the ids become int32 ranks: dense ranks
+  on the PyTorch tiles (``dense_ids``, ``prepare``), each sorted pair's group's first sorted
+  position with the Triton kernels (``sort_groups``): one integer compare per tile entry.
   With the Triton kernels on one process the compare is confined to a band (``sort_groups``,
   ``infclip.loss.function._SortedMask``): the loss is a mean over pairs, so the pairs are
   permuted (image and text rows together) to make every group contiguous (a stable sort of
@@ -84,8 +85,9 @@ class Duplicates:
     """What the loss nodes need: the mode ("mask" | "positive"), the local group ids (m,) and,
     for "positive" on one process, the same-group pairs found once per call (``prepare``).
 
-    ids: int64 as given (the ring: ids stay global across ranks), or int32 dense ranks
-    (``dense_ids``; one process). pairs: None (found by ``group_pairs`` where needed) or the
+    ids: int64 as given (the ring: ids stay global across ranks; the fused Triton "mask",
+    which sorts them itself: ``sort_groups``), or int32 dense ranks (``dense_ids``; the
+    PyTorch tiles on one process). pairs: None (found by ``group_pairs`` where needed) or the
     chunks (ia, jb) of every ordered pair i != j of one group, computed once in the forward's
     preparation and reused by the backward."""
 

@@ -156,9 +156,16 @@ def _decode_traced(cfg: Any, info: DistInfo, parts: Parts, state: State) -> Iter
     finally:
         trace = parts.engine.normalizer.stop_trace()
     step = state.step + 1
-    path = write_trace(parts.run_dir / "decode_trace" / f"step_{step}_rank_{info.rank}.json", step, trace)
+    path = parts.run_dir / "decode_trace" / f"step_{step}_rank_{info.rank}.json"
+    try:  # a diagnostic file: failing to write it ends no run (and no rank alone)
+        write_trace(path, step, trace)
+        where = f"the timeline: {path}"
+    except OSError as e:
+        where = f"the timeline not written: {e}"
     if info.is_main:
-        parts.logger.write(format_summary(step, trace) + f"\n  (the timeline: {path})")
+        parts.logger.write(format_summary(step, trace) + f"\n  ({where})")
+    elif not where.startswith("the timeline:"):
+        print(f"warning: rank {info.rank}: logging.decode_trace_step: {where}", flush=True)
 
 
 def _warn_unreached_profile(cfg: Any, info: DistInfo, parts: Parts, state: State) -> None:

@@ -360,8 +360,9 @@ class TritonTileOps:
             return False
         if gid is None:
             return True
-        # (where the Gluon fill may not take the band, "auto" tunes and runs the Triton fills
-        # exactly as before the band variant)
+        # (where the Gluon fill may not take the band, the Triton fills run as before the band
+        # variant; where it may, the fills run in the Gluon fill's form, zero offsets included,
+        # also when the tuner then picks a Triton config: the same results)
         return _gluon_takes_band(self.strip_kernel) and _sorted_band(gid, band) and g_d is not None
 
     def _strip_cfg(self, a: Tensor, b: Tensor, prec: str, scale: Tensor, rows: int, gluon_ok: bool = False,

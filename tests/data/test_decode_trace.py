@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import numpy as np
 import pytest
@@ -62,6 +63,7 @@ def test_the_timeline_is_written_atomically_as_json(tmp_path):
     assert doc["step"] == 7 and len(doc["trace"]["spans"]) == 4
     assert [p["name"] for p in doc["phases"]] == ["cache_pass", "loss", "replay", "rest", "step"]
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def _rows(k: int, seed: int) -> PackedJpegs:
@@ -95,7 +97,48 @@ def test_the_decoder_records_its_calls_waits_hits_and_marks_only_while_tracing()
     dec.mark_phase("replay", 0.0)  # after the trace: ignored
     assert [(s[2], s[3]) for s in tr.spans] == [("inline", 2), ("prefetch", 3), ("ahead", 2)]
     assert all(tr.origin <= s0 <= s1 <= tr.end for s0, s1, _, _ in tr.spans)
-    assert len(tr.waits) == 1 and tr.waits[0][0] <= tr.waits[0][1]
+    assert len(tr.waits) == 3 and all(w0 <= w1 for w0, w1 in tr.waits)  # one per read of the training thread
     assert tr.hits == 1  # a's kept pixels (c's, decoded ahead, are taken after the stop: not counted)
     assert tr.marks == [(tr.origin + 10.0, "cache_pass")]
     assert torch.equal(got_b, JpegDecoder(S)(b))  # tracing changes no pixel
+
+
+def _slow(dec: JpegDecoder, monkeypatch, seconds: float) -> None:
+    real = dec._decode_resize
+
+    def slow(rows):
+        time.sleep(seconds)
+        return real(rows)
+
+    monkeypatch.setattr(dec, "_decode_resize", slow)
+
+
+def test_a_decode_under_way_at_the_stop_is_in_the_trace_up_to_the_stop(monkeypatch):
+    """The next step's decode-ahead runs on past a step's end: the trace keeps it, else the
+    step's end would read as idle."""
+    dec = JpegDecoder(S, keep_bytes=1 << 20)
+    _slow(dec, monkeypatch, 0.4)
+    dec.start_trace()
+    dec.decode_ahead([lambda: _rows(2, 40)])
+    time.sleep(0.2)
+    tr = dec.stop_trace()
+    dec._ahead_pool.shutdown(wait=True)
+    assert [(s[2], s[3]) for s in tr.spans] == [("ahead", 2)] and tr.spans[0][1] == tr.end
+    assert summarize(tr)[-1].busy >= 0.1
+    assert dec._running is None and dec.stop_trace() is None  # finished after the stop: not recorded again
+
+
+def test_the_training_threads_wait_for_a_decode_ahead_is_a_wait_and_a_call_before_the_step_counts(monkeypatch):
+    dec = JpegDecoder(S, keep_bytes=1 << 20)
+    _slow(dec, monkeypatch, 0.4)
+    c = _rows(2, 50)
+    dec.decode_ahead([lambda: c])  # begun before the traced step
+    time.sleep(0.1)
+    dec.start_trace()
+    dec(c)  # waits for the decode-ahead of the same rows
+    tr = dec.stop_trace()
+    dec._ahead_pool.shutdown(wait=True)
+    assert tr.hits == 1 and tr.spans[0][0] < tr.origin  # decoded by the ahead thread, started before
+    assert sum(w1 - w0 for w0, w1 in tr.waits) >= 0.15
+    step = summarize(tr)[-1]
+    assert step.calls == {"ahead": 1} and step.wait >= 0.15  # counted in the phase where the step began

@@ -139,9 +139,10 @@ def test_band_without_the_sort_is_wrong(layout, b, monkeypatch):
     kernels then skip the compare on tiles that hold same-group pairs), the loss is off."""
     img, txt, s, ids = _batch(layout, b, 8, 100.0, seed=b)
 
-    def unsorted(dense):
-        real = sort_groups(dense)
-        return duplicates.GroupSort(torch.arange(dense.numel()), torch.arange(dense.numel()), dense, real.band)
+    def unsorted(ids):  # the identity order, its int32 ranks, the real band
+        real = sort_groups(ids)
+        n = ids.numel()
+        return duplicates.GroupSort(torch.arange(n), torch.arange(n), duplicates.dense_ids(ids), real.band)
 
     monkeypatch.setattr(duplicates, "sort_groups", unsorted)
     wrong = _mask_loss(img, txt, s, ids)

@@ -339,7 +339,8 @@ class JpegDecoder(nn.Module):
         ``decode_busy_s``: seconds of decode work since the previous call (the trainer calls it
         once per step; its share of the step says whether decoding bounds the step)."""
         with self._lock:
-            total, busy = self.decode_s, self.decode_s - self._decode_s_seen
+            total = self._decode_s_now()
+            busy = total - self._decode_s_seen
             first, self._first_pass_busy = self._first_pass_busy, None
             self._decode_s_seen = total
         rate = self.decoded / total if total > 0 else 0.0
@@ -355,7 +356,13 @@ class JpegDecoder(nn.Module):
         only the first pass decodes (LiT), the step's busy share under-reads how much decoding
         bounds that pass; this is its share."""
         with self._lock:
-            self._first_pass_busy = self.decode_s - self._decode_s_seen
+            self._first_pass_busy = self._decode_s_now() - self._decode_s_seen
+
+    def _decode_s_now(self) -> float:
+        """``decode_s`` with the decode under way counted up to now (call under ``_lock``): a
+        decode across a step's end counts in each step for its part, not all in the step it
+        ends in (which read over 100 % there)."""
+        return self.decode_s + (time.perf_counter() - self._running[0] if self._running is not None else 0.0)
 
     # -- one step's timeline (logging.decode_trace_step) ---------------------------------
     def start_trace(self) -> None:
@@ -532,23 +539,25 @@ class JpegDecoder(nn.Module):
         # One decode + resize at a time (the prefetch and decode-ahead threads share the
         # decoders): on CUDA the resize that reads a decode's images is enqueued before the next
         # decode, which reuses their buffers, is (stream order keeps the rest).
+        pixels = int(rows.pixel_mask().sum()) if isinstance(rows, PackedJpegs) else 0
         with self._decode_lock:
             t0 = time.perf_counter()
-            with self._lock:
-                self._running = (t0, _source(), rows.shape[0])  # a trace stopped meanwhile keeps it
+            with self._lock:  # under way: counted by stats() and a trace's stop up to their time
+                self._running = (t0, _source(), rows.shape[0])
             try:
                 out, dropped, done = self._decode_now(rows)
-            finally:
-                elapsed = time.perf_counter() - t0
+            except BaseException:
                 with self._lock:
                     self._running = None
-        pixels = int(rows.pixel_mask().sum()) if isinstance(rows, PackedJpegs) else 0
-        with self._lock:
-            self.decode_s += elapsed
-            self.decoded += rows.shape[0] - pixels
-            self.cpu_pixels += pixels
-            if self._trace is not None:
-                self._trace.spans.append((t0, t0 + elapsed, _source(), rows.shape[0]))
+                raise
+            elapsed = time.perf_counter() - t0
+            with self._lock:  # one update: no reader sees the decode neither running nor counted
+                self._running = None
+                self.decode_s += elapsed
+                self.decoded += rows.shape[0] - pixels
+                self.cpu_pixels += pixels
+                if self._trace is not None:
+                    self._trace.spans.append((t0, t0 + elapsed, _source(), rows.shape[0]))
         return out, dropped, done
 
     def _decode_now(self, rows: Tensor):

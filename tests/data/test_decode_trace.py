@@ -142,3 +142,19 @@ def test_the_training_threads_wait_for_a_decode_ahead_is_a_wait_and_a_call_befor
     assert sum(w1 - w0 for w0, w1 in tr.waits) >= 0.15
     step = summarize(tr)[-1]
     assert step.calls == {"ahead": 1} and step.wait >= 0.15  # counted in the phase where the step began
+
+
+def test_the_busy_time_of_a_decode_across_stats_calls_is_split_between_them(monkeypatch):
+    """decode_busy_s counts a decode under way up to the stats() call, the rest in the next
+    one: no step reads over 100 % for a decode that ended in it, and the parts add up."""
+    dec = JpegDecoder(S, keep_bytes=1 << 20)
+    _slow(dec, monkeypatch, 0.6)
+    dec.stats()
+    dec.decode_ahead([lambda: _rows(2, 60)])
+    time.sleep(0.3)
+    t_mid = time.perf_counter()
+    first = dec.stats()["decode_busy_s"]
+    dec._ahead_pool.shutdown(wait=True)
+    second = dec.stats()["decode_busy_s"]
+    assert 0.2 <= first <= 0.3 + (time.perf_counter() - t_mid)  # the part before the call
+    assert first + second == pytest.approx(dec.decode_s, abs=1e-9) and second > 0.2

@@ -113,14 +113,22 @@ def _slow(dec: JpegDecoder, monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(dec, "_decode_resize", slow)
 
 
+def _ahead_under_way(monkeypatch, rows: PackedJpegs, decode_s: float, sleep_s: float, before=None) -> JpegDecoder:
+    """A decoder (each decode taking ``decode_s`` more) whose decode-ahead of ``rows`` has
+    run for ``sleep_s``; ``before(decoder)`` runs just before the decode-ahead starts."""
+    dec = JpegDecoder(S, keep_bytes=1 << 20)
+    _slow(dec, monkeypatch, decode_s)
+    if before is not None:
+        before(dec)
+    dec.decode_ahead([lambda: rows])
+    time.sleep(sleep_s)
+    return dec
+
+
 def test_a_decode_under_way_at_the_stop_is_in_the_trace_up_to_the_stop(monkeypatch):
     """The next step's decode-ahead runs on past a step's end: the trace keeps it, else the
     step's end would read as idle."""
-    dec = JpegDecoder(S, keep_bytes=1 << 20)
-    _slow(dec, monkeypatch, 0.4)
-    dec.start_trace()
-    dec.decode_ahead([lambda: _rows(2, 40)])
-    time.sleep(0.2)
+    dec = _ahead_under_way(monkeypatch, _rows(2, 40), 0.4, 0.2, before=JpegDecoder.start_trace)
     tr = dec.stop_trace()
     dec._ahead_pool.shutdown(wait=True)
     assert [(s[2], s[3]) for s in tr.spans] == [("ahead", 2)] and tr.spans[0][1] == tr.end
@@ -129,11 +137,8 @@ def test_a_decode_under_way_at_the_stop_is_in_the_trace_up_to_the_stop(monkeypat
 
 
 def test_the_training_threads_wait_for_a_decode_ahead_is_a_wait_and_a_call_before_the_step_counts(monkeypatch):
-    dec = JpegDecoder(S, keep_bytes=1 << 20)
-    _slow(dec, monkeypatch, 0.4)
     c = _rows(2, 50)
-    dec.decode_ahead([lambda: c])  # begun before the traced step
-    time.sleep(0.1)
+    dec = _ahead_under_way(monkeypatch, c, 0.4, 0.1)  # begun before the traced step
     dec.start_trace()
     dec(c)  # waits for the decode-ahead of the same rows
     tr = dec.stop_trace()
@@ -147,11 +152,7 @@ def test_the_training_threads_wait_for_a_decode_ahead_is_a_wait_and_a_call_befor
 def test_the_busy_time_of_a_decode_across_stats_calls_is_split_between_them(monkeypatch):
     """decode_busy_s counts a decode under way up to the stats() call, the rest in the next
     one: no step reads over 100 % for a decode that ended in it, and the parts add up."""
-    dec = JpegDecoder(S, keep_bytes=1 << 20)
-    _slow(dec, monkeypatch, 0.6)
-    dec.stats()
-    dec.decode_ahead([lambda: _rows(2, 60)])
-    time.sleep(0.3)
+    dec = _ahead_under_way(monkeypatch, _rows(2, 60), 0.6, 0.3, before=JpegDecoder.stats)
     t_mid = time.perf_counter()
     first = dec.stats()["decode_busy_s"]
     dec._ahead_pool.shutdown(wait=True)

@@ -159,3 +159,23 @@ def test_the_busy_time_of_a_decode_across_stats_calls_is_split_between_them(monk
     second = dec.stats()["decode_busy_s"]
     assert 0.2 <= first <= 0.3 + (time.perf_counter() - t_mid)  # the part before the call
     assert first + second == pytest.approx(dec.decode_s, abs=1e-9) and second > 0.2
+
+
+def test_the_schedule_keeps_a_slow_decoder_busy_on_the_cpu(tmp_path):
+    """scripts/simulate_decode_schedule.py: with each decode 50 ms (decoding bounds the LiT
+    step), the decode-ahead and prefetch threads keep the decoder busy through the traced step,
+    the LiT ring included (the 512-px GPU step's 15 % idle is not the schedule's)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "simulate_decode_schedule.py"
+    proc = subprocess.run([sys.executable, str(script), "--run-dir", str(tmp_path), "steps=3",
+                           "logging.decode_trace_step=2", "memory.stream_rows=64"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    step = re.search(r"^  step .*decoder busy [\d.]+ s \((\d+) %\)", proc.stdout, re.M)
+    assert step is not None, proc.stdout[-2000:]
+    assert int(step.group(1)) >= 80, step.group(0)
+    assert (tmp_path / "run" / "decode_trace" / "step_2_rank_0.json").exists()

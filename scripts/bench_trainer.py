@@ -181,9 +181,9 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     steps_ = step_records(recs, a.profile_step)
     summary = run_dir / "profile" / f"step_{a.profile_step}_rank_0.md"
     if a.profile_step and summary.exists():
-        shutil.copyfile(summary, Path(a.out) / f"profile_{kind}_{global_batch}{_tag(overrides)}.md")
+        shutil.copyfile(summary, Path(a.out) / _out_name(f"profile_{kind}_{global_batch}{_tag(overrides)}.md"))
     for trace in sorted((run_dir / "decode_trace").glob("step_*_rank_0.json")):  # logging.decode_trace_step
-        shutil.copyfile(trace, Path(a.out) / f"decode_trace_{kind}_{global_batch}{_tag(overrides)}_{trace.stem}.json")
+        shutil.copyfile(trace, Path(a.out) / _out_name(f"decode_trace_{kind}_{global_batch}{_tag(overrides)}_{trace.stem}.json"))
     steady = steps_[1:] or steps_  # the first step (compile, warm-up) is not counted
     pick = lambda k: _median(r.get(k, float("nan")) for r in steady)  # noqa: E731
     res = {"samples_per_s": pick("samples_per_s"), "step_s": pick("step_time"),
@@ -230,6 +230,12 @@ def fwd_gflops(model_name: str, patch_dropout: float = 0.0) -> tuple[float, floa
             fn(x)
         res.append(fc.get_total_flops() / 8 / 1e9)
     return res[0], res[1]
+
+
+def _out_name(name: str) -> str:
+    """A file name for OUT in letters, digits, '.', '_' and '-' only (the device tool leaves
+    names with other characters, '=' among them, behind)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name)
 
 
 def _tag(overrides: list[str]) -> str:

@@ -44,6 +44,7 @@ if has shards; then
   for side in ${SHARD_SIDES:-256 512}; do
     n=$([[ $side == 256 ]] && echo "${N256:-32768}" || echo "${N512:-16384}")
     [[ -f /tmp/photos$side/sizes.json ]] && continue
+    (( n / 1024 < ${WORKERS:-14} )) && echo "warning: $((n / 1024)) shards of 1,024 for ${WORKERS:-14} loader workers: the loader may not keep up (use N$side >= $(( ${WORKERS:-14} * 1024 )))" | tee -a $OUT/shards.txt
     (cd "$ps" && PYTHONPATH=. timeout 300 $PY data/write_photo_shards.py --photos "${PHOTOS:-.gpu/photo_src}" \
         --out /tmp/photos$side --num-samples "$n" --shard-size 1024 --side $side --workers 16) 2>&1 | tail -6 | tee -a $OUT/shards.txt
   done

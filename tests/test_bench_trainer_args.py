@@ -2,6 +2,7 @@
 webdataset loader against the installed webdataset), which step records count towards a run's
 medians, how a --runs entry is read, the logs' names and how a run's output reaches its log."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -64,6 +65,8 @@ def test_runs_that_differ_past_the_cut_get_logs_of_their_own():
     a, b = bench_trainer._tag([long + "x'"]), bench_trainer._tag([long + "y'"])
     assert a != b and a.startswith("_data.decoder_options") and len(a) <= 1 + 60 + 1 + 8
     assert "/" not in a and " " not in a and bench_trainer._tag([]) == ""
+    out = bench_trainer._out_name(f"decode_trace_lit_compile_65536{a}_step_3_rank_0.json")
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", out) and out.endswith("_step_3_rank_0.json")
 
 
 def test_the_table_shows_the_decoder_s_busy_share_and_a_dash_where_a_run_has_none():

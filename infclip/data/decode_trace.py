@@ -31,6 +31,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from infclip.spans import clip, union
+
 MIN_GAP_S = 0.005  # idle stretches shorter than this are not listed (thread hand-offs)
 
 
@@ -67,21 +69,6 @@ class PhaseSummary:
         return self.end - self.start
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of (start, end) spans as sorted disjoint spans."""
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _clip(spans: list[tuple[float, float]], a: float, b: float) -> list[tuple[float, float]]:
-    return [(max(x, a), min(y, b)) for x, y in spans if y > a and x < b]
-
-
 def phase_bounds(trace: DecodeTrace) -> list[tuple[str, float, float]]:
     """(name, start, end) of each phase in seconds from the step's start: the marks in time
     order, then "rest" (the optimizer and the step's bookkeeping) up to ``trace.end``."""
@@ -98,13 +85,13 @@ def phase_bounds(trace: DecodeTrace) -> list[tuple[str, float, float]]:
 def summarize(trace: DecodeTrace) -> list[PhaseSummary]:
     """Per phase, and a last entry "step" for the whole step: busy time, idle gaps, calls
     by source and the training thread's waits (see ``PhaseSummary``)."""
-    spans = _union([(a - trace.origin, b - trace.origin) for a, b, _, _ in trace.spans])
+    spans = union([(a - trace.origin, b - trace.origin) for a, b, _, _ in trace.spans])
     waits = [(a - trace.origin, b - trace.origin) for a, b in trace.waits]
     phases = phase_bounds(trace)
     whole = ("step", 0.0, phases[-1][2] if phases else 0.0)
     out = []
     for name, a, b in phases + [whole]:
-        inside = _clip(spans, a, b)
+        inside = clip(spans, a, b)
         busy = sum(y - x for x, y in inside)
         edges = [a] + [t for s in inside for t in s] + [b]
         gaps = [(x, y - x) for x, y in zip(edges[::2], edges[1::2]) if y - x >= MIN_GAP_S]
@@ -112,7 +99,7 @@ def summarize(trace: DecodeTrace) -> list[PhaseSummary]:
         for s0, _, src, _ in trace.spans:
             if a <= max(s0 - trace.origin, 0.0) < b:  # a call begun before the step: its first phase
                 calls[src] = calls.get(src, 0) + 1
-        wait = sum(y - x for x, y in _clip(waits, a, b))
+        wait = sum(y - x for x, y in clip(waits, a, b))
         out.append(PhaseSummary(name, a, b, busy, sorted(gaps, key=lambda g: -g[1]), calls, wait))
     return out
 

@@ -96,7 +96,7 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
                                    _stall_watch(cfg, info, parts, state))
     parts.engine.next_feed = pipeline.peek  # a decoding normalizer starts on the next step during the replay
     parts.logger.set_start(state.step)
-    _warn_unreached_profile(cfg, info, parts, state)
+    _warn_unreached_diagnostics(cfg, info, parts, state)
     t_run = time.perf_counter()
     try:
         while state.step < cfg.steps:
@@ -157,18 +157,18 @@ def _decode_traced(cfg: Any, info: DistInfo, parts: Parts, state: State) -> Iter
         trace = parts.engine.normalizer.stop_trace()
     step = state.step + 1
     path = parts.run_dir / "decode_trace" / f"step_{step}_rank_{info.rank}.json"
+    failed = None
     try:  # a diagnostic file: failing to write it ends no run (and no rank alone)
         write_trace(path, step, trace)
-        where = f"the timeline: {path}"
     except OSError as e:
-        where = f"the timeline not written: {e}"
+        failed = f"the timeline not written: {e}"
     if info.is_main:
-        parts.logger.write(format_summary(step, trace) + f"\n  ({where})")
-    elif not where.startswith("the timeline:"):
-        print(f"warning: rank {info.rank}: logging.decode_trace_step: {where}", flush=True)
+        parts.logger.write(format_summary(step, trace) + f"\n  ({failed or f'the timeline: {path}'})")
+    elif failed:
+        print(f"warning: rank {info.rank}: logging.decode_trace_step: {failed}", flush=True)
 
 
-def _warn_unreached_profile(cfg: Any, info: DistInfo, parts: Parts, state: State) -> None:
+def _warn_unreached_diagnostics(cfg: Any, info: DistInfo, parts: Parts, state: State) -> None:
     """logging.profile_step / decode_trace_step names a step this process will not run, or
     there is no device decoder to trace: say so at the start."""
     for key, what in (("profile_step", "profiled"), ("decode_trace_step", "traced")):

@@ -31,6 +31,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from infclip.spans import clip, covered
+
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 PHASE_MARK = "infclip.phase_end."  # a CPU range marking the end of a step phase (after its CUDA sync)
 
@@ -44,17 +46,7 @@ def mark_phase_end(name: str) -> None:
 
 def busy_us(spans: list[tuple[float, float]]) -> float:
     """Length of the union of ``(start, end)`` spans (microseconds)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-def _clip(spans: list[tuple[float, float]], a: float, b: float) -> list[tuple[float, float]]:
-    return [(max(x, a), min(y, b)) for x, y in spans if y > a and x < b]
+    return covered(spans)
 
 
 def _gaps(gpu: list[dict], spans: list[tuple[float, float]], t0: float, top: int) -> list[str]:
@@ -84,7 +76,7 @@ def _phases(events: list[dict], spans: list[tuple[float, float]], t0: float, t1:
     lines = ["", "| phase (ends at its mark) | wall s | GPU busy s | busy % |", "|---|---|---|---|"]
     starts = [t0] + [ts for ts, _ in marks]
     for a, (b, label) in zip(starts, marks + [(t1, "after the optimizer")]):
-        busy = busy_us(_clip(spans, a, b)) / 1e6
+        busy = busy_us(clip(spans, a, b)) / 1e6
         wall = (b - a) / 1e6
         lines.append(f"| {label} | {wall:.3f} | {busy:.3f} | {100 * busy / max(wall, 1e-12):.1f} |")
     return lines

@@ -418,18 +418,20 @@ def _masked64(img, txt, s, pos, ids):
     return lr, lc, torch.exp(xr - lr[:, None]), torch.exp(xc - lc[None, :]), dot, ~same
 
 
+SCALE = 1 / 0.07  # the loss's logit scale in the model tests
+LAYOUTS = ["unique", "small", "big", "one"]  # _sorted_case's group layouts
+
 # (b, BM, BN, column chunk, split): b off the tiles; the forward's chunks and splits cut the band
 FWD_SHAPES = [(45, 8, 16, 32, 16), (100, 16, 8, 48, 24), (77, 16, 32, 64, 32), (150, 64, 128, 256, 128)]
 
 
-@pytest.mark.parametrize("layout", ["unique", "small", "big", "one"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", FWD_SHAPES)
 def test_forward_band_model_matches_float64_reference(layout, shape):
     b, bm, bn, chunk, per = shape
-    s = 1 / 0.07
     img, txt, pos, ids, w = _sorted_case(layout, b, seed=b + bm)
-    want_r, want_c = _masked64(img, txt, s, pos, ids)[:2]
-    got_r, got_c = _fwd_model(img, txt, s, pos, ids, w, bm, bn, chunk, per)
+    want_r, want_c = _masked64(img, txt, SCALE, pos, ids)[:2]
+    got_r, got_c = _fwd_model(img, txt, SCALE, pos, ids, w, bm, bn, chunk, per)
     assert torch.isfinite(got_r).all() and torch.isfinite(got_c).all()
     torch.testing.assert_close(got_r.double(), want_r, rtol=0, atol=2e-5)
     torch.testing.assert_close(got_c.double(), want_c, rtol=0, atol=2e-5)
@@ -444,8 +446,8 @@ def test_forward_band_model_catches_the_slips(mutant):
     b, bm, bn, chunk, per = FWD_SHAPES[1]
     img, txt, pos, ids, w = _sorted_case("big", b, seed=3)
     assert w >= 2 * max(bm, bn)
-    want_r, want_c = _masked64(img, txt, 1 / 0.07, pos, ids)[:2]
-    got_r, got_c = _fwd_model(img, txt, 1 / 0.07, pos, ids, w, bm, bn, chunk, per, mutant=mutant)
+    want_r, want_c = _masked64(img, txt, SCALE, pos, ids)[:2]
+    got_r, got_c = _fwd_model(img, txt, SCALE, pos, ids, w, bm, bn, chunk, per, mutant=mutant)
     bad = ~torch.isclose(got_r.double(), want_r, rtol=0, atol=2e-5).all()
     bad |= ~torch.isclose(got_c.double(), want_c, rtol=0, atol=2e-5).all()
     assert bad
@@ -469,18 +471,17 @@ def _strip_reference(img, txt, s, pos, ids, g_a, g_b, g_d, r, row_start):
     return s * dx[sl], ds, lr.float(), lc.float()
 
 
-@pytest.mark.parametrize("layout", ["unique", "small", "big", "one"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", STRIP_SHAPES)
 def test_strip_band_model_matches_float64_reference(layout, shape):
     n, r, row_start, bm, bn = shape
-    s = 1 / 0.07
     img, txt, pos, ids, w = _sorted_case(layout, n, seed=n + bn)
     g = torch.Generator().manual_seed(n)
     # the weights in few bits: g_a + g_b - g_d is 0 in fp32 and float64 alike (CLIP's g_d)
     g_a, g_b = (torch.randint(1, 64, (n,), generator=g) / 8192 for _ in range(2))
     g_d = g_a + g_b
-    want, want_ds, lse_a, lse_b = _strip_reference(img, txt, s, pos, ids, g_a, g_b, g_d, r, row_start)
-    got, ds = _strip_model(img, txt, s, lse_a, lse_b, pos, g_a, g_b, g_d, ids, w, r, row_start, bm, bn)
+    want, want_ds, lse_a, lse_b = _strip_reference(img, txt, SCALE, pos, ids, g_a, g_b, g_d, r, row_start)
+    got, ds = _strip_model(img, txt, SCALE, lse_a, lse_b, pos, g_a, g_b, g_d, ids, w, r, row_start, bm, bn)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5 * float(want.abs().max()))
     torch.testing.assert_close(ds.double(), want_ds, rtol=1e-4, atol=1e-6)
@@ -495,7 +496,7 @@ def test_strip_band_model_catches_the_fold_order():
     img, txt, pos, ids, w = _sorted_case("small", n, seed=5)
     g_a = g_b = torch.full((n,), 1 / n)
     g_d = g_a + g_b
-    want, _, lse_a, lse_b = _strip_reference(img, txt, 1 / 0.07, pos, ids, g_a, g_b, g_d, r, row_start)
-    got, _ = _strip_model(img, txt, 1 / 0.07, lse_a, lse_b, pos, g_a, g_b, g_d, ids, w, r, row_start, bm, bn,
+    want, _, lse_a, lse_b = _strip_reference(img, txt, SCALE, pos, ids, g_a, g_b, g_d, r, row_start)
+    got, _ = _strip_model(img, txt, SCALE, lse_a, lse_b, pos, g_a, g_b, g_d, ids, w, r, row_start, bm, bn,
                           mutant="drop_after_positives")
     assert not torch.isclose(got.double(), want, rtol=0, atol=2e-5 * float(want.abs().max())).all()

@@ -13,7 +13,10 @@ spans, cheaply, for one step:
 * ``waits``: (start, end) of the training thread waiting for a prefetched micro-batch;
 * ``hits``: micro-batches the training side found already decoded (kept pixels);
 * ``marks``: (time, name) of the step's phase ends as the engine's clock laps them
-  ("cache_pass", "loss", "replay"; the gradient cache's step and the plain one alike).
+  ("cache_pass", "loss", "replay"; the gradient cache's step and the plain one alike);
+* ``queued``: when the next step's micro-batches were handed to the decode-ahead
+  (``data.decode_ahead_from``: during the first pass under a locked image tower, else after
+  the loss).
 
 A decode under way when the trace stops is in it up to the stop; one begun before the trace
 started is clipped to it and counts in the first phase.
@@ -46,6 +49,7 @@ class DecodeTrace:
     hits: int = 0
     marks: list[tuple[float, str]] = field(default_factory=list)
     end: float | None = None
+    queued: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -107,8 +111,11 @@ def summarize(trace: DecodeTrace) -> list[PhaseSummary]:
 def format_summary(step: int, trace: DecodeTrace, top: int = 3) -> str:
     """Lines for the log: per phase its wall time, the decoder's busy share, the longest idle
     stretches (at +offset from the step's start) and the decode calls by source."""
+    bounds = phase_bounds(trace)
+    handed = "; ".join(f"the next step's images handed to the decode-ahead at +{t - trace.origin:.3f} s"
+                       f" (in {_phase_at(bounds, t - trace.origin)})" for t in trace.queued)
     lines = [f"decode trace, step {step} (times from the step's start; {trace.hits} micro-batch reads "
-             f"found their pixels decoded already):"]
+             f"found their pixels decoded already{'; ' + handed if handed else ''}):"]
     for p in summarize(trace):
         share = 100.0 * p.busy / p.wall if p.wall > 0 else 0.0
         gaps = ", ".join(f"{g:.3f} s at +{t:.3f}" for t, g in p.gaps[:top]) or "none"
@@ -117,6 +124,11 @@ def format_summary(step: int, trace: DecodeTrace, top: int = 3) -> str:
                      f"({share:.0f} %), idle {p.wall - p.busy:.3f} s in {len(p.gaps)} stretch(es) "
                      f"(longest: {gaps}); calls: {calls}; training thread waited {p.wait:.3f} s")
     return "\n".join(lines)
+
+
+def _phase_at(bounds: list[tuple[str, float, float]], t: float) -> str:
+    """The name of the phase holding ``t`` (seconds from the step's start), or "step"."""
+    return next((name for name, a, b in bounds if a <= t < b), "step")
 
 
 def write_trace(path: Path, step: int, trace: DecodeTrace) -> Path:

@@ -436,6 +436,9 @@ class JpegDecoder(nn.Module):
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="jpeg-ahead")
         gen = self._gen + 1
+        with self._lock:
+            if self._trace is not None:
+                self._trace.queued.append(time.perf_counter())
         for fetch in fetchers:
             self._ahead_pool.submit(self._ahead_one, fetch, gen)
 

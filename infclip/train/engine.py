@@ -77,6 +77,7 @@ class EngineSettings:
     input_dtype: torch.dtype = torch.float32  # normalized images handed to the towers (pure_bf16: bf16)
     duplicates: str = "off"  # loss.duplicates: "off" computes no group ids at all
     duplicate_key: str = "caption"  # loss.duplicate_key: "caption" | "caption+image"
+    decode_ahead_early: bool = False  # data.decode_ahead_from == "first_pass" (see _ahead_early)
 
     @property
     def num_micro(self) -> int:
@@ -102,6 +103,7 @@ def build_engine(cfg: Any, model: nn.Module, *, device, normalizer: Callable[[Te
         # pure_bf16: the weights are bf16 (build.py) and no autocast casts the images for them
         input_dtype=torch.bfloat16 if cfg.precision.amp == "pure_bf16" else torch.float32,
         duplicates=cfg.loss.duplicates, duplicate_key=cfg.loss.duplicate_key,
+        decode_ahead_early=cfg.data.decode_ahead_from == "first_pass",
     )
     plan = lock_plan(unwrap(model), cfg.model)
     return StepEngine(model, settings, device=device, normalizer=normalizer, loss_fn=loss_fn,
@@ -138,6 +140,7 @@ class StepEngine:
         self.stager = InputStager(self.device, settings.offload, host_fields=host, host_reader=normalizer)
         self.measure_timings = True  # synchronize CUDA at phase boundaries to time them
         self.next_feed: Optional[Callable[[], Any]] = None  # the pipeline's next feed (decode ahead)
+        self._ahead_queued = False  # this step's images were handed to the decode-ahead last step
         self.measure_memory = False  # CUDA: peak bytes per phase into last_phase_peaks (resets peak stats)
         self.last_phase_peaks: dict[str, int] = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
@@ -197,7 +200,10 @@ class StepEngine:
         k_n = self.s.num_micro
         batches = self.stager.stream(inputs, self.s.micro, self._schedule())
         micros, rngs, img_c, txt_c, dropped, ids = [], [], [], [], [], []
+        early, self._ahead_queued = self._ahead_early(), False
         for _ in range(k_n):  # pass 1: cache embeddings + RNG states, no graph
+            if early and not self._ahead_queued:
+                self._ahead_queued = self._decode_next_step_ahead()
             with torch.no_grad():
                 batch = next(batches)
                 ids.append(self._group_ids(batch))
@@ -218,7 +224,8 @@ class StepEngine:
         loss, g_img, g_txt, g_extras = self._loss_grads(torch.cat(img_c), torch.cat(txt_c), keep, ids)
         del img_c, txt_c
         clock.lap("loss")
-        self._decode_next_step_ahead()
+        if not self._ahead_queued:
+            self._ahead_queued = self._decode_next_step_ahead()
         for k in range(k_n):  # pass 2: replay with grad, back-propagate the cached gradients
             self._replay(k, next(batches), micros[k], rngs[k], g_img, g_txt, g_extras)
             micros[k] = None  # release cached trunk features as we go
@@ -269,13 +276,27 @@ class StepEngine:
             img, txt, extras = out[0], out[1], list(out[2:])
         return (m.img_emb if img is None else img), (m.txt_emb if txt is None else txt), extras
 
-    def _decode_next_step_ahead(self) -> None:
-        """Before the replay: let a decoding normalizer start on the next step's images
-        (``next_feed``, set by the loop, returns the feed the pipeline fills next, or None)."""
+    def _ahead_early(self) -> bool:
+        """Whether this step's first pass may already hand the next step's images to the
+        decode-ahead (``data.decode_ahead_from=first_pass``): only where the replay re-reads no
+        images (a locked image tower) and this step's own images were handed to it during the
+        last step. The decode-ahead thread takes its work in order, so the next step's images
+        then decode only after this step's: they never take the decoder from a micro-batch the
+        towers are about to need. (In a first step, or after a step whose pipeline had no next
+        feed, the first pass decodes its images itself, and the decode-ahead starts after the
+        loss as for trained image towers.)"""
+        if not (self.s.decode_ahead_early and self._ahead_queued):
+            return False
+        return "images" not in set(self._schedule()[self.s.num_micro][1]) if self.s.num_micro else False
+
+    def _decode_next_step_ahead(self) -> bool:
+        """Let a decoding normalizer start on the next step's images (``next_feed``, set by
+        the loop, returns the feed the pipeline fills next, or None). Returns whether it did
+        (False: no decoding normalizer, no next feed yet, or no host image rows)."""
         ahead = getattr(self.normalizer, "decode_ahead", None)
         nxt = self.next_feed() if (ahead is not None and self.next_feed is not None) else None
         if nxt is None or "images" not in self.stager.host_fields:
-            return
+            return False
         micro = self.s.micro
 
         def fetch(k: int):
@@ -285,6 +306,7 @@ class StepEngine:
                 return None
 
         ahead([lambda k=k: fetch(k) for k in range(self.s.num_micro)])
+        return True
 
     def _dropped(self) -> Optional[Tensor]:
         """bool (micro,) of the samples the normalizer could not decode (device JPEG decode), or None."""

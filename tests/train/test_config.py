@@ -77,6 +77,7 @@ def test_wrong_type_is_rejected():
         (["loss.duplicates=positive", "loss.grad_filter=1e-3"], 1, r"loss.duplicates=positive needs .*grad_filter=0"),
         (["+model.lock_imag=true"], 1, r"did you mean model.lock_image\?"),
         (["data.decode_reserved_sms=-4"], 1, r"data.decode_reserved_sms must be a whole number >= 0"),
+        (["data.decode_ahead_from=loss"], 1, r"data.decode_ahead_from must be 'first_pass' or 'replay' .*got 'loss'"),
         (["data.decode=cpu", "data.decode_reserved_sms=4"], 1,
          r"data.decode_reserved_sms=4 means nothing with data.decode=cpu .*set data.decode_reserved_sms=0"),
     ],

@@ -58,11 +58,28 @@ def test_device_decode_is_deterministic_across_offload_and_prefetch_and_close_to
     assert cpu != ref  # and the option did change the decoder
 
 
-def test_lit_streams_packed_jpegs_like_it_keeps_them(tmp_path):
+def _handed_at(run_dir: Path, step: int) -> list[str]:
+    """The phases in which step ``step`` handed the next step's images to the decode-ahead."""
+    doc = json.loads((run_dir / "decode_trace" / f"step_{step}_rank_0.json").read_text())
+    trace, phases = doc["trace"], [p for p in doc["phases"] if p["name"] != "step"]
+    rel = [t - trace["origin"] for t in trace["queued"]]
+    return [next(p["name"] for p in phases if p["start"] <= t < p["end"]) for t in rel]
+
+
+def test_lit_streams_packed_jpegs_like_it_keeps_them_whenever_the_next_step_starts_decoding(tmp_path):
+    """LiT: the ring or the whole step held, the next step's images handed to the decode-ahead
+    during this step's first pass (the default) or after its loss: the same training. The
+    first pass hands them over only once the step's own images went to the decode-ahead the
+    step before (not in step 1)."""
     lit = ["model.lock_image=true", "memory.offload=true"]
-    streamed = _train(tmp_path, "stream", *lit, "memory.stream_once_inputs=true", "memory.stream_rows=16")
+    trace = ["logging.decode_trace_step=3", "memory.prefetch_steps=1"]
+    streamed = _train(tmp_path, "stream", *lit, *trace, "memory.stream_once_inputs=true", "memory.stream_rows=16")
+    assert _handed_at(tmp_path / "stream", 3) == ["cache_pass"]
+    late = _train(tmp_path, "late", *lit, *trace, "memory.stream_once_inputs=true", "memory.stream_rows=16",
+                  "data.decode_ahead_from=replay")
+    assert _handed_at(tmp_path / "late", 3) == ["replay"]  # as the replay begins
     kept = _train(tmp_path, "keep", *lit, "memory.stream_once_inputs=false")
-    assert streamed == kept and sorted(streamed) == [1, 2, 3, 4]
+    assert streamed == kept == late and sorted(streamed) == [1, 2, 3, 4]
 
 
 def test_sigkill_and_resume_with_device_decode_reproduce_the_run(tmp_path):

@@ -104,13 +104,15 @@ class DataConfig:
     # 2.5-4 %, more than the decoders gained; docs/data.md).
     decode_reserved_sms: int = 0
     # decode=device with a locked image tower (LiT: the replay decodes nothing): when the
-    # decode-ahead of the next step's images starts. "first_pass": as soon as the step
-    # pipeline has begun filling the next step, queued behind this step's own decode-ahead, so
-    # the JPEG engines go straight on from this step's last images to the next step's
-    # (measured idle otherwise: 0.76 s at the end of the first pass of a 13.9-s LiT step at
-    # 512 px, H200). "replay": after the loss, as for trained image towers (whose replay
-    # reads this step's kept pixels; they always start there).
-    decode_ahead_from: str = "first_pass"
+    # decode-ahead of the next step's images starts. "replay": after the loss, as for trained
+    # image towers (whose replay reads this step's kept pixels; they always start there).
+    # "first_pass": as soon as the step pipeline has begun filling the next step, queued
+    # behind this step's own decode-ahead, so the JPEG engines go straight on from this
+    # step's last images to the next step's. Measured equal (LiT 65,536 at 512 px, H200, one
+    # call: 4,903 vs 4,907 samples/s): the end-of-pass idle it fills (1.5 s) reappears in the
+    # replay, and the decoding it moves into the first pass slows the towers there as much as
+    # it speeds the replay (docs/benchmarks.md, fifth session).
+    decode_ahead_from: str = "replay"
     # decode=device: files above this many bytes are re-encoded smaller by the worker (a guard
     # against huge files); the host keeps every other file at its own size (packed).
     jpeg_max_bytes: int = 1 << 20

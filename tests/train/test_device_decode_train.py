@@ -68,18 +68,18 @@ def _handed_at(run_dir: Path, step: int) -> list[str]:
 
 def test_lit_streams_packed_jpegs_like_it_keeps_them_whenever_the_next_step_starts_decoding(tmp_path):
     """LiT: the ring or the whole step held, the next step's images handed to the decode-ahead
-    during this step's first pass (the default) or after its loss: the same training. The
+    after this step's loss (the default) or during its first pass: the same training. The
     first pass hands them over only once the step's own images went to the decode-ahead the
     step before (not in step 1)."""
     lit = ["model.lock_image=true", "memory.offload=true"]
     trace = ["logging.decode_trace_step=3", "memory.prefetch_steps=1"]
     streamed = _train(tmp_path, "stream", *lit, *trace, "memory.stream_once_inputs=true", "memory.stream_rows=16")
-    assert _handed_at(tmp_path / "stream", 3) == ["cache_pass"]
-    late = _train(tmp_path, "late", *lit, *trace, "memory.stream_once_inputs=true", "memory.stream_rows=16",
-                  "data.decode_ahead_from=replay")
-    assert _handed_at(tmp_path / "late", 3) == ["replay"]  # as the replay begins
+    assert _handed_at(tmp_path / "stream", 3) == ["replay"]  # as the replay begins
+    early = _train(tmp_path, "early", *lit, *trace, "memory.stream_once_inputs=true", "memory.stream_rows=16",
+                   "data.decode_ahead_from=first_pass")
+    assert _handed_at(tmp_path / "early", 3) == ["cache_pass"]
     kept = _train(tmp_path, "keep", *lit, "memory.stream_once_inputs=false")
-    assert streamed == kept == late and sorted(streamed) == [1, 2, 3, 4]
+    assert streamed == kept == early and sorted(streamed) == [1, 2, 3, 4]
 
 
 def test_sigkill_and_resume_with_device_decode_reproduce_the_run(tmp_path):

@@ -109,9 +109,10 @@ class DataConfig:
     # "first_pass": as soon as the step pipeline has begun filling the next step, queued
     # behind this step's own decode-ahead, so the JPEG engines go straight on from this
     # step's last images to the next step's. Measured equal (LiT 65,536 at 512 px, H200, one
-    # call: 4,903 vs 4,907 samples/s): the end-of-pass idle it fills (1.5 s) reappears in the
-    # replay, and the decoding it moves into the first pass slows the towers there as much as
-    # it speeds the replay (docs/benchmarks.md, fifth session).
+    # call: 4,903 vs 4,907 samples/s): the end-of-pass idle it fills (0.76-1.55 s in traced
+    # steps) reappears at the LiT ring's end in the replay, and the step is no shorter
+    # (docs/benchmarks.md, fifth session). With it, the next step's decoding counts in this
+    # step's decode_busy_first_pct.
     decode_ahead_from: str = "replay"
     # decode=device: files above this many bytes are re-encoded smaller by the worker (a guard
     # against huge files); the host keeps every other file at its own size (packed).

@@ -419,12 +419,15 @@ class JpegDecoder(nn.Module):
                 self._kept_bytes -= self._kept.pop(key)[0].numel()
             self._gen += 1
 
-    def decode_ahead(self, fetchers: Sequence[Callable[[], Tensor]]) -> None:
+    def decode_ahead(self, fetchers: Sequence[Callable[[], Tensor]]) -> bool:
         """Decode the *next* step's micro-batches (``fetchers`` return their host rows,
         waiting for the loader, or None once those rows were released) in a thread of their
-        own while this step's replay runs, which needs no decoding: the JPEG engines would
-        otherwise idle through it. Results are kept (within ``keep_bytes``, checked per
-        micro-batch) for the next step's first pass.
+        own, in order, after what that thread was given before: handed over after this
+        step's loss, they decode while its replay runs, which needs no decoding (the JPEG
+        engines would otherwise idle through it); under a locked image tower they may be
+        handed over during the first pass (``data.decode_ahead_from=first_pass``). Results
+        are kept (within ``keep_bytes``, checked per micro-batch) for the next step's first
+        pass. Returns whether anything was queued (False without a keep budget).
 
         Invariant: a decode-ahead reads host rows only while they cannot be released. The
         training side releases rows only after its own read of them, which either waits for a
@@ -432,7 +435,7 @@ class JpegDecoder(nn.Module):
         never decoded ahead. (A streamed LiT ring frees a chunk as soon as the first pass read
         it, so without the claim a late decode-ahead read bytes being overwritten.)"""
         if not self.keep_bytes:
-            return
+            return False
         if self._ahead_pool is None:
             self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="jpeg-ahead")
         gen = self._gen + 1
@@ -441,6 +444,7 @@ class JpegDecoder(nn.Module):
                 self._trace.queued.append(time.perf_counter())
         for fetch in fetchers:
             self._ahead_pool.submit(self._ahead_one, fetch, gen)
+        return True
 
     def _ahead_one(self, fetch: Callable[[], Optional[Tensor]], gen: int) -> None:
         rows = fetch()

@@ -133,6 +133,9 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
         if reserved:  # after the decoder: its probe initialised CUDA on this device
             towers = tower_stream(info.device, reserved)
             why += f"; {towers.describe()} (data.decode_reserved_sms={reserved})"
+        if cfg.data.decode_ahead_from == "first_pass" and not cfg.model.lock_image:
+            why += ("; data.decode_ahead_from=first_pass has no effect: the image tower trains (its replay "
+                    "reads this step's decoded pixels, so the next step's start after the loss)")
         if share:
             why += (f"; loader workers decode {100 * share:g} % of the samples (data.cpu_decode_share={share:g}, "
                     f"+{3 * size * size * share / 1000:.0f} KB of host pixels per sample on average)")
@@ -146,6 +149,8 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
             why += f"; data.cpu_decode_share={share:g} ignored: the loader workers decode every sample"
         if reserved:
             why += f"; data.decode_reserved_sms={reserved} ignored: no decoding runs on the GPU"
+        if cfg.data.decode_ahead_from != "replay":
+            why += f"; data.decode_ahead_from={cfg.data.decode_ahead_from} ignored: no decoding runs on the GPU"
     if info.is_main:
         print(f"data: decode={decode} ({why})", flush=True)
     shards, num_samples, eval_cfg = None, None, _eval_config(cfg)

@@ -281,10 +281,12 @@ class StepEngine:
         decode-ahead (``data.decode_ahead_from=first_pass``): only where the replay re-reads no
         images (a locked image tower) and this step's own images were handed to it during the
         last step. The decode-ahead thread takes its work in order, so the next step's images
-        then decode only after this step's: they never take the decoder from a micro-batch the
-        towers are about to need. (In a first step, or after a step whose pipeline had no next
-        feed, the first pass decodes its images itself, and the decode-ahead starts after the
-        loss as for trained image towers.)"""
+        decode after this step's queued ones. Where the first pass still decodes some of its
+        own (a keep budget smaller than the step, or a micro-batch it claimed before the
+        decode-ahead reached it), those and the next step's share the decoder. (In a first
+        step, or after a step whose pipeline had no next feed, the first pass decodes its
+        images itself, and the decode-ahead starts after the loss as for trained image
+        towers.)"""
         if not (self.s.decode_ahead_early and self._ahead_queued):
             return False
         return "images" not in set(self._schedule()[self.s.num_micro][1]) if self.s.num_micro else False
@@ -292,7 +294,8 @@ class StepEngine:
     def _decode_next_step_ahead(self) -> bool:
         """Let a decoding normalizer start on the next step's images (``next_feed``, set by
         the loop, returns the feed the pipeline fills next, or None). Returns whether it did
-        (False: no decoding normalizer, no next feed yet, or no host image rows)."""
+        (False: no decoding normalizer, no next feed yet, no host image rows, or a normalizer
+        that queued nothing: ``decode_ahead`` returned False, e.g. no keep budget)."""
         ahead = getattr(self.normalizer, "decode_ahead", None)
         nxt = self.next_feed() if (ahead is not None and self.next_feed is not None) else None
         if nxt is None or "images" not in self.stager.host_fields:
@@ -305,8 +308,7 @@ class StepEngine:
             except RowsReleased:  # the next step already read them itself (a streamed ring)
                 return None
 
-        ahead([lambda k=k: fetch(k) for k in range(self.s.num_micro)])
-        return True
+        return bool(ahead([lambda k=k: fetch(k) for k in range(self.s.num_micro)]))
 
     def _dropped(self) -> Optional[Tensor]:
         """bool (micro,) of the samples the normalizer could not decode (device JPEG decode), or None."""

@@ -55,6 +55,16 @@ def test_summary_busy_gaps_calls_and_waits_per_phase():
     text = format_summary(7, _trace())
     assert "decode trace, step 7" in text and "3 micro-batch reads found their pixels decoded already" in text
     assert "1.000 s at +0.000" in text and "calls: ahead 1 prefetch 2" in text
+    assert "handed to the decode-ahead" not in text  # no hand-off recorded
+
+
+def test_the_summary_names_when_and_in_which_phase_the_next_step_was_handed_over():
+    tr = _trace()
+    tr.queued = [tr.origin + 2.25]
+    head = format_summary(7, tr).splitlines()[0]
+    assert head.endswith("; the next step's images handed to the decode-ahead at +2.250 s (in cache_pass)):"), head
+    tr.queued = [tr.origin + 4.5]  # at the loss's end: the replay's first instant
+    assert "at +4.500 s (in replay)" in format_summary(7, tr).splitlines()[0]
 
 
 def test_the_timeline_is_written_atomically_as_json(tmp_path):
@@ -90,9 +100,10 @@ def test_the_decoder_records_its_calls_waits_hits_and_marks_only_while_tracing()
     got_b = dec(b)  # the prefetch thread decoded it; this thread waited for it
     dec.mark_phase("cache_pass", dec._trace.origin + 10.0)
     dec(a)  # kept: a hit, no decode
-    dec.decode_ahead([lambda: c])
+    assert dec.decode_ahead([lambda: c]) is True
     dec._ahead_pool.shutdown(wait=True)
     tr = dec.stop_trace()
+    assert len(tr.queued) == 1 and tr.origin + 10.0 > tr.queued[0] >= tr.origin  # when c was handed over
     dec(c)
     dec.mark_phase("replay", 0.0)  # after the trace: ignored
     assert [(s[2], s[3]) for s in tr.spans] == [("inline", 2), ("prefetch", 3), ("ahead", 2)]

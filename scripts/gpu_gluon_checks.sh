@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27 on a GPU machine, in one call: the Gluon kernels checked, then timed against the
 # Triton ones inside the loss, then the duplicates' cost. Each part has its own timeout; results
-# in $OUT (at most 8 files come back: env.txt strip.txt tests.txt bench_<mode>.txt dup.txt band.txt).
+# in $OUT (at most 8 files come back: env.txt strip.txt tests.txt bench_<mode>.txt dup.txt band.txt ncu.txt).
 #
 #   bash scripts/gpu_gluon_checks.sh <commit>                       # all parts: ~15 min at the defaults
 #   PARTS=setup,strip,tests bash scripts/gpu_gluon_checks.sh <commit>   # so, two calls of < 10 min:
@@ -20,7 +20,11 @@
 #   band   - duplicates "mask" in the Gluon kernels (forced only until this passes: ops.GLUON_BAND_AUTO):
 #            check_gluon_fwd.py --band and check_gluon_strip.py --band against the Triton band
 #            kernels, then bench_loss.py --duplicates --breakdown with both Gluon kernels forced
-# Knobs: STRIP_S TESTS_S BENCH_S DUP_S BAND_S (seconds per part), BATCHES DIMS MODES.
+#   ncu    - Nsight Compute on the Gluon forward, plain vs band (scripts/profile_gluon_fwd.py):
+#            the L2 hypothesis for the band's 7-10 % (the sections SpeedOfLight, MemoryWorkload-,
+#            ComputeWorkloadAnalysis, LaunchStats, Occupancy); not in the default PARTS
+# Knobs: STRIP_S TESTS_S BENCH_S DUP_S BAND_S NCU_S (seconds per part), BATCHES DIMS MODES,
+#        NCU_DIMS NCU_B (the ncu part's c list and b).
 set -o pipefail
 PARTS="${PARTS:-setup,strip,tests,bench,dup,band}"
 COMMIT="${1:-unknown}"
@@ -73,4 +77,19 @@ if has band; then
         --duplicates --breakdown --commit "$COMMIT" --out /tmp/dup_gluon; echo "bench rc=$?"
   } > $OUT/band.txt 2>&1
   grep -E "rc=|mask|FAIL" $OUT/band.txt | tail -20
+fi
+if has ncu; then
+  # Nsight Compute on the Gluon forward, plain then band, one launch each per c (the NVTX range
+  # "prof" of scripts/profile_gluon_fwd.py): speed of light, memory workload (L2 traffic),
+  # compute workload. Clocks left alone (--clock-control none: the device README's rule).
+  if command -v ncu > /dev/null; then
+    { timeout "${NCU_S:-240}" ncu --clock-control none --nvtx --nvtx-include "prof/" -k regex:_lse_fwd_ws_kernel \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section LaunchStats --section Occupancy \
+        $PY -u scripts/profile_gluon_fwd.py --dims "${NCU_DIMS:-512,1024}" --batch "${NCU_B:-32768}"
+      echo "ncu rc=$? (124: cut by NCU_S)"; } > $OUT/ncu.txt 2>&1
+  else
+    echo "ncu is not on the PATH here: no hardware counters" > $OUT/ncu.txt
+  fi
+  grep -E "rc=|plain|band |L2 Hit|Memory Throughput|Compute \(SM\)|Registers" $OUT/ncu.txt | head -40
 fi

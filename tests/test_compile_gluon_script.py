@@ -1,6 +1,6 @@
 """The Gluon dev scripts refuse bad input in one paragraph with exit status 2, before any work:
 scripts/compile_gluon_sm90.py a --triton folder without triton 3.6, the GPU checks
-(check_gluon_fwd.py, check_gluon_strip.py) a machine without a CUDA device."""
+(check_gluon_fwd.py, check_gluon_strip.py, profile_gluon_fwd.py) a machine without a CUDA device."""
 
 import subprocess
 import sys
@@ -27,8 +27,9 @@ def test_the_gpu_checks_refuse_a_machine_without_cuda():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: the checks would run (scripts/gpu_gluon_checks.sh runs them)")
-    for name in ("check_gluon_fwd.py", "check_gluon_strip.py"):
-        proc = subprocess.run([sys.executable, str(SCRIPT.parent / name), "--quick"], capture_output=True, text=True,
+    for name, args in (("check_gluon_fwd.py", ["--quick"]), ("check_gluon_strip.py", ["--quick"]),
+                       ("profile_gluon_fwd.py", ["--dims", "512"])):
+        proc = subprocess.run([sys.executable, str(SCRIPT.parent / name), *args], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and "no CUDA device" in proc.stderr

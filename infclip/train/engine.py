@@ -163,8 +163,11 @@ class StepEngine:
         gradient cache and offload they can stream through the step pipeline's ring."""
         if not (self.s.grad_cache and self.s.offload):
             return ()
-        replayed = set(self._schedule()[self.s.num_micro][1]) if self.s.num_micro else set()
-        return tuple(n for n in ("images", "tokens") if n not in replayed)
+        return tuple(n for n in ("images", "tokens") if n not in self._replayed_inputs())
+
+    def _replayed_inputs(self) -> set[str]:
+        """The inputs pass 2 re-reads (those of the towers it re-runs from raw input)."""
+        return set(self._schedule()[self.s.num_micro][1]) if self.s.num_micro else set()
 
     def step_feed(self, inputs) -> StepOutput:
         """As :meth:`step`, reading the per-rank rows from a feed (see ``pipeline``) as they arrive."""
@@ -289,7 +292,7 @@ class StepEngine:
         towers.)"""
         if not (self.s.decode_ahead_early and self._ahead_queued):
             return False
-        return "images" not in set(self._schedule()[self.s.num_micro][1]) if self.s.num_micro else False
+        return self.s.num_micro > 0 and "images" not in self._replayed_inputs()
 
     def _decode_next_step_ahead(self) -> bool:
         """Let a decoding normalizer start on the next step's images (``next_feed``, set by

@@ -44,11 +44,6 @@ def mark_phase_end(name: str) -> None:
         pass
 
 
-def busy_us(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of ``(start, end)`` spans (microseconds)."""
-    return covered(spans)
-
-
 def _gaps(gpu: list[dict], spans: list[tuple[float, float]], t0: float, top: int) -> list[str]:
     """The ``top`` longest stretches with no GPU event between the first and the last one:
     offset from the step's start, length, the GPU events around them."""
@@ -76,7 +71,7 @@ def _phases(events: list[dict], spans: list[tuple[float, float]], t0: float, t1:
     lines = ["", "| phase (ends at its mark) | wall s | GPU busy s | busy % |", "|---|---|---|---|"]
     starts = [t0] + [ts for ts, _ in marks]
     for a, (b, label) in zip(starts, marks + [(t1, "after the optimizer")]):
-        busy = busy_us(clip(spans, a, b)) / 1e6
+        busy = covered(clip(spans, a, b)) / 1e6
         wall = (b - a) / 1e6
         lines.append(f"| {label} | {wall:.3f} | {busy:.3f} | {100 * busy / max(wall, 1e-12):.1f} |")
     return lines
@@ -92,7 +87,7 @@ def summarize_trace(events: list[dict], wall_s: float, top: int = 25) -> str:
     timed = [e for e in events if "ts" in e and e.get("ph") in ("X", "i", "I", None)]
     t0 = min((float(e["ts"]) for e in timed), default=0.0)
     t1 = max((float(e["ts"]) + float(e.get("dur", 0)) for e in timed), default=0.0)
-    busy = busy_us(spans) / 1e6
+    busy = covered(spans) / 1e6
     lines = [f"step wall time {wall_s:.3f} s; GPU busy (any kernel or copy, union over streams) {busy:.3f} s "
              f"= {100 * busy / max(wall_s, 1e-9):.1f} %; {len(gpu)} GPU events"]
     lines += _phases(events, spans, t0, t1)
@@ -100,7 +95,7 @@ def summarize_trace(events: list[dict], wall_s: float, top: int = 25) -> str:
     for e, s in zip(gpu, spans):
         per_stream[e.get("args", {}).get("stream", "?")].append((s, e))
     lines += ["", "| stream | busy s | events | top kernel |", "|---|---|---|---|"]
-    stream_busy = {k: busy_us([s for s, _ in items]) for k, items in per_stream.items()}
+    stream_busy = {k: covered([s for s, _ in items]) for k, items in per_stream.items()}
     for stream in sorted(per_stream, key=lambda k: -stream_busy[k]):
         items = per_stream[stream]
         names: dict = defaultdict(float)

@@ -3,14 +3,15 @@
 import gzip
 import json
 
-from infclip.train.profiling import PHASE_MARK, busy_us, summarize_trace
+from infclip.spans import covered
+from infclip.train.profiling import PHASE_MARK, summarize_trace
 from tests.train.test_train_cli import losses, run_train
 
 
 def test_busy_time_is_the_union_of_spans():
-    assert busy_us([]) == 0
-    assert busy_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
-    assert busy_us([(3, 4), (0, 10)]) == 10
+    assert covered([]) == 0
+    assert covered([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
+    assert covered([(3, 4), (0, 10)]) == 10
 
 
 def test_summary_counts_kernels_per_stream_and_name():

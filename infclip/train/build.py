@@ -135,7 +135,7 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
             why += f"; {towers.describe()} (data.decode_reserved_sms={reserved})"
         if cfg.data.decode_ahead_from == "first_pass" and not cfg.model.lock_image:
             why += ("; data.decode_ahead_from=first_pass has no effect: the image tower trains (its replay "
-                    "reads this step's decoded pixels, so the next step's start after the loss)")
+                    "reads this step's decoded pixels, so the next step's images start decoding after the loss)")
         if share:
             why += (f"; loader workers decode {100 * share:g} % of the samples (data.cpu_decode_share={share:g}, "
                     f"+{3 * size * size * share / 1000:.0f} KB of host pixels per sample on average)")

@@ -147,24 +147,38 @@ class StripConfig:
 # at b = 8k, where the step is bound by the host's launches).
 # The one-pass backward (``grad_onepass_strips``, issue 27) keeps this scratch and adds one
 # fp32 (n, c) accumulator for dB, which issue 27's rule allows beside it (the feature
-# gradients' fp32 accumulators, 4 c bytes per sample each; the second one is left unused).
+# gradients' fp32 accumulators, 4 c bytes per sample each). The second accumulator's room
+# (dA needs none: each strip's rows are written once) goes to the scratch when the call owns
+# it (fresh gradients, ``ops._grad_onepass``: ``spare``): taller strips, so the dB product
+# reads and writes its fp32 accumulator fewer times (b / R passes of 8 b c bytes each).
 STRIP_BUDGET_BYTES = 48 << 20  # fixed part of the strip scratch
 STRIP_BYTES_PER_COLUMN = 768  # O(b) part of the strip scratch
 STRIP_TEMP_BYTES = 16 << 20  # cap on the fp32 (R, c) product temporary of the positives' fixup
 STRIP_MIN_ROWS = 384  # below this cuBLAS's (R, n) @ (n, c) product gets too skinny to pay
 
 
-def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0, temp: bool = True) -> int:
+def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0, temp: bool = True,
+               spare: int = 0) -> int:
     """Rows per strip that fit the scratch budget (a multiple of 128 when >= 128): with
     ``temp`` (the positives' fp32 fixup) 48 MB + 768 B x n by default and an fp32 (rows, k)
-    temporary within 16 MB; without it 64 MB + 768 B x n."""
+    temporary within 16 MB; without it 64 MB + 768 B x n. spare: bytes added to the default
+    budget (the one-pass backward's unused accumulator room, ``onepass_spare_bytes``); an
+    explicit ``budget`` is taken as it is."""
     n = max(n, 1)
     if budget is None:
-        budget = STRIP_BUDGET_BYTES + STRIP_BYTES_PER_COLUMN * n + (0 if temp else STRIP_TEMP_BYTES)
+        budget = STRIP_BUDGET_BYTES + STRIP_BYTES_PER_COLUMN * n + (0 if temp else STRIP_TEMP_BYTES) + spare
     rows = budget // (esize * n)
     if k and temp:
         rows = min(rows, max(STRIP_TEMP_BYTES // (4 * k), STRIP_MIN_ROWS))
     return rows // 128 * 128 if rows >= 128 else rows
+
+
+def onepass_spare_bytes(m: int, n: int, k: int, fresh: bool) -> int:
+    """The room issue 27's rule gives the one-pass backward's second fp32 accumulator (4 k
+    bytes per sample of the smaller side), which it never allocates: the strip scratch may
+    take it when the call's gradients are fresh (``fresh``: the one-GPU loss). A call that
+    sums into given buffers (the ring's tiles, whose fp32 sums are its own rule's) gets 0."""
+    return 4 * k * min(m, n) if fresh else 0
 
 
 def strip_candidates(k: int, esize: int) -> list[StripConfig]:

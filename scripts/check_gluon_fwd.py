@@ -37,14 +37,19 @@ from infclip.kernels.clip.ops import TritonTileOps
 from infclip.loss.function import positive_dots
 
 REPS = 5  # timed calls per case (median), after one warm-up
+FIXED_MODES = ("auto", "off")  # the fixed-reference epilogue where its flag holds, and the running max
+SCALE = 1 / 0.07  # --scale
+FLIP = 0  # --flip: that many pairs made anti-aligned (txt_i = -img_i): the flag off at s = 100
 REF_MAX_B = 8192  # float64 reference up to this batch (a b x b fp64 matrix: 512 MB at 8k)
 
 
 def features(b: int, c: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Image / text features with correlated pairs (a peaked softmax), L2-normalized."""
+    """Image / text features with correlated pairs (a peaked softmax), L2-normalized; the
+    first FLIP pairs anti-aligned."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     img = torch.randn(b, c, device="cuda", generator=g)
     txt = img + 0.7 * torch.randn(b, c, device="cuda", generator=g)
+    txt[:FLIP] = -img[:FLIP]
     return (torch.nn.functional.normalize(img, dim=1).to(dtype),
             torch.nn.functional.normalize(txt, dim=1).to(dtype))
 
@@ -87,7 +92,7 @@ def masked_reference(img: torch.Tensor, txt: torch.Tensor, s: torch.Tensor, pos:
 def run_band_case(c: int, b: int, big: int, cfgs: list, time_it: bool) -> None:
     """The BAND variant of the Gluon forward against the Triton forward's, on sorted ids."""
     img, txt = features(b, c, torch.bfloat16, seed=b + c)
-    s = torch.tensor(1 / 0.07, device="cuda")
+    s = torch.tensor(SCALE, device="cuda")
     pos = positive_dots(img, txt)
     ids, band, w = band_ids(b, big, seed=c)
     ref = masked_reference(img, txt, s, pos, ids) if b <= REF_MAX_B else None
@@ -109,14 +114,17 @@ def compare(line: str, label: str, cfgs: list, img, txt, s, pos, ref, time_it: b
         line += f" | triton-ref {maxdiff(tri[0], ref[0]):.2e} {maxdiff(tri[1], ref[1]):.2e}"
     print(f"{line} | triton {t_tri:8.3f} ms {fl / t_tri / 1e9:6.1f} TF/s", flush=True)
     name = f"gluon {label} " if label else "gluon "
-    for cfg in cfgs:
-        tag = f"    {name}BM={cfg.BM:3d} BN={cfg.BN:3d} stages={gluon_fwd.pick_stages(cfg, img.shape[1]):2d}"
+    flag = int(gluon_fwd.fixed_flag(img, txt, s, pos.float(), pos.float()).item())
+    for cfg, fixed in ((cfg, fixed) for cfg in cfgs for fixed in FIXED_MODES):
+        tag = (f"    {name}BM={cfg.BM:3d} BN={cfg.BN:3d} stages={gluon_fwd.pick_stages(cfg, img.shape[1]):2d} "
+               f"fixed={fixed}{f'(flag {flag})' if fixed == 'auto' else ''}")
         try:
             if not gluon_fwd.gluon_available(img, txt, cfg):
                 print(f"{tag}: not available here")
                 continue
-            def run(cfg=cfg, **alloc):
-                return gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg, **groups, **alloc)
+            def run(cfg=cfg, fixed=fixed, **alloc):
+                return gluon_fwd.lse_forward_gluon(img, txt, s, pos, pos, True, cfg=cfg, fixed=fixed, **groups,
+                                                   **alloc)
 
             got = run(alloc=poison)
             torch.cuda.synchronize()
@@ -143,7 +151,7 @@ def maxdiff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def run_case(c: int, b: int, dtype: torch.dtype, cfgs: list, time_it: bool) -> None:
     img, txt = features(b, c, dtype, seed=b + c)
-    s = torch.tensor(1 / 0.07, device="cuda")
+    s = torch.tensor(SCALE, device="cuda")
     pos = positive_dots(img, txt)
     ref = reference(img, txt, s, pos) if b <= REF_MAX_B else None
     compare(f"c={c:5d} b={b:6d} {str(dtype)[6:]:8s}", "", cfgs, img, txt, s, pos, ref, time_it)
@@ -191,10 +199,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="c = 512, b in {1000, 8192} only")
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--band", action="store_true", help="the BAND variants (duplicates 'mask', sorted ids)")
+    ap.add_argument("--scale", type=float, default=1 / 0.07, help="the logit scale s (default 1/0.07)")
+    ap.add_argument("--flip", type=int, default=0, help="anti-align that many pairs (the fixed flag off at s = 100)")
+    ap.add_argument("--sizes", default=None, help="comma-separated b list (default by --quick)")
+    ap.add_argument("--dims", default=None, help="comma-separated c list (default by --quick)")
     args = ap.parse_args()
+    global SCALE, FLIP
+    SCALE, FLIP = args.scale, args.flip
     print_versions()
     cs = [512] if args.quick else [512, 768, 1024]
     bs = [1000, 8192] if args.quick else [1000, 8192, 32768, 65536]
+    cs = [int(x) for x in args.dims.split(",")] if args.dims else cs
+    bs = [int(x) for x in args.sizes.split(",")] if args.sizes else bs
     if args.band:
         for c in cs:
             cfgs = gluon_fwd.tune_candidates(c) or [gluon_fwd.default_config(c)]

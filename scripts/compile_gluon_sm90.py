@@ -131,7 +131,8 @@ def compile_fwd(gf, k: int, cfg, diag: bool, dtype, band: bool = False):
     a_desc, b_desc = gf._descriptors(a, b, cfg)
     kern = gf._lse_fwd_ws_kernel.warmup(
         a_desc, b_desc, torch.empty(()), torch.empty(m), torch.empty(n), torch.empty(2, m),
-        torch.empty(m // cfg.BM, n), m, 0, n, n, n, K=k, STAGES=gf.pick_stages(cfg, k), HAS_DIAG=diag,
+        torch.empty(m // cfg.BM, n), m, 0, n, n, n, fixed_ptr=torch.empty(1, dtype=torch.int32) if diag else None,
+        K=k, STAGES=gf.pick_stages(cfg, k), HAS_DIAG=diag, FIXED=diag,  # (as shipped: the fixed epilogue with the diagonal)
         REGS=cfg.regs, num_warps=4, maxnreg=cfg.maxnreg, grid=(1,), **_band(m, n, band))
     return kern
 

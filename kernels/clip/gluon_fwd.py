@@ -62,6 +62,7 @@ the same fp32 accumulator (K summed in BK chunks in order).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,15 @@ from .gluon_common import (GLUON_ERROR, LN2, LOG2E, MAX_STAGES, SMEM_BYTES, SMEM
                            turn_barriers)
 
 PART_BUDGET_BYTES = 32 << 20  # as launch.PART_BUDGET_BYTES: col_part stays <= 32 MB per launch
+# The fixed-reference epilogue (module docs): every entry's exp2 is taken against the constant
+# FIXED_REF (base-2 units above the offset) instead of a running max. Used where every entry is
+# provably at most FIXED_LIMIT (``fixed_flag``): no sum can overflow (2^100 x 2^22 entries), and
+# every row / column sum holds its positive, 2^-FIXED_REF, so the entries that flush to zero
+# (< 2^-126 each) are < 2^-32 of it together.
+FIXED_REF_BITS = 72.0
+FIXED_REF = gl.constexpr(FIXED_REF_BITS) if gl is not None else FIXED_REF_BITS
+FIXED_LIMIT = 172.0
+FIXED_DEFAULT = "auto"  # "auto": where ``fixed_flag`` holds; "off": always the running max
 
 
 @dataclass(frozen=True)
@@ -162,9 +172,10 @@ def _producer(a_desc, b_desc, a_smem, b_smem, a_bar, ready, empty, row0, lo, n_t
 @jit
 def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
               col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp, gid_a_ptr, gid_b_ptr,
-              band_ptr, C: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-              HAS_DIAG: gl.constexpr, BAND: gl.constexpr):
-    """One warpgroup: the column tiles t = C, C + 2, ... of the range (module docs)."""
+              band_ptr, fixed_ptr, C: gl.constexpr, NK: gl.constexpr, STAGES: gl.constexpr, BM: gl.constexpr,
+              BN: gl.constexpr, HAS_DIAG: gl.constexpr, BAND: gl.constexpr, FIXED: gl.constexpr):
+    """One warpgroup: the column tiles t = C, C + 2, ... of the range (module docs). FIXED:
+    fixed_ptr[0] != 0 selects the fixed-reference epilogue for the whole program (module docs)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     row_l: gl.constexpr = gl.SliceLayout(1, mma)
     col_l: gl.constexpr = gl.SliceLayout(0, mma)
@@ -173,7 +184,13 @@ def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, o
     row_ok = rows < M
     oa2 = gl.load(off_a_ptr + gl.minimum(rows, M - 1)) * s2
     cn = gl.arange(0, BN, layout=col_l)
+    fixed = False
+    if FIXED:
+        fixed = gl.load(fixed_ptr) != 0
+    # The running row max; under ``fixed`` the constant reference FIXED_REF for every tile.
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_l)
+    if fixed:
+        m_i = gl.full([BM], FIXED_REF, gl.float32, layout=row_l)
     l_i = gl.zeros([BM], gl.float32, layout=row_l)
     acc = gl.zeros([BM, BN], gl.float32, layout=mma)
     if BAND:  # the rows' group ids and w, once (the columns' ids: in the band's tiles only)
@@ -197,24 +214,33 @@ def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, o
             band = (j0 < row0 + BM + w) & (j0 + BN > row0 - w)  # ``kernels._in_band``
             if band:
                 acc = gl.where(_same_group(gid_a, gid_b_ptr, cols, hi), float("-inf"), acc)
-        xr = acc * s2 - oa2[:, None]
-        if edge | diag:
-            xr = _fix(xr, rows, cols, cols < hi, 1, HAS_DIAG)
-        m_new = gl.maximum(m_i, gl.max(xr, 1))
-        m_use = m_new
-        if band:  # a row with no entry yet (all dropped): any finite base gives l = 0, not NaN
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * gl.exp2(m_i - m_use) + gl.sum(gl.exp2(xr - m_use[:, None]), 1)
-        m_i = m_new
-        xc = acc * s2 - ob2[None, :]
-        if edge | diag:
-            xc = _fix(xc, rows, cols, row_ok, 0, HAS_DIAG)
-        cm = gl.max(xc, 0)
-        if band:  # an all-dropped column: its partial is log2(0) = -inf
-            cm = gl.where(cm == float("-inf"), 0.0, cm)
-        cl = gl.sum(gl.exp2(xc - cm[None, :]), 0)
-        gl.store(col_part_ptr + pid_m * stride_cp + (cols - col_start), (cm + gl.log2(cl)) * LN2,
-                 mask=cols < hi)
+        if fixed:  # one FMA and one exp2 per entry and direction: no max, no rescale (module docs)
+            xr = acc * s2 - (oa2 + FIXED_REF)[:, None]
+            if edge | diag:
+                xr = _fix(xr, rows, cols, cols < hi, 1, HAS_DIAG, -FIXED_REF)
+            l_i = l_i + gl.sum(gl.exp2(xr), 1)
+            xc = acc * s2 - (ob2 + FIXED_REF)[None, :]
+            if edge | diag:
+                xc = _fix(xc, rows, cols, row_ok, 0, HAS_DIAG, -FIXED_REF)
+            cpart = FIXED_REF + gl.log2(gl.sum(gl.exp2(xc), 0))
+        else:
+            xr = acc * s2 - oa2[:, None]
+            if edge | diag:
+                xr = _fix(xr, rows, cols, cols < hi, 1, HAS_DIAG)
+            m_new = gl.maximum(m_i, gl.max(xr, 1))
+            m_use = m_new
+            if band:  # a row with no entry yet (all dropped): any finite base gives l = 0, not NaN
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * gl.exp2(m_i - m_use) + gl.sum(gl.exp2(xr - m_use[:, None]), 1)
+            m_i = m_new
+            xc = acc * s2 - ob2[None, :]
+            if edge | diag:
+                xc = _fix(xc, rows, cols, row_ok, 0, HAS_DIAG)
+            cm = gl.max(xc, 0)
+            if band:  # an all-dropped column: its partial is log2(0) = -inf
+                cm = gl.where(cm == float("-inf"), 0.0, cm)
+            cpart = cm + gl.log2(gl.sum(gl.exp2(xc - cm[None, :]), 0))
+        gl.store(col_part_ptr + pid_m * stride_cp + (cols - col_start), cpart * LN2, mask=cols < hi)
     # A consumer without tiles stores -inf (m = -inf, l = 0): nothing, for the host's logsumexp.
     gl.store(row_part_ptr + (2 * pid_s + C) * M + rows, (m_i + gl.log2(l_i)) * LN2, mask=row_ok)
 
@@ -230,12 +256,13 @@ def _same_group(gid_a, gid_b_ptr, cols, hi):
 
 
 @jit
-def _fix(x, rows, cols, ok, AXIS: gl.constexpr, HAS_DIAG: gl.constexpr):
-    """x with the diagonal entries (rows == cols) set to 0 (HAS_DIAG: the positives' dot
-    products are the offsets, so x_ii - s o_i = 0 exactly) and the entries outside ``ok``
-    (columns when AXIS = 1, rows when AXIS = 0) set to -inf."""
+def _fix(x, rows, cols, ok, AXIS: gl.constexpr, HAS_DIAG: gl.constexpr, diag_value=0.0):
+    """x with the diagonal entries (rows == cols) set to ``diag_value`` (HAS_DIAG: the
+    positives' dot products are the offsets, so x_ii - s o_i = 0 exactly; less the reference
+    under the fixed-reference epilogue) and the entries outside ``ok`` (columns when AXIS = 1,
+    rows when AXIS = 0) set to -inf."""
     if HAS_DIAG:
-        x = gl.where(rows[:, None] == cols[None, :], 0.0, x)
+        x = gl.where(rows[:, None] == cols[None, :], diag_value, x)
     if AXIS == 1:
         x = gl.where(ok[None, :], x, float("-inf"))
     else:
@@ -246,13 +273,14 @@ def _fix(x, rows, cols, ok, AXIS: gl.constexpr, HAS_DIAG: gl.constexpr):
 @jit
 def _lse_fwd_ws_kernel(a_desc, b_desc, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr, col_part_ptr,
                        M, col_start, col_stop, cols_per_split, stride_cp, gid_a_ptr, gid_b_ptr, band_ptr,
-                       K: gl.constexpr, STAGES: gl.constexpr, HAS_DIAG: gl.constexpr, REGS: gl.constexpr,
-                       BAND: gl.constexpr = False):
+                       fixed_ptr, K: gl.constexpr, STAGES: gl.constexpr, HAS_DIAG: gl.constexpr, REGS: gl.constexpr,
+                       BAND: gl.constexpr = False, FIXED: gl.constexpr = False):
     """row_part[2 pid_s + c, rows], col_part[pid_m, cols - col_start]: partial LSEs (natural,
     relative to s * offsets) of rows pid_m * BM.. over the columns of split pid_s (module docs).
     BAND: int32 group ids (rows gid_a, columns gid_b) of a batch sorted by group and w =
     band_ptr[0]; the tiles within w of the diagonal drop same-group entries (module docs).
-    Without it the three pointers are None (the kernel of before)."""
+    Without it the three pointers are None (the kernel of before). FIXED (with HAS_DIAG): the
+    fixed-reference epilogue wherever fixed_ptr[0] != 0 (module docs); off: fixed_ptr None."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -276,15 +304,29 @@ def _lse_fwd_ws_kernel(a_desc, b_desc, scale_ptr, off_a_ptr, off_b_ptr, row_part
     gl.warp_specialize([
         (_consumer, (a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
                      col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp, gid_a_ptr,
-                     gid_b_ptr, band_ptr, gl.constexpr(0), NK, STAGES, BM, BN, HAS_DIAG, BAND)),
+                     gid_b_ptr, band_ptr, fixed_ptr, gl.constexpr(0), NK, STAGES, BM, BN, HAS_DIAG, BAND, FIXED)),
         (_consumer, (a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, off_b_ptr, row_part_ptr,
                      col_part_ptr, M, pid_m, pid_s, row0, lo, hi, n_tiles, col_start, stride_cp, gid_a_ptr,
-                     gid_b_ptr, band_ptr, gl.constexpr(1), NK, STAGES, BM, BN, HAS_DIAG, BAND)),
+                     gid_b_ptr, band_ptr, fixed_ptr, gl.constexpr(1), NK, STAGES, BM, BN, HAS_DIAG, BAND, FIXED)),
         (_producer, (a_desc, b_desc, a_smem, b_smem, a_bar, ready, empty, row0, lo, n_tiles, NK, STAGES)),
     ], [4, 1], [REGS, 24])
 
 
 # -- host --------------------------------------------------------------------------------------
+
+def fixed_flag(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor, off_b: Tensor) -> Tensor:
+    """int32 (1,) on the device, no host sync: 1 where the fixed-reference epilogue is exact
+    for this square pair, i.e. every base-2 entry s log2(e) (<a_i, b_j> - o) of both
+    directions is at most ``FIXED_LIMIT`` (Cauchy-Schwarz: <a_i, b_j> <= |a_i| max |b|, the
+    norms rounded up by 2^-7 for their bf16 rounding), and s > 0. With unit features that is
+    s (1 - o_i) <= 119 for every positive o_i: always below s = 59, at s = 100 while every
+    positive's cosine is above -0.19. Otherwise 0: the running-max epilogue."""
+    na = torch.linalg.vector_norm(a, dim=1).float() * (1 + 2 ** -7)  # (fp32 accumulation; no fp32 copy)
+    nb = torch.linalg.vector_norm(b, dim=1).float() * (1 + 2 ** -7)
+    s2 = scale.float().reshape(()) * math.log2(math.e)
+    top = torch.maximum((na * nb.max() - off_a).amax(), (nb * na.max() - off_b).amax())
+    return ((s2 > 0) & (s2 * top <= FIXED_LIMIT)).to(torch.int32).reshape(1)
+
 
 def _descriptors(a: Tensor, b: Tensor, cfg: GluonFwdConfig):
     dt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
@@ -297,13 +339,15 @@ def _descriptors(a: Tensor, b: Tensor, cfg: GluonFwdConfig):
 def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor | None, off_b: Tensor | None,
                       has_diag: bool, cfg: GluonFwdConfig | None = None, alloc=torch.empty,
                       gid_a: Tensor | None = None, gid_b: Tensor | None = None,
-                      band: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      band: Tensor | None = None, fixed: str | None = None) -> tuple[Tensor, Tensor]:
     """(row_lse (m,), col_lse (n,)) fp32, natural log, relative to s * offsets: the final
     values ``launch.lse_forward(a, b, scale, cfg, prec, off_a=off_a, off_b=off_b,
     diag=has_diag, gid_a=gid_a, gid_b=gid_b, band=band)`` returns for 16-bit inputs (its
     HAS_OFF == 2 path; group ids only with the band: ``gluon_common.band_args``). Offsets None (no
     diagonal then): zeros, which shift nothing (the same logits).
-    ``gluon_available(a, b, cfg)`` must hold. alloc: as ``lse_forward`` (poisoned buffers in tests)."""
+    ``gluon_available(a, b, cfg)`` must hold. alloc: as ``lse_forward`` (poisoned buffers in tests).
+    fixed: "auto" (default ``FIXED_DEFAULT``) takes the fixed-reference epilogue with the
+    diagonal where ``fixed_flag`` holds (decided on the device), "off" never."""
     m, k = a.shape
     n = b.shape[0]
     cfg = cfg or default_config(k)
@@ -316,6 +360,11 @@ def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor | None,
     stages = pick_stages(cfg, k)
     off_a = torch.zeros(m, device=a.device) if off_a is None else off_a.float().contiguous()
     off_b = torch.zeros(n, device=a.device) if off_b is None else off_b.float().contiguous()
+    fixed = FIXED_DEFAULT if fixed is None else fixed
+    if fixed not in ("auto", "off"):
+        raise ValueError(f"fixed must be 'auto' or 'off', got {fixed!r}")
+    use_fixed = fixed == "auto" and bool(has_diag)
+    flag = fixed_flag(a, b, scale, off_a, off_b) if use_fixed else None
     a_desc, b_desc = _descriptors(a, b, cfg)
     nrb = cdiv(m, cfg.BM)
     row_lse, col_lse = None, alloc(n, device=a.device, dtype=torch.float32)
@@ -327,8 +376,8 @@ def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor | None,
         col_part = alloc(nrb, length, device=a.device, dtype=torch.float32)
         _lse_fwd_ws_kernel[(nrb, splits)](
             a_desc, b_desc, scale, off_a, off_b, row_part, col_part, m, c0, c1, per, length, bnd["gid_a_ptr"],
-            bnd["gid_b_ptr"], bnd["band_ptr"], K=k, STAGES=stages, HAS_DIAG=bool(has_diag), REGS=cfg.regs,
-            BAND=bnd["BAND"], num_warps=4, maxnreg=cfg.maxnreg,
+            bnd["gid_b_ptr"], bnd["band_ptr"], flag, K=k, STAGES=stages, HAS_DIAG=bool(has_diag), REGS=cfg.regs,
+            BAND=bnd["BAND"], FIXED=use_fixed, num_warps=4, maxnreg=cfg.maxnreg,
         )
         part = torch.logsumexp(row_part, 0)
         row_lse = part if row_lse is None else torch.logaddexp(row_lse, part)
@@ -336,5 +385,5 @@ def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor | None,
     return row_lse, col_lse
 
 
-__all__ = ["gluon", "GLUON_ERROR", "GluonFwdConfig", "gluon_available", "tune_candidates", "lse_forward_gluon", "pick_stages", "smem_bytes",
+__all__ = ["gluon", "GLUON_ERROR", "GluonFwdConfig", "fixed_flag", "FIXED_LIMIT", "FIXED_REF_BITS", "gluon_available", "tune_candidates", "lse_forward_gluon", "pick_stages", "smem_bytes",
            "column_chunks", "default_config", "compile_info", "flops"]

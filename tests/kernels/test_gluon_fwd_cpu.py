@@ -175,3 +175,96 @@ def test_gluon_without_offsets_matches_triton_on_the_gpu():
         torch.testing.assert_close(g, w, atol=2e-3, rtol=0)
     with pytest.raises(ValueError, match="offsets"):
         gluon_fwd.lse_forward_gluon(img[:1000], txt[:1000], s, None, None, True)
+
+
+# -- the fixed-reference epilogue ----------------------------------------------------------------
+
+def _unit_pairs(b: int, c: int, noise: float, seed: int, device: str = "cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randn(b, c, generator=g, device=device)
+    txt = torch.nn.functional.normalize(raw + noise * torch.randn(b, c, generator=g, device=device), dim=1)
+    return torch.nn.functional.normalize(raw, dim=1).bfloat16(), txt.bfloat16()
+
+
+def _flag(img, txt, s: float) -> int:
+    from infclip.loss.function import positive_dots
+
+    pos = positive_dots(img, txt).float()
+    return int(gluon_fwd.fixed_flag(img, txt, torch.tensor(s), pos, pos).item())
+
+
+def test_fixed_flag_where_every_entry_is_bounded():
+    """Unit features: on at s = 1/0.07 and up to s ~ 59 whatever the positives; at s = 100 while
+    every positive's cosine stays above about -0.19; off for one anti-aligned pair there, for
+    s <= 0, and for a NaN scale (never a NaN bound taken as small)."""
+    img, txt = _unit_pairs(256, 64, 0.7, seed=0)
+    assert _flag(img, txt, 1 / 0.07) == 1
+    assert _flag(img, txt, 100.0) == 1  # the positives' cosines are ~0.8 here
+    flipped = txt.clone()
+    flipped[7] = -img[7]
+    assert _flag(img, flipped, 50.0) == 1  # s (1 - (-1)) log2 e = 144 <= 172
+    assert _flag(img, flipped, 100.0) == 0  # 289 > 172
+    assert _flag(img, txt, 0.0) == 0 and _flag(img, txt, -3.0) == 0
+    assert _flag(img, txt, float("nan")) == 0
+    assert gluon_fwd.FIXED_LIMIT - gluon_fwd.FIXED_REF_BITS <= 104  # 2^104 x 2^22 entries < fp32's max
+
+
+def _fixed_lse(x2: torch.Tensor, ref: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed-reference epilogue in fp32 with the MUFU's flush to zero: x2 (b, b) base-2
+    entries relative to the rows' (dim 1) or the columns' (dim 0) offsets; natural LSEs."""
+    def side(x):
+        e = torch.exp2(x.float() - ref)
+        e = torch.where(e < 2.0 ** -126, torch.zeros_like(e), e)  # ex2.approx.ftz
+        return (ref + torch.log2(e.sum(1))) * 0.6931471805599453
+    return side(x2), side(x2.T)
+
+
+@pytest.mark.parametrize("s", [1 / 0.07, 50.0, 100.0])
+def test_fixed_reference_is_exact_where_the_flag_holds(s):
+    """The epilogue's arithmetic (emulated in fp32, entries below 2^-126 flushed) against a
+    float64 logsumexp at b = 640, c = 200 (not tile multiples): with the flag on the LSEs match
+    to fp32 rounding, peaked rows included (s = 100, cosines 0.8 against ~0); the bound
+    FIXED_LIMIT - FIXED_REF leaves no entry able to overflow a sum."""
+    from infclip.loss.function import positive_dots
+
+    img, txt = _unit_pairs(640, 200, 0.7, seed=int(s))
+    pos = positive_dots(img, txt).double()
+    assert _flag(img, txt, s) == 1
+    dot = img.double() @ txt.double().T
+    dot.diagonal().copy_(pos)
+    s2 = s * 1.4426950408889634
+    xr, xc = s2 * (dot - pos[:, None]), s2 * (dot - pos[None, :])
+    assert max(xr.max().item(), xc.max().item()) <= gluon_fwd.FIXED_LIMIT
+    want_r, want_c = torch.logsumexp(s * (dot - pos[:, None]), 1), torch.logsumexp(s * (dot - pos[None, :]), 0)
+    got_r, _ = _fixed_lse(xr, gluon_fwd.FIXED_REF_BITS)
+    _, got_c = _fixed_lse(xc, gluon_fwd.FIXED_REF_BITS)
+    for got, want in ((got_r, want_r), (got_c, want_c)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, atol=2e-5 * max(1.0, want.abs().max().item()), rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with the Triton forward on the GPU")
+@pytest.mark.parametrize("s, flip", [(1 / 0.07, False), (100.0, False), (100.0, True)])
+@pytest.mark.parametrize("fixed", ["auto", "off"])
+def test_fixed_and_running_max_epilogues_match_on_the_gpu(s, flip, fixed):
+    """Both epilogues against the Triton forward at b = 1000, c = 512: the fixed reference
+    where the flag holds (s = 1/0.07, s = 100 with cosines ~0.8) and the running max where it
+    does not (s = 100, one anti-aligned pair: the flag is off and the kernel must notice)."""
+    from infclip.kernels.clip.ops import TritonTileOps
+    from infclip.loss.function import positive_dots
+
+    img, txt = _unit_pairs(1000, 512, 0.7, seed=11, device="cuda")
+    if flip:
+        txt[3] = -img[3]
+    st = torch.tensor(s, device="cuda")
+    pos = positive_dots(img, txt)
+    if not gluon_fwd.gluon_available(img, txt):
+        pytest.skip("not sm_90 / no Gluon: refusal covered above")
+    assert int(gluon_fwd.fixed_flag(img, txt, st, pos.float(), pos.float()).item()) == (0 if flip else 1)
+    want = TritonTileOps(forward_kernel="triton").forward(img, txt, st, offsets=(pos, pos), diag=True)
+    got = gluon_fwd.lse_forward_gluon(img, txt, st, pos, pos, True, fixed=fixed,
+                                      alloc=lambda *sh, device, dtype: torch.full(sh, float("nan"), device=device,
+                                                                                  dtype=dtype))
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, atol=2e-3 * max(1.0, s / 14.0), rtol=0)

@@ -176,8 +176,10 @@ def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0, temp: 
 def onepass_spare_bytes(m: int, n: int, k: int, fresh: bool) -> int:
     """The room issue 27's rule gives the one-pass backward's second fp32 accumulator (4 k
     bytes per sample of the smaller side), which it never allocates: the strip scratch may
-    take it when the call's gradients are fresh (``fresh``: the one-GPU loss). A call that
-    sums into given buffers (the ring's tiles, whose fp32 sums are its own rule's) gets 0."""
+    take it when the call's gradients are fresh and it has no group ids (``fresh``: the
+    one-GPU loss). A call that sums into given buffers (the ring's tiles, whose fp32 sums are
+    its own rule's) gets 0, and so does the sorted mask's (its sorted feature copies, 2 b c
+    elements, hold that room: ``docs/objectives.md``)."""
     return 4 * k * min(m, n) if fresh else 0
 
 

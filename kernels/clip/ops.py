@@ -329,7 +329,9 @@ class TritonTileOps:
         fp32: in dtxt itself when it is fp32, else in a fresh fp32 (n, c) accumulator that
         is rounded into dtxt once at the end. dimg / dtxt None: not wanted (no product for
         it; both None: the fills alone, for ds), the other one bit for bit as with both."""
-        spare = launch.onepass_spare_bytes(img.shape[0], txt.shape[0], img.shape[1], not (acc_i or acc_t))
+        # (the sorted mask's feature copies hold the spare room already: no spare with group ids)
+        fresh = not (acc_i or acc_t) and gid_row is None
+        spare = launch.onepass_spare_bytes(img.shape[0], txt.shape[0], img.shape[1], fresh)
         rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],
                                  temp=not self.fold, spare=spare)
         cfg = self._strip_cfg(img, txt, prec, scale, rows, self._gluon_strip_ok(g_d, o_row, gid_row, band),

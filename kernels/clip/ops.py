@@ -92,7 +92,10 @@ class TritonTileOps:
             two elementwise passes per strip: H200, bf16, c = 1024, b = 16k: 7.40 ms vs
             6.97, c = 512, b = 64k: 63.0 vs 62.7).
         strip_budget: bytes of the strip scratch (default: ``launch.strip_rows``' 64 MB +
-            768 B x b); the CUDA-graph path passes what its static buffers leave of the rule.
+            768 B x b, and in a one-pass backward of fresh gradients without group ids the
+            unused second fp32 accumulator's room, 4 c bytes a sample:
+            ``launch.onepass_spare_bytes``); the CUDA-graph path passes what its static
+            buffers leave of the rule. An explicit budget is taken as it is.
         cuda_graphs: "auto" (default) runs ``fused_loss`` of small CUDA problems (b <= 16k where
             the memory rule leaves room: there the host, not the GPU, bounds the step) through
             captured CUDA graphs (``graphs``);

@@ -245,3 +245,22 @@ def test_mask_passes_fit_the_memory_rule(c):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         assert peak <= rule, (phase, peak / 2**20, rule / 2**20)
+
+
+@pytest.mark.parametrize("mode", ["off", "mask"])
+def test_only_calls_without_group_ids_take_the_spare_room(mode, monkeypatch):
+    """The one-pass backward of fresh gradients gives the unused second fp32 accumulator's room
+    to the strips (``launch.onepass_spare_bytes``), but not under "mask": the sorted feature
+    copies hold that room there (``test_mask_passes_fit_the_memory_rule`` measures it on the
+    GPU). Recorded here from the calls the loss makes, one-pass path forced on the CPU."""
+    from infclip.kernels.clip import launch
+
+    _use_backward(monkeypatch, "onepass", "always")
+    seen = []
+    real = launch.onepass_spare_bytes
+    monkeypatch.setattr(launch, "onepass_spare_bytes", lambda m, n, k, fresh: seen.append(fresh) or real(m, n, k, fresh))
+    img, txt, s, ids = _batch("small", 40, 8, 10.0, seed=3)
+    img, txt, s = (x.to(DEV).requires_grad_() for x in (img, txt, s))
+    kw = {} if mode == "off" else {"group_ids": ids.to(DEV), "duplicates": "mask"}
+    clip_loss(img, txt, s, impl="triton", **kw).backward()
+    assert seen == [mode == "off"], seen

@@ -136,7 +136,13 @@ def test_bf16_band_within_bf16_rounding(layout, b, scale, monkeypatch):
 @pytest.mark.parametrize("layout, b", [("big", 230), ("small", 77)])
 def test_band_without_the_sort_is_wrong(layout, b, monkeypatch):
     """The layouts above catch a missing sort: with the identity order but the same band (the
-    kernels then skip the compare on tiles that hold same-group pairs), the loss is off."""
+    kernels then skip the compare on tiles that hold same-group pairs), the loss is off. The
+    forward's 32 x 32 tiles (the interpreter's) on a GPU too: its default 128-row tiles cover
+    b = 230 in two row blocks, every tile in the band, and nothing would be skipped."""
+    from infclip.kernels.clip import launch
+
+    monkeypatch.setattr(launch, "fwd_candidates", lambda k, esize: [launch.FwdConfig(32, 32, 32)])
+    monkeypatch.setattr(launch, "_TUNED", {})
     img, txt, s, ids = _batch(layout, b, 8, 100.0, seed=b)
 
     def unsorted(ids):  # the identity order, its int32 ranks, the real band

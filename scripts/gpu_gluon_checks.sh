@@ -23,9 +23,15 @@
 #   ncu    - Nsight Compute on the Gluon forward, plain vs band (scripts/profile_gluon_fwd.py):
 #            the L2 hypothesis for the band's 7-10 % (the sections SpeedOfLight, MemoryWorkload-,
 #            ComputeWorkloadAnalysis, LaunchStats, Occupancy); not in the default PARTS
-# Knobs: STRIP_S TESTS_S BENCH_S DUP_S BAND_S NCU_S (seconds per part), BATCHES DIMS MODES,
-#        NCU_DIMS NCU_B (the ncu part's c list and b).
+# Knobs: STRIP_S TESTS_S TESTS2_S BENCH_S DUP_S BAND_S NCU_S (seconds per part), BATCHES DIMS MODES,
+#        NCU_DIMS NCU_B (the ncu part's c list and b); CALL_S (default 585): the seconds this
+#        invocation may take in all: every part's limit is cut to what is left of it, so a
+#        device call of 600 s returns its results instead of being killed with them.
 set -o pipefail
+START=$(date +%s)
+CALL_S="${CALL_S:-585}"
+# lim N: N seconds, or what is left of CALL_S (less 5 s to pack the results) if that is less
+lim() { local left=$(( CALL_S - ($(date +%s) - START) - 5 )); (( left < 1 )) && left=1; echo $(( $1 < left ? $1 : left )); }
 PARTS="${PARTS:-setup,strip,tests,bench,dup,band}"
 COMMIT="${1:-unknown}"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -39,25 +45,25 @@ fi
   $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 } | tee -a $OUT/env.txt
 if has strip; then
-  timeout "${STRIP_S:-150}" $PY -u scripts/check_gluon_strip.py > $OUT/strip.txt 2>&1
+  timeout "$(lim ${STRIP_S:-150})" $PY -u scripts/check_gluon_strip.py > $OUT/strip.txt 2>&1
   echo "rc=$? (124: cut by STRIP_S)" >> $OUT/strip.txt
   tail -5 $OUT/strip.txt
 fi
 if has tests; then
-  INFCLIP_TRITON_TUNE=0 INFCLIP_FORWARD_KERNEL=gluon INFCLIP_STRIP_KERNEL=gluon timeout "${TESTS_S:-200}" \
+  INFCLIP_TRITON_TUNE=0 INFCLIP_FORWARD_KERNEL=gluon INFCLIP_STRIP_KERNEL=gluon timeout "$(lim ${TESTS_S:-200})" \
       $PY -m pytest -q -p no:cacheprovider -rf tests/kernels/test_gluon_fwd_cpu.py tests/kernels/test_gluon_strip_cpu.py \
       tests/loss/test_exact_positives.py tests/kernels/test_clip_kernels.py tests/loss/test_duplicates.py \
       tests/loss/test_duplicates_band.py \
       > $OUT/tests.txt 2>&1
   echo "forced Gluon: pytest rc=$? (124: cut by TESTS_S)" >> $OUT/tests.txt
-  timeout 150 $PY -m pytest -q -p no:cacheprovider -rf tests/kernels/test_clip_graphs.py tests/kernels/test_clip_onepass.py \
+  timeout "$(lim ${TESTS2_S:-150})" $PY -m pytest -q -p no:cacheprovider -rf tests/kernels/test_clip_graphs.py tests/kernels/test_clip_onepass.py \
       >> $OUT/tests.txt 2>&1
   echo "graphs and one-pass memory, default modes: pytest rc=$?" >> $OUT/tests.txt
   grep -E "rc=|passed|failed" $OUT/tests.txt
 fi
 if has bench; then
   for mode in ${MODES:-triton auto}; do
-    INFCLIP_STRIP_KERNEL=$mode timeout "${BENCH_S:-100}" $PY -u scripts/bench_loss.py \
+    INFCLIP_STRIP_KERNEL=$mode timeout "$(lim ${BENCH_S:-100})" $PY -u scripts/bench_loss.py \
         --batches "${BATCHES:-32768,65536,131072}" --dims "${DIMS:-512,768,1024}" --impls triton_bf16 --reps 3 \
         --commit "$COMMIT" --out /tmp/bench_$mode > $OUT/bench_$mode.txt 2>&1
     echo "rc=$?" >> $OUT/bench_$mode.txt
@@ -65,15 +71,15 @@ if has bench; then
   done
 fi
 if has dup; then
-  timeout "${DUP_S:-120}" $PY -u scripts/bench_loss.py --duplicates --breakdown --commit "$COMMIT" --out /tmp/dup \
+  timeout "$(lim ${DUP_S:-120})" $PY -u scripts/bench_loss.py --duplicates --breakdown --commit "$COMMIT" --out /tmp/dup \
       > $OUT/dup.txt 2>&1
   echo "rc=$?" >> $OUT/dup.txt
   tail -12 $OUT/dup.txt
 fi
 if has band; then
-  { timeout "${BAND_S:-120}" $PY -u scripts/check_gluon_fwd.py --band; echo "forward rc=$?"
-    timeout "${BAND_S:-120}" $PY -u scripts/check_gluon_strip.py --band; echo "strip rc=$?"
-    INFCLIP_FORWARD_KERNEL=gluon INFCLIP_STRIP_KERNEL=gluon timeout "${BAND_S:-120}" $PY -u scripts/bench_loss.py \
+  { timeout "$(lim ${BAND_S:-120})" $PY -u scripts/check_gluon_fwd.py --band; echo "forward rc=$?"
+    timeout "$(lim ${BAND_S:-120})" $PY -u scripts/check_gluon_strip.py --band; echo "strip rc=$?"
+    INFCLIP_FORWARD_KERNEL=gluon INFCLIP_STRIP_KERNEL=gluon timeout "$(lim ${BAND_S:-120})" $PY -u scripts/bench_loss.py \
         --duplicates --breakdown --commit "$COMMIT" --out /tmp/dup_gluon; echo "bench rc=$?"
   } > $OUT/band.txt 2>&1
   grep -E "rc=|mask|FAIL" $OUT/band.txt | tail -20
@@ -83,7 +89,7 @@ if has ncu; then
   # "prof" of scripts/profile_gluon_fwd.py): speed of light, memory workload (L2 traffic),
   # compute workload. Clocks left alone (--clock-control none: the device README's rule).
   if command -v ncu > /dev/null; then
-    { timeout "${NCU_S:-240}" ncu --clock-control none --nvtx --nvtx-include "prof/" -k regex:_lse_fwd_ws_kernel \
+    { timeout "$(lim ${NCU_S:-240})" ncu --clock-control none --nvtx --nvtx-include "prof/" -k regex:_lse_fwd_ws_kernel \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
         --section LaunchStats --section Occupancy \
         $PY -u scripts/profile_gluon_fwd.py --dims "${NCU_DIMS:-512,1024}" --batch "${NCU_B:-32768}"

@@ -489,8 +489,8 @@ def _time(fn, reps: int = 3, rounds: int = 3) -> float:
     """ms per call: the fastest of ``rounds`` rounds of ``reps`` calls, after one warm-up call
     (compiles). The fastest round, not one round's mean: the tuner's candidates can lie within
     10 % of each other (the Gluon strip fill's two tiles at c = 512, b = 65,536 were picked
-    differently in two processes, sixth session), where one round of 3 also measured the clocks
-    ramping up."""
+    differently in two processes on two machines, sixth session, the step 42.3 vs 40.3 ms), and
+    the minimum of several rounds is the steadier estimate of which is faster."""
     fn()  # compile + warm up
     torch.cuda.synchronize()
     best = float("inf")

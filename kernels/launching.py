@@ -153,12 +153,18 @@ def addmm_f32_(acc: Tensor, p: Tensor, b: Tensor) -> None:
     if p.dtype == acc.dtype:
         acc.addmm_(p, b)
         return
-    if p.is_cuda and f32_out_ok(_addmm_f32_probe, p[:1, :1], b[:1, :1]):
+    if addmm_f32_in_place(p, b):
         torch.addmm(acc, p, b, out_dtype=torch.float32, out=acc)
         return
     step = max(1, ADDMM_CHUNK_BYTES // (4 * max(1, b.shape[1])))
     for lo in range(0, p.shape[0], step):
         acc[lo:lo + step].add_(mm_f32(p[lo:lo + step], b))
+
+
+def addmm_f32_in_place(p: Tensor, b: Tensor) -> bool:
+    """Whether ``addmm_f32_`` of 16-bit p, b sums into its fp32 accumulator with no temporary
+    here (CUDA and a torch whose addmm writes an fp32 C in place); else its chunked fallback."""
+    return p.is_cuda and f32_out_ok(_addmm_f32_probe, p[:1, :1], b[:1, :1])
 
 
 def _addmm_f32_probe(x: Tensor, y: Tensor, out_dtype) -> Tensor:

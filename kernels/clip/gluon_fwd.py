@@ -24,9 +24,10 @@ Design (one program = BM rows x one column range, as the Triton kernel's (pid_m,
     then the chunks of tiles 0, 1, 2, ... in order, each after the slot's ``empty``
     barrier); consumer 0 (the default partition, 4 warps) takes the even column tiles,
     consumer 1 (a 4-warp worker) the odd ones. A consumer's tile: wait for its turn,
-    issue the NK async wgmmas (slot released as soon as the wgmma after it retires),
-    wait for the last, hand the turn to the other consumer, then run the tile's epilogue
-    while the other consumer's wgmmas run on the tensor cores.
+    issue the NK async wgmmas (slot released as soon as the wgmma after it retires), hand
+    the turn to the other consumer (once the last is issued: ``gluon_common.EARLY_TURN``),
+    wait for the last, then run the tile's epilogue while the other consumer's wgmmas run
+    on the tensor cores.
   * Turn-taking (``turn`` barriers) makes the MMA phases run strictly in tile order. This is
     the ping-pong and also what makes one shared FIFO sound: the consumer of tile t waits
     on chunks that follow, in ring order, every chunk the previous tile's consumer has
@@ -97,6 +98,7 @@ PART_BUDGET_BYTES = 32 << 20  # as launch.PART_BUDGET_BYTES: col_part stays <= 3
 FIXED_REF_BITS = 72.0
 FIXED_REF = gl.constexpr(FIXED_REF_BITS) if gl is not None else FIXED_REF_BITS
 FIXED_LIMIT = 172.0
+FIXED_MAX_TERMS = 1 << 22  # the terms one sum may hold (rows or columns): the bound's premise
 FIXED_DEFAULT = "auto"  # "auto": where ``fixed_flag`` holds; "off": always the running max
 
 
@@ -214,7 +216,7 @@ def _consumer(a_smem, b_smem, a_bar, ready, empty, turn, scale_ptr, off_a_ptr, o
         j0 = lo + t * BN
         cols = j0 + cn
         ob2 = gl.load(off_b_ptr + gl.minimum(cols, hi - 1)) * s2  # issued before the MMA: latency hidden
-        # -- compute tile --: wait for the turn (tile t - 1's wgmmas retired), then the NK chunks.
+        # -- compute tile --: wait for the turn (tile t - 1's wgmmas issued), then the NK chunks.
         acc = mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C, NK, STAGES, False)
         # -- epilogue --: base-2 logits less the offsets; fixes only on the edge / diagonal tiles.
         edge = (j0 + BN > hi) | (row0 + BM > M)
@@ -376,7 +378,7 @@ def lse_forward_gluon(a: Tensor, b: Tensor, scale: Tensor, off_a: Tensor | None,
     fixed = FIXED_DEFAULT if fixed is None else fixed
     if fixed not in ("auto", "off"):
         raise ValueError(f"fixed must be 'auto' or 'off', got {fixed!r}")
-    use_fixed = fixed == "auto" and bool(has_diag)
+    use_fixed = fixed == "auto" and bool(has_diag) and max(m, n) <= FIXED_MAX_TERMS
     flag = fixed_flag(a, b, scale, off_a, off_b) if use_fixed else None
     a_desc, b_desc = _descriptors(a, b, cfg)
     nrb = cdiv(m, cfg.BM)

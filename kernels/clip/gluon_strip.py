@@ -22,8 +22,9 @@ cdiv(R, BM) x cdiv(N, BN) tiles in ``tiles.grouped_tile`` order, GROUP row tiles
     the program's tiles in order, each after its slot's ``empty`` barrier; consumer 0 (the
     default partition, 4 warps) takes the program's even local tiles, consumer 1 (a 4-warp
     worker) the odd ones. A consumer's tile: wait for its turn, issue the NK async wgmmas
-    (a slot is released once the wgmma after it retires), wait for the last, hand the turn to
-    the other consumer, then run the epilogue while the other consumer's wgmmas run.
+    (a slot is released once the wgmma after it retires), hand the turn to the other consumer
+    (once the last is issued: ``gluon_common.EARLY_TURN``), wait for the last, then run the
+    epilogue while the other consumer's wgmmas run.
   * Turn-taking (``turn`` barriers) runs the MMA phases strictly in tile order: the ping-pong,
     and what makes one shared FIFO ring sound (a ``ready`` wait never meets a barrier two
     phases behind; ``gluon_fwd``'s argument, unchanged).
@@ -289,7 +290,7 @@ def _consumer(a_smem, b_smem, p_smem, ready, empty, turn, p_desc, scale_ptr, lse
         lse_b = gl.load(lse_b_ptr + c_idx) * LOG2E
         g_b = gl.load(g_b_ptr + c_idx)
         ob2 = gl.load(off_b_ptr + c_idx) * s2
-        # -- compute tile --: wait for the turn (local tile t - 1's wgmmas retired), then NK chunks.
+        # -- compute tile --: wait for the turn (local tile t - 1's wgmmas issued), then NK chunks.
         acc = mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C, NK, STAGES, True)
         # -- epilogue --: ``_strip_epilogue`` (HAS_OFF == 2): base-2 logits less the offsets, s dX.
         xr = acc * s2 - oa2[:, None]

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import gluon_fwd, gluon_strip, launch
-from ..launching import finish_accumulator, fp32_accumulator
+from ..launching import addmm_f32_in_place, finish_accumulator, fp32_accumulator
 
 PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
 BACKWARDS = ("auto", "onepass", "twopass")
@@ -92,9 +92,9 @@ class TritonTileOps:
             two elementwise passes per strip: H200, bf16, c = 1024, b = 16k: 7.40 ms vs
             6.97, c = 512, b = 64k: 63.0 vs 62.7).
         strip_budget: bytes of the strip scratch (default: ``launch.strip_rows``' 64 MB +
-            768 B x b, and in a one-pass backward of fresh gradients without group ids the
-            unused second fp32 accumulator's room, 4 c bytes a sample:
-            ``launch.onepass_spare_bytes``); the CUDA-graph path passes what its static
+            768 B x b, and in a one-pass backward of fresh gradients without group ids, on
+            CUDA with an in-place fp32 addmm, the unused second fp32 accumulator's room, 4 c
+            bytes a sample: ``launch.onepass_spare_bytes``); the CUDA-graph path passes what its static
             buffers leave of the rule. An explicit budget is taken as it is.
         cuda_graphs: "auto" (default) runs ``fused_loss`` of small CUDA problems (b <= 16k where
             the memory rule leaves room: there the host, not the GPU, bounds the step) through
@@ -334,7 +334,8 @@ class TritonTileOps:
         it; both None: the fills alone, for ds), the other one bit for bit as with both."""
         # (the sorted mask's feature copies hold the spare room already: no spare with group ids)
         fresh = not (acc_i or acc_t) and gid_row is None
-        spare = launch.onepass_spare_bytes(img.shape[0], txt.shape[0], img.shape[1], fresh)
+        spare = launch.onepass_spare_bytes(img.shape[0], txt.shape[0], img.shape[1], fresh,
+                                           addmm_f32_in_place(img, txt))
         rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],
                                  temp=not self.fold, spare=spare)
         cfg = self._strip_cfg(img, txt, prec, scale, rows, self._gluon_strip_ok(g_d, o_row, gid_row, band),

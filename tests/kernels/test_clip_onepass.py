@@ -229,12 +229,14 @@ def test_onepass_fits_the_rule_at_every_b(c, fold, fresh):
 def test_onepass_spare_room_makes_taller_strips():
     """Fresh gradients take the second accumulator's room: at b = 65,536, c = 512 the strip is
     1,920 rows, not 896 (the dT accumulator read and written 35 times instead of 74); a call
-    summing into given buffers keeps the plain scratch; an explicit budget is taken as given."""
+    summing into given buffers keeps the plain scratch, and so does a torch whose d text product
+    needs an fp32 temporary (no in-place fp32 addmm); an explicit budget is taken as given."""
     b, c = 65536, 512
     plain = launch.strip_rows(b, 2, k=c, temp=False)
     tall = launch.strip_rows(b, 2, k=c, temp=False, spare=launch.onepass_spare_bytes(b, b, c, True))
     assert (plain, tall) == (896, 1920)
     assert launch.onepass_spare_bytes(b, b, c, False) == 0
+    assert launch.onepass_spare_bytes(b, b, c, True, in_place=False) == 0  # (the product's fp32 temporary)
     assert launch.strip_rows(b, 2, budget=1 << 20, k=c, temp=False, spare=1 << 30) == 8
 
 

@@ -264,7 +264,8 @@ def test_only_calls_without_group_ids_take_the_spare_room(mode, monkeypatch):
     _use_backward(monkeypatch, "onepass", "always")
     seen = []
     real = launch.onepass_spare_bytes
-    monkeypatch.setattr(launch, "onepass_spare_bytes", lambda m, n, k, fresh: seen.append(fresh) or real(m, n, k, fresh))
+    monkeypatch.setattr(launch, "onepass_spare_bytes",
+                        lambda m, n, k, fresh, in_place=True: seen.append(fresh) or real(m, n, k, fresh, in_place))
     img, txt, s, ids = _batch("small", 40, 8, 10.0, seed=3)
     img, txt, s = (x.to(DEV).requires_grad_() for x in (img, txt, s))
     kw = {} if mode == "off" else {"group_ids": ids.to(DEV), "duplicates": "mask"}

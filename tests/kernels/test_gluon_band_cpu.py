@@ -75,7 +75,9 @@ def test_forward_launch_passes_the_ids_and_w(monkeypatch, banded):
     (_, args, kwargs), = kern.calls
     assert kwargs["BAND"] is banded
     want = (ids, ids, band) if banded else (None, None, None)
-    assert all(x is y for x, y in zip(args[-3:], want))
+    assert all(x is y for x, y in zip(args[-4:-1], want))
+    # then the fixed-reference epilogue's device flag (with the diagonal): on here (zero features)
+    assert kwargs["FIXED"] is True and args[-1].dtype == torch.int32 and args[-1].tolist() == [1]
     with pytest.raises(ValueError, match="sorted by group"):  # the ring's ids: the Triton forward's
         gluon_fwd.lse_forward_gluon(a, a, torch.tensor(1.0), torch.zeros(m), torch.zeros(m), True, gid_a=ids,
                                     gid_b=ids)

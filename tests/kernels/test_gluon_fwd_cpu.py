@@ -268,3 +268,27 @@ def test_fixed_and_running_max_epilogues_match_on_the_gpu(s, flip, fixed):
     for g, w in zip(got, want):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, w, atol=2e-3 * max(1.0, s / 14.0), rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares with the Triton forward on the GPU")
+def test_fixed_epilogue_across_column_chunks_on_the_gpu(monkeypatch):
+    """The fixed reference where a row's partials come from several launches (column chunks
+    of 256 columns: most hold no diagonal, so their row partials may flush to -inf) and the
+    host merges them: the same LSEs as the running max and the Triton forward (b = 1,000)."""
+    from infclip.kernels.clip.ops import TritonTileOps
+    from infclip.loss.function import positive_dots
+
+    img, txt = _unit_pairs(1000, 512, 0.7, seed=12, device="cuda")
+    st = torch.tensor(100.0, device="cuda")
+    pos = positive_dots(img, txt)
+    if not gluon_fwd.gluon_available(img, txt):
+        pytest.skip("not sm_90 / no Gluon: refusal covered above")
+    real = gluon_fwd.column_chunks
+    monkeypatch.setattr(gluon_fwd, "column_chunks", lambda m, n, bm, bn: real(m, n, bm, bn, budget=4 * 256 * cdiv(m, bm)))
+    assert len(gluon_fwd.column_chunks(1000, 1000, 64, 128)) == 4
+    want = TritonTileOps(forward_kernel="triton").forward(img, txt, st, offsets=(pos, pos), diag=True)
+    for fixed in ("auto", "off"):
+        got = gluon_fwd.lse_forward_gluon(img, txt, st, pos, pos, True, fixed=fixed)
+        for g, w in zip(got, want):
+            assert torch.isfinite(g).all()
+            torch.testing.assert_close(g, w, atol=1e-2, rtol=0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27 on a GPU machine, in one call: the Gluon kernels checked, then timed against the
 # Triton ones inside the loss, then the duplicates' cost. Each part has its own timeout; results
-# in $OUT (at most 8 files come back: env.txt strip.txt tests.txt bench_<mode>.txt dup.txt band.txt ncu.txt).
+# in $OUT (env.txt strip.txt tests.txt bench_<mode>.txt dup.txt band.txt fixed.txt ncu.txt).
 #
 #   bash scripts/gpu_gluon_checks.sh <commit>                       # all parts: ~15 min at the defaults
 #   PARTS=setup,strip,tests bash scripts/gpu_gluon_checks.sh <commit>   # so, two calls of < 10 min:
@@ -20,10 +20,14 @@
 #   band   - duplicates "mask" in the Gluon kernels (forced only until this passes: ops.GLUON_BAND_AUTO):
 #            check_gluon_fwd.py --band and check_gluon_strip.py --band against the Triton band
 #            kernels, then bench_loss.py --duplicates --breakdown with both Gluon kernels forced
+#   fixed  - the Gluon forward's two epilogues timed (scripts/check_gluon_fwd.py, b = 32k and 64k):
+#            at s = 1/0.07 (the fixed reference's flag on) and at s = 100 with one anti-aligned
+#            pair (flag off: the running max inside the variant that holds both); not in the
+#            default PARTS
 #   ncu    - Nsight Compute on the Gluon forward, plain vs band (scripts/profile_gluon_fwd.py):
 #            the L2 hypothesis for the band's 7-10 % (the sections SpeedOfLight, MemoryWorkload-,
 #            ComputeWorkloadAnalysis, LaunchStats, Occupancy); not in the default PARTS
-# Knobs: STRIP_S TESTS_S TESTS2_S BENCH_S DUP_S BAND_S NCU_S (seconds per part), BATCHES DIMS MODES,
+# Knobs: STRIP_S TESTS_S TESTS2_S BENCH_S DUP_S BAND_S FIXED_S NCU_S (seconds per part), BATCHES DIMS MODES,
 #        NCU_DIMS NCU_B (the ncu part's c list and b); CALL_S (default 585): the seconds this
 #        invocation may take in all: every part's limit is cut to what is left of it, so a
 #        device call of 600 s returns its results instead of being killed with them.
@@ -83,6 +87,12 @@ if has band; then
         --duplicates --breakdown --commit "$COMMIT" --out /tmp/dup_gluon; echo "bench rc=$?"
   } > $OUT/band.txt 2>&1
   grep -E "rc=|mask|FAIL" $OUT/band.txt | tail -20
+fi
+if has fixed; then
+  { timeout "$(lim ${FIXED_S:-120})" $PY -u scripts/check_gluon_fwd.py --sizes 32768,65536; echo "s=1/0.07 rc=$?"
+    timeout "$(lim ${FIXED_S:-120})" $PY -u scripts/check_gluon_fwd.py --sizes 32768,65536 --scale 100 --flip 1
+    echo "s=100 flip rc=$?"; } > $OUT/fixed.txt 2>&1
+  grep -E "rc=|fixed=.*ms" $OUT/fixed.txt | tail -30
 fi
 if has ncu; then
   # Nsight Compute on the Gluon forward, plain then band, one launch each per c (the NVTX range

@@ -195,7 +195,7 @@ def _flag(img, txt, s: float) -> int:
 
 def test_fixed_flag_where_every_entry_is_bounded():
     """Unit features: on at s = 1/0.07 and up to s ~ 59 whatever the positives; at s = 100 while
-    every positive's cosine stays above about -0.19; off for one anti-aligned pair there, for
+    every positive's cosine stays above about -0.17; off for one anti-aligned pair there, for
     s <= 0, and for a NaN scale (never a NaN bound taken as small)."""
     img, txt = _unit_pairs(256, 64, 0.7, seed=0)
     assert _flag(img, txt, 1 / 0.07) == 1

@@ -43,6 +43,28 @@ FLIP = 0  # --flip: that many pairs made anti-aligned (txt_i = -img_i): the flag
 REF_MAX_B = 8192  # float64 reference up to this batch (a b x b fp64 matrix: 512 MB at 8k)
 
 
+def parse_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers (else argparse's one-line error, exit 2)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(x <= 0 for x in out):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return out
+
+
+def count(text: str) -> int:
+    """argparse type: a count >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
+
+
 def features(b: int, c: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Image / text features with correlated pairs (a peaked softmax), L2-normalized; the
     first FLIP pairs anti-aligned."""
@@ -200,17 +222,17 @@ def main() -> None:
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--band", action="store_true", help="the BAND variants (duplicates 'mask', sorted ids)")
     ap.add_argument("--scale", type=float, default=1 / 0.07, help="the logit scale s (default 1/0.07)")
-    ap.add_argument("--flip", type=int, default=0, help="anti-align that many pairs (the fixed flag off at s = 100)")
-    ap.add_argument("--sizes", default=None, help="comma-separated b list (default by --quick)")
-    ap.add_argument("--dims", default=None, help="comma-separated c list (default by --quick)")
+    ap.add_argument("--flip", type=count, default=0, help="anti-align that many pairs (the fixed flag off at s = 100)")
+    ap.add_argument("--sizes", type=parse_list, default=None, help="comma-separated b list (default by --quick)")
+    ap.add_argument("--dims", type=parse_list, default=None, help="comma-separated c list (default by --quick)")
     args = ap.parse_args()
     global SCALE, FLIP
     SCALE, FLIP = args.scale, args.flip
     print_versions()
     cs = [512] if args.quick else [512, 768, 1024]
     bs = [1000, 8192] if args.quick else [1000, 8192, 32768, 65536]
-    cs = [int(x) for x in args.dims.split(",")] if args.dims else cs
-    bs = [int(x) for x in args.sizes.split(",")] if args.sizes else bs
+    cs = args.dims or cs
+    bs = args.sizes or bs
     if args.band:
         for c in cs:
             cfgs = gluon_fwd.tune_candidates(c) or [gluon_fwd.default_config(c)]

@@ -25,21 +25,11 @@ from typing import NoReturn
 import torch
 
 from bench_loss import time_ms  # this folder's sibling scripts
-from check_gluon_fwd import band_ids, features, print_versions
+from check_gluon_fwd import band_ids, features, parse_list, print_versions
 from infclip.kernels.clip import gluon_fwd
 from infclip.loss.function import positive_dots
 
 WARMUP = 2  # untimed calls per case before the profiled one (the first compiles)
-
-
-def parse_list(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        out = []
-    if not out or any(x <= 0 for x in out):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return out
 
 
 def parse_config(text: str) -> tuple[int, int]:

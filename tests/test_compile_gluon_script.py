@@ -33,3 +33,12 @@ def test_the_gpu_checks_refuse_a_machine_without_cuda():
                               timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and "no CUDA device" in proc.stderr
+
+
+def test_check_gluon_fwd_refuses_bad_options_before_any_work():
+    """--sizes / --dims take positive integers, --flip a count >= 0: argparse's one line, exit 2."""
+    for args, name in ((["--sizes", "0"], "--sizes"), (["--dims", "x,512"], "--dims"), (["--flip", "-1"], "--flip")):
+        proc = subprocess.run([sys.executable, str(SCRIPT.parent / "check_gluon_fwd.py"), *args], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert f"argument {name}:" in proc.stderr and "Traceback" not in proc.stderr

@@ -36,9 +36,6 @@ SMEM_RESERVE = 8 << 10  # barriers + the compiler's reduction / layout-conversio
 MAX_STAGES = 12  # ring depth cap: more chunks in flight buy nothing (~1.5 tiles at K = 512)
 MIN_GLUON = (3, 6)  # the Gluon API the kernels are written against (warp_specialize's list form)
 BK = 64  # K chunk of every ring: 128 bytes of 16-bit inputs, the widest TMA swizzle
-# Hand the MMA turn to the other consumer at the last wgmma's issue (True) or retirement (False,
-# the kernels before issue 27's sixth session); ``mma_turn``. A constant of the compiled kernels.
-EARLY_TURN = gl.constexpr(True) if gl is not None else True
 
 
 def jit(fn):
@@ -97,19 +94,19 @@ def turn_barriers(STAGES: gl.constexpr):
 def mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C: gl.constexpr, NK: gl.constexpr,
              STAGES: gl.constexpr, A_RING: gl.constexpr):
     """One consumer's MMA phase of its tile t (the ping-pong both kernels share): wait for its
-    turn (the other consumer's tile t - 1 has retired its wgmmas), issue the NK async wgmmas of
+    turn (the other consumer's tile t - 1 has issued its wgmmas), issue the NK async wgmmas of
     acc = A_t B_t^T over the ring's K chunks g = t NK + k (slot g % STAGES, phase
     (g // STAGES) & 1), give each slot back to the producer once the wgmma after it has
-    retired, wait for the last, give back its slot and hand the turn to the other consumer,
-    whose wgmmas then run during this one's epilogue. A chunks: ``a_smem.index(k)`` (resident,
+    retired, hand the turn to the other consumer, wait for the last and give back its slot;
+    the other consumer's wgmmas then run during this one's epilogue. A chunks: ``a_smem.index(k)`` (resident,
     the forward) or, A_RING, the ring's ``a_smem.index(slot)`` (the strip fill). K is a
     runtime loop after the first chunk (unrolled, the chunks' hoisted addresses spill).
-    EARLY_TURN (module constant): the turn is handed over once the last wgmma is issued, not
-    once it retired (FlashAttention-3's order): the tensor cores see no gap between the two
-    consumers' MMA phases. Sound for the shared FIFO as before: the other consumer's ``ready``
-    waits still follow every one of this consumer's (all issued before the hand-off).
-    Measured (H200, forward alone, b = 65,536): the same times either way (within 2 %), and
-    2 or 3 wgmma groups in flight before a slot goes back instead of 1 no faster either."""
+    The turn is handed over once the last wgmma is issued, not once it retired
+    (FlashAttention-3's order: the other consumer's wgmmas queue behind it). Sound for the
+    shared FIFO: the other consumer's ``ready`` waits still follow every one of this
+    consumer's (all issued before the hand-off). Measured (H200, forward alone, b = 65,536,
+    sixth session): the same times as the hand-off at retirement (within 2 %), and 2 or 3
+    wgmma groups in flight before a slot goes back instead of 1 no faster either."""
     mbarrier.wait(turn.index(C), (gl.maximum(t - 1, 0) // 2) & 1, pred=t > 0)
     g = t * NK
     slot = g % STAGES
@@ -125,12 +122,9 @@ def mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C: gl.constexpr, NK: gl
         acc = warpgroup_mma(a_k, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # the previous chunk's retired
         mbarrier.arrive(empty.index((g - 1) % STAGES))
-    if EARLY_TURN:  # FA3's hand-off: the other consumer's wgmmas queue behind this one's last
-        mbarrier.arrive(turn.index(1 - C))
+    mbarrier.arrive(turn.index(1 - C))  # FA3's hand-off: the other's wgmmas queue behind this one's last
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty.index((t * NK + NK - 1) % STAGES))
-    if not EARLY_TURN:
-        mbarrier.arrive(turn.index(1 - C))
     return acc
 
 

@@ -25,7 +25,7 @@ Design (one program = BM rows x one column range, as the Triton kernel's (pid_m,
     barrier); consumer 0 (the default partition, 4 warps) takes the even column tiles,
     consumer 1 (a 4-warp worker) the odd ones. A consumer's tile: wait for its turn,
     issue the NK async wgmmas (slot released as soon as the wgmma after it retires), hand
-    the turn to the other consumer (once the last is issued: ``gluon_common.EARLY_TURN``),
+    the turn to the other consumer (once the last is issued: ``gluon_common.mma_turn``),
     wait for the last, then run the tile's epilogue while the other consumer's wgmmas run
     on the tensor cores.
   * Turn-taking (``turn`` barriers) makes the MMA phases run strictly in tile order. This is

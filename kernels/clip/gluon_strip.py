@@ -23,7 +23,7 @@ cdiv(R, BM) x cdiv(N, BN) tiles in ``tiles.grouped_tile`` order, GROUP row tiles
     default partition, 4 warps) takes the program's even local tiles, consumer 1 (a 4-warp
     worker) the odd ones. A consumer's tile: wait for its turn, issue the NK async wgmmas
     (a slot is released once the wgmma after it retires), hand the turn to the other consumer
-    (once the last is issued: ``gluon_common.EARLY_TURN``), wait for the last, then run the
+    (once the last is issued: ``gluon_common.mma_turn``), wait for the last, then run the
     epilogue while the other consumer's wgmmas run.
   * Turn-taking (``turn`` barriers) runs the MMA phases strictly in tile order: the ping-pong,
     and what makes one shared FIFO ring sound (a ``ready`` wait never meets a barrier two

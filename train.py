@@ -44,20 +44,25 @@ def paragraph(err: BaseException) -> str:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    from infclip.train.distributed import release_native_threads
     from infclip.train.loop import train
     from infclip.train.signals import exit_zero_on_stop
 
+    status = 0
     try:
         train(cfg, overrides=list(HydraConfig.get().overrides.task))
         exit_zero_on_stop()  # finished and saved: a late stop signal is not a failure
     except KeyboardInterrupt:  # Ctrl-C before training began (later, it is a stop signal)
         print("interrupted before training started: nothing was trained or saved", file=sys.stderr, flush=True)
-        sys.exit(130)
+        status = 130
     except user_errors() as err:
         if os.environ.get("INFCLIP_DEBUG") or os.environ.get("HYDRA_FULL_ERROR"):
             raise
         print(paragraph(err) + "\n(INFCLIP_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
-        sys.exit(2)
+        status = 2
+    release_native_threads()  # the error's traceback (and the trainer's frames) is gone by now
+    if status:
+        sys.exit(status)
 
 
 def check_command_line() -> None:

@@ -17,6 +17,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from _same_sums import assert_same_sums  # noqa: E402
+
 from infclip.loss import _tiled_loss, clip_loss  # noqa: E402
 from infclip.loss.duplicates import Duplicates, duplicate_pairs, group_pairs, reference_loss  # noqa: E402
 from infclip.loss.tiled import TorchTileOps  # noqa: E402
@@ -112,14 +114,15 @@ def test_unique_groups_equal_duplicates_off(impl, mode):
 def test_triton_mask_of_sorted_unique_ids_is_off_bit_for_bit():
     """Ids already sorted and unique: the sort is the identity and the band w = 0 holds only
     the diagonal tiles, so "mask" runs the very sums of "off" (the compare drops only i == j,
-    which the diagonal handling restores): equal bit for bit."""
+    which the diagonal handling restores): equal bit for bit (on the GPU, separately compiled
+    variants: within a few fp32 roundings, ``_same_sums``)."""
     img, txt, s, _ = _batch(45, 16, 50.0, "unique", seed=6, dtype=torch.float32)
     ids = torch.arange(45, device=DEV) * 3 + 7
     off = _grads(lambda i, t, sc: clip_loss(i, t, sc, impl="triton"), img, txt, s.float())
     on = _grads(lambda i, t, sc: clip_loss(i, t, sc, impl="triton", group_ids=ids, duplicates="mask"), img, txt,
                 s.float())
-    for a, b in zip(on, off):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("loss", "d image", "d text", "d scale"), on, off):
+        assert_same_sums(a, b, name)
 
 
 def test_off_is_the_default_and_unchanged():

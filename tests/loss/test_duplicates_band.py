@@ -22,6 +22,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from _same_sums import assert_same_sums  # noqa: E402
+
 from infclip.loss import clip_loss  # noqa: E402
 from infclip.loss import duplicates  # noqa: E402
 from infclip.loss.duplicates import reference_loss, sort_groups  # noqa: E402
@@ -162,7 +164,8 @@ def test_band_without_the_sort_is_wrong(layout, b, monkeypatch):
 def test_band_is_invisible_on_a_sorted_batch(backward, strips, band_of, monkeypatch):
     """On a batch already sorted by group, the kernels with the band (w, or w forced to b: every
     tile in the band) give the values of the kernels that compare on every tile (no band):
-    loss, LSEs and all gradients bit for bit (outside the band the compare drops nothing)."""
+    loss, LSEs and all gradients bit for bit (outside the band the compare drops nothing); on the
+    GPU within a few fp32 roundings (``_same_sums``: separately compiled variants)."""
     from infclip.kernels.clip import TritonTileOps
     from infclip.kernels.clip.function import loss_backward, loss_forward
 
@@ -178,8 +181,8 @@ def test_band_is_invisible_on_a_sorted_batch(backward, strips, band_of, monkeypa
         grads = loss_backward(ops, img, txt, s, row, col, pos, torch.tensor(1.0, device=DEV), groups=srt.ids,
                               band=bnd)
         runs.append((loss, row, col, *grads))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("loss", "row LSE", "col LSE", "d image", "d text", "d scale"), *runs):
+        assert_same_sums(a, b, name)
 
 
 def test_band_refused_where_it_cannot_apply():

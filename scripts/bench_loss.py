@@ -1,9 +1,12 @@
 """Benchmark of the CLIP loss on one GPU: time, extra memory and effective TFLOP/s vs batch.
 
 Measures, in one run: vanilla (bf16, fp32), open_clip local, the published ``inf-cl==1.2.1``
-package, and ours (Triton bf16; the PyTorch tiled path at small b), for every
+and ``memeff==0.3.1`` packages (an anchor not installed is reported as such, not run), and
+ours (Triton bf16; the PyTorch tiled path at small b), for every
 (feature dim c, batch b). Forward + backward of the symmetric loss with a learnable logit
 scale (scale = logit_scale.exp(), logit_scale = ln(1/0.07)), L2-normalized random features,
+except memeff, which learns no scale (its temperature is fixed at 0.07, no d scale is formed;
+its rows say so),
 median of ``--reps`` timed runs after one warm-up (the warm-up also compiles and tunes).
 Extra memory = torch.cuda.max_memory_allocated() during one step minus what the inputs
 held (so it includes the feature gradients), as in ../shared/ANCHORS.md.
@@ -51,6 +54,7 @@ IMPLS = {
     "vanilla_fp32": (torch.float32, 65536, None),
     "local_bf16": (torch.bfloat16, 65536, (512,)),
     "inf_cl": (torch.bfloat16, 131072, None),
+    "memeff": (torch.bfloat16, 262144, None),  # fixed temperature: learns no scale
     "triton_bf16": (torch.bfloat16, 1 << 20, None),
     "triton_fixup_bf16": (torch.bfloat16, 1 << 20, None),  # strip path with strip_positives="fixup"
     # LiT: image features of a locked tower need no gradient (opt in with --impls; their % of
@@ -74,6 +78,9 @@ OBJECTIVE_IMPLS = {
     "nt_xent_triton_bf16": (torch.bfloat16, 262144, (512,)),
 }
 IMPLS.update(OBJECTIVE_IMPLS)
+# the published anchors: impl -> (module, what installs it)
+ANCHOR_PACKAGES = {"inf_cl": ("inf_cl", "inf-cl==1.2.1"), "memeff": ("memeff", "memeff==0.3.1")}
+FIXED_SCALE_IMPLS = ("memeff",)  # learn no scale: their step forms no d scale
 
 
 @dataclass
@@ -161,7 +168,24 @@ def loss_fn(impl: str):
 
         _init_single_rank_group()
         return lambda i, t, s: 0.5 * (cal_inf_loss(i, t, scale=s) + cal_inf_loss(t, i, scale=s))
+    if impl == "memeff":
+        from memeff import MemoryEfficientCLIPLoss
+
+        # its temperature is a float fixed at construction: 0.07, the scale every impl starts
+        # from here; inputs are unit rows already; stable=False: the usual 1 / T gradient scale
+        fixed = MemoryEfficientCLIPLoss(temperature=0.07, normalized_inputs=True, stable=False)
+        return lambda i, t, s: fixed(i, t)
     raise ValueError(impl)
+
+
+def missing_anchor(impl: str) -> str | None:
+    """The pip requirement of an anchor package that is not installed, else None."""
+    import importlib.util
+
+    module, requirement = ANCHOR_PACKAGES.get(impl, (None, None))
+    if module is None or importlib.util.find_spec(module) is not None:
+        return None
+    return requirement
 
 
 def objective_loss_fn(impl: str):
@@ -359,6 +383,9 @@ def _skip_reason(impl: str, b: int, c: int, last_ms: dict, max_s: float, reps: i
     dtype, b_max, dims = IMPLS[impl]
     if dims is not None and c not in dims:
         return "not run"
+    requirement = missing_anchor(impl)
+    if requirement is not None:
+        return f"not installed (pip install {requirement})"
     if b > b_max:
         return f"skipped (b > {b_max})"
     prev = last_ms.get((impl, c))
@@ -403,7 +430,8 @@ def _fmt(r: Row) -> str:
     if r.status != "ok":
         return f"{r.impl:18s} c={r.c:4d} b={r.b:8d}  {r.status}"
     return (f"{r.impl:18s} c={r.c:4d} b={r.b:8d}  {r.ms:10.2f} ms  {r.extra_gb:8.3f} GB  "
-            f"{r.tflops:6.0f} TFLOP/s  {r.pct_peak:5.1f}% peak  loss {r.loss:.4f}")
+            f"{r.tflops:6.0f} TFLOP/s  {r.pct_peak:5.1f}% peak  loss {r.loss:.4f}"
+            + ("  (fixed scale: no d scale)" if r.impl in FIXED_SCALE_IMPLS else ""))
 
 
 def write_csv(rows: list[Row], path: str) -> None:

@@ -24,10 +24,14 @@
 #            at s = 1/0.07 (the fixed reference's flag on) and at s = 100 with one anti-aligned
 #            pair (flag off: the running max inside the variant that holds both); not in the
 #            default PARTS
+#   anchors - scripts/bench_loss.py, ours beside every anchor (vanilla bf16, open_clip local,
+#            inf-cl 1.2.1, memeff 0.3.1: their wheels in .whl/, installed by setup) at
+#            ANCHOR_BATCHES (8k..1M) x DIMS, one process; not in the default PARTS
 #   ncu    - Nsight Compute on the Gluon forward, plain vs band (scripts/profile_gluon_fwd.py):
 #            the L2 hypothesis for the band's 7-10 % (the sections SpeedOfLight, MemoryWorkload-,
 #            ComputeWorkloadAnalysis, LaunchStats, Occupancy); not in the default PARTS
-# Knobs: STRIP_S TESTS_S TESTS2_S BENCH_S DUP_S BAND_S FIXED_S NCU_S (seconds per part), BATCHES DIMS MODES,
+# Knobs: STRIP_S TESTS_S TESTS2_S BENCH_S DUP_S BAND_S FIXED_S ANCHORS_S NCU_S (seconds per part),
+#        BATCHES DIMS MODES ANCHOR_BATCHES,
 #        NCU_DIMS NCU_B (the ncu part's c list and b); CALL_S (default 585): the seconds this
 #        invocation may take in all: every part's limit is cut to what is left of it, so a
 #        device call of 600 s returns its results instead of being killed with them.
@@ -93,6 +97,15 @@ if has fixed; then
     timeout "$(lim ${FIXED_S:-120})" $PY -u scripts/check_gluon_fwd.py --sizes 32768,65536 --scale 100 --flip 1
     echo "s=100 flip rc=$?"; } > $OUT/fixed.txt 2>&1
   grep -E "rc=|fixed=.*ms" $OUT/fixed.txt | tail -30
+fi
+if has anchors; then
+  timeout "$(lim ${ANCHORS_S:-400})" $PY -u scripts/bench_loss.py \
+      --batches "${ANCHOR_BATCHES:-8192,16384,32768,65536,131072,262144,1048576}" --dims "${DIMS:-512,768,1024}" \
+      --impls triton_bf16,vanilla_bf16,local_bf16,inf_cl,memeff --reps 3 --max-s 30 \
+      --commit "$COMMIT" --out /tmp/anchors > $OUT/anchors.txt 2>&1
+  echo "rc=$? (124: cut by ANCHORS_S)" >> $OUT/anchors.txt
+  cp /tmp/anchors/bench_loss.csv $OUT/anchors.csv 2>/dev/null
+  grep -E "peak|skipped|not installed|rc=" $OUT/anchors.txt | tail -40
 fi
 if has ncu; then
   # Nsight Compute on the Gluon forward, plain then band, one launch each per c (the NVTX range

@@ -9,7 +9,6 @@ import os
 import sys
 
 import hydra
-import torch
 from omegaconf import DictConfig
 
 from infclip.eval import cli
@@ -35,12 +34,22 @@ def main(cfg: DictConfig) -> dict:
             raise
         print(f"error ({type(err).__name__}): {str(err).strip()}\n(INFCLIP_DEBUG=1 shows the traceback)",
               file=sys.stderr, flush=True)
-        sys.exit(2)
+    cli.leave_distributed()  # the error's traceback (and its Dist) is gone by now
+    sys.exit(2)
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    """The command's work (see ``main``)."""
+    """The command's work (see ``main``); the torchrun group is left however it ends."""
     dist_info = cli.init_distributed(cfg.device)
+    try:
+        return _evaluate(cfg, dist_info)
+    finally:
+        del dist_info
+        cli.leave_distributed()
+
+
+def _evaluate(cfg: DictConfig, dist_info: cli.Dist) -> dict:
+    """Plan, load, run and report on this rank (``evaluate``)."""
     tasks, suites = cli.plan_tasks(cfg)
     ecfg = cli._eval_config(cfg, tasks)
     pretrained, (model, tokenizer, preprocess) = cli.load_checkpoint(cfg, dist_info.device)
@@ -57,8 +66,6 @@ def evaluate(cfg: DictConfig) -> dict:
         raise EvalConfigError(f"{e}\n(on this command line: +task.<task name>.<field>=..., or data_root=...)") from e
     if dist_info.rank == 0:
         _report(cfg, pretrained, ecfg, metrics, suites, dist_info.world_size)
-    if dist_info.world_size > 1:
-        torch.distributed.destroy_process_group()
     return metrics
 
 

@@ -63,3 +63,39 @@ def test_two_rank_gloo_equals_one_rank(tmp_path, synthetic, micro):
     assert _strip(r0["False"]) == pytest.approx(_strip(single), abs=1e-9)  # rank 0 alone, whole data
     assert r1["False"] == {}
     assert single["eval/synthetic_zeroshot/num_samples"] == 21
+
+
+def _probe(tmp_path, *overrides) -> tuple[str, list]:
+    """(stdout, [(before, after)] per rank) of the eval command's ``evaluate`` on 2 torchrun
+    ranks through ``tests/_native_threads_probe.py``."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).resolve().parents[1] / "_native_threads_probe.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(probe),
+           *overrides]
+    env = {**os.environ, "PROBE_TARGET": "eval", "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = [(int(a), int(b)) for a, b in re.findall(r"native threads: before=(\d+) after=(\d+)", proc.stdout)]
+    assert len(counts) == 2, proc.stdout[-3000:]
+    return proc.stdout, counts
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_the_eval_command_joins_its_group_threads_when_done_and_on_error(tmp_path, synthetic, micro):
+    """Under torchrun the eval command destroys its gloo group and joins its threads whether it
+    finishes or stops with a configuration error (the group had stayed alive after an error:
+    gloo's workers then met the interpreter's exit, where they can abort the process, SIGABRT,
+    instead of its exit status 2)."""
+    run = tmp_path / "run" / "checkpoints" / "step_00000001"
+    run.mkdir(parents=True)
+    torch.save(micro[0].state_dict(), run / "model.pt")
+    common = [f"checkpoint={run / 'model.pt'}", f"model={MODEL}", f"synthetic_root={synthetic.root}", "eval.workers=0",
+              "eval.batch_size=16", f"output={tmp_path / 'results.json'}"]
+    out, counts = _probe(tmp_path, *common, "tasks=[synthetic_zeroshot]")
+    assert "top1" in out and all(after <= before for before, after in counts), counts
+    out, counts = _probe(tmp_path, *common, "tasks=[no_such_task]")
+    assert out.count("eval error caught") == 2 and all(after <= before for before, after in counts), counts

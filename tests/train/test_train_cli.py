@@ -110,11 +110,12 @@ def test_two_process_run_leaves_no_native_threads_behind(tmp_path):
     """Once ``train`` returns, the process group's native threads are joined (not left to the
     interpreter's exit, where gloo's workers aborted a finished 2-rank run with SIGABRT,
     "terminate called without an active exception", about once in a few CI runs)."""
-    probe = Path(__file__).with_name("_native_threads_probe.py")
+    probe = ROOT / "tests" / "_native_threads_probe.py"
     args = [str(probe), f"data.synthetic_root={tmp_path / 'synthetic'}", *TINY, f"run_dir={tmp_path / 'ddp'}",
             "steps=1", "eval.tasks=[]"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(tmp_path), cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env={**_env(tmp_path), "PROBE_TARGET": "train"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = re.findall(r"native threads: before=(\d+) after=(\d+)", proc.stdout)
     assert len(counts) == 2, proc.stdout[-3000:]  # one line per rank

@@ -113,10 +113,10 @@ def shutdown() -> None:
 
     ``destroy_process_group`` only drops the package's references: the DDP model (in the
     trainer's parts, cyclic garbage once training returns) keeps the process group object, and
-    with it gloo's worker threads, alive into interpreter finalization, where a worker that
-    releases a tensor needs the GIL and is ended by the exiting interpreter: the process aborts
-    ("terminate called without an active exception", SIGABRT) after a finished run. Collecting
-    the cycles here runs the group's destructor, which joins its threads, now."""
+    with it gloo's worker threads, alive into interpreter finalization, where they can abort the
+    process after a finished run ("terminate called without an active exception", SIGABRT; most
+    likely a worker that needs the GIL ended by the exiting interpreter). Collecting the cycles
+    here runs the group's destructor, which joins its threads, now."""
     if dist.is_initialized():
         dist.destroy_process_group()
     release_native_threads()

@@ -44,7 +44,7 @@ def paragraph(err: BaseException) -> str:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from infclip.train.distributed import release_native_threads
+    from infclip import process_group
     from infclip.train.loop import train
     from infclip.train.signals import exit_zero_on_stop
 
@@ -60,7 +60,7 @@ def main(cfg: DictConfig) -> None:
             raise
         print(paragraph(err) + "\n(INFCLIP_DEBUG=1 shows the traceback)", file=sys.stderr, flush=True)
         status = 2
-    release_native_threads()  # the error's traceback (and the trainer's frames) is gone by now
+    process_group.leave()  # again: the error's traceback (and the trainer's frames) is gone by now
     if status:
         sys.exit(status)
 

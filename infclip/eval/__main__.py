@@ -11,6 +11,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+from infclip import process_group
 from infclip.eval import cli
 from infclip.eval.config import EvalConfigError
 from infclip.eval.runner import make_autocast, run_evals
@@ -34,7 +35,7 @@ def main(cfg: DictConfig) -> dict:
             raise
         print(f"error ({type(err).__name__}): {str(err).strip()}\n(INFCLIP_DEBUG=1 shows the traceback)",
               file=sys.stderr, flush=True)
-    cli.leave_distributed()  # the error's traceback (and its Dist) is gone by now
+    process_group.leave()  # the error's traceback (and its Dist) is gone by now
     sys.exit(2)
 
 
@@ -44,8 +45,7 @@ def evaluate(cfg: DictConfig) -> dict:
     try:
         return _evaluate(cfg, dist_info)
     finally:
-        del dist_info
-        cli.leave_distributed()
+        process_group.leave()
 
 
 def _evaluate(cfg: DictConfig, dist_info: cli.Dist) -> dict:

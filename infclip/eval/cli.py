@@ -327,20 +327,6 @@ def init_distributed(device: str) -> Dist:
     return Dist(rank, world, dev, dist.group.WORLD)
 
 
-def leave_distributed() -> None:
-    """Destroys the torchrun group (if any) and joins its native threads now: a group object
-    still referenced (by the caller's ``Dist``, an error's traceback) keeps gloo's worker
-    threads alive into interpreter exit, where they can abort the process (SIGABRT) instead of
-    letting it exit with its status. Call it once the ``Dist`` and any traceback are gone too."""
-    import gc
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
-
-
 @dataclass
 class Architecture:
     """What a checkpoint file says about the model it belongs to (all None when nothing does)."""

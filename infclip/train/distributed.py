@@ -7,13 +7,13 @@ MASTER_ADDR and MASTER_PORT; rendezvous is env://. NCCL on GPU, gloo on CPU.
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
+
 
 T = TypeVar("T")
 
@@ -107,23 +107,3 @@ def broadcast_object(obj: Any, info: DistInfo) -> Any:
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
-
-def shutdown() -> None:
-    """Leaves the process group and joins its native threads while the interpreter is alive.
-
-    ``destroy_process_group`` only drops the package's references: the DDP model (in the
-    trainer's parts, cyclic garbage once training returns) keeps the process group object, and
-    with it gloo's worker threads, alive into interpreter finalization, where they can abort the
-    process after a finished run ("terminate called without an active exception", SIGABRT; most
-    likely a worker that needs the GIL ended by the exiting interpreter). Collecting the cycles
-    here runs the group's destructor, which joins its threads, now."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    release_native_threads()
-
-
-def release_native_threads() -> None:
-    """Collects cyclic garbage (a DDP model, its process group and their native threads) now,
-    not at interpreter exit; also called once an error has been reported (``train.py``): the
-    traceback had kept the trainer's frames, and their process group, alive until then."""
-    gc.collect()

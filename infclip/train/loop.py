@@ -17,12 +17,13 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from infclip import process_group
 from infclip.config import check_run_length, validate
 from infclip.data.decode_trace import format_summary, write_trace
 from infclip.model import clamp_logit_scale
 from infclip.train import checkpoint as ckpt
 from infclip.train.build import Parts, apply_epochs, build
-from infclip.train.distributed import DistInfo, init_distributed, on_rank0, shutdown
+from infclip.train.distributed import DistInfo, init_distributed, on_rank0
 from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
@@ -66,7 +67,7 @@ def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
         with run_dir_lock(run_dir, info):  # one training per run_dir (rank 0 holds the lock)
             return _start(cfg, info, run_dir, overrides or [])
     finally:
-        shutdown()
+        process_group.leave()  # the group destroyed and its native threads joined now
 
 
 def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dict:

@@ -527,6 +527,9 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
     impls = [x for x in args.impls.split(",") if x]
+    unknown = [x for x in impls if x not in IMPLS]
+    if unknown or not impls:
+        p.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(IMPLS)}")
     peak = matmul_peak_tflops()
     commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                            text=True).stdout.strip()

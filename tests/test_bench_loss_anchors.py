@@ -36,3 +36,16 @@ def test_fixed_scale_rows_say_so():
     ours = bench_loss.Row("triton_bf16", 512, 32768, "ok", ms=10.0, extra_gb=0.1, tflops=400.0, pct_peak=50.0, loss=9.7)
     assert "fixed scale" not in bench_loss._fmt(ours)
     assert "memeff" in bench_loss.IMPLS and "memeff" in bench_loss.FIXED_SCALE_IMPLS
+
+
+def test_an_unknown_impl_is_refused_before_any_gpu_work(tmp_path):
+    """A typo in --impls: argparse's one line naming it and the valid names, exit 2 (no KeyError
+    traceback after the peak matmul)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_loss.py"
+    proc = subprocess.run([sys.executable, str(script), "--impls", "triton_bf16,memef", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--impls: unknown memef; choose from" in proc.stderr and "memeff" in proc.stderr
+    assert "Traceback" not in proc.stderr

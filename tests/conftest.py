@@ -11,7 +11,33 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
+import sys  # noqa: E402
+
 import torch  # noqa: E402  (after the environment above)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests_pairwise
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# -- the GPU tier's cut of the parametrizations (scripts/gpu_tests.sh) --------------------
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--pairwise", action="store_true",
+        help="of each parametrized test, keep only cases until every pair of parameter values "
+             "(and every single value) has run once; the GPU tier's quick cut")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--pairwise"):
+        return
+    from tests_pairwise import pairwise_subset
+
+    kept = pairwise_subset(items)
+    dropped = [item for item in items if item not in kept]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item in kept]

@@ -269,7 +269,10 @@ class TritonTileOps:
             ds = self._grad(img, txt, scale, row_lse, col_lse, g_row, g_col, out, acc_i, True, prec, g_diag,
                             o_row, o_col, gid_row, gid_col, band)
         if need[1]:  # (the band is symmetric: |i - j| <= w either way round)
-            ds_t = self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, ds is None, prec, g_diag,
+            # d scale is formed in the text pass whether or not it is wanted from there: the
+            # kernel variant without it is compiled differently (its q is dead code), and its
+            # fp32 dtxt came out other in the last bits on the GPU than a text-only call's.
+            ds_t = self._grad(txt, img, scale, col_lse, row_lse, g_col, g_row, dtxt, acc_t, True, prec, g_diag,
                               o_col, o_row, gid_col, gid_row, band)
             ds = ds_t if ds is None else ds
         return dimg, dtxt, ds

@@ -292,8 +292,10 @@ def _warm_capture_stream(ops):
 def test_graphed_loss_memory_within_the_rule(c):
     """Peak memory beyond the inputs, per phase (eager call, capture, replays): the two
     feature gradients (.grad) + 1 KB x b + 64 MB; the eager call's one-pass backward (bf16
-    "auto") also its fp32 d text accumulator (4 c B per sample; issue 27's rule allows one per
-    feature gradient, the one-pass path uses one), the graphs' two-pass backward not."""
+    "auto") also the rule's two fp32 accumulators (4 c B per sample each, one per feature
+    gradient): it allocates one, for d text, and its strip scratch may take the other's room
+    (``launch.onepass_spare_bytes``: fresh gradients, an in-place fp32 addmm), so the eager
+    peak may reach both. The graphs' two-pass backward takes neither."""
     graphs.release()
     b = 8192
     ops = TritonTileOps()
@@ -315,7 +317,7 @@ def test_graphed_loss_memory_within_the_rule(c):
         peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
     assert _replayed(loss)
     allowed = (2 * b * c * 2 + RULE(b)) / 2**20
-    eager_allowed = allowed + (4 * b * c / 2**20 if ops.path_for(img) == "onepass" else 0)
+    eager_allowed = allowed + (2 * 4 * b * c / 2**20 if ops.path_for(img) == "onepass" else 0)
     assert peaks[0] <= eager_allowed, (peaks, eager_allowed)
     assert max(peaks[1:]) <= allowed, (peaks, allowed)
 

@@ -91,3 +91,23 @@ def test_a_locked_image_side_through_autograd(strips16, products, path):
     assert abs(s.grad.item() - s_both.grad.item()) <= 1e-5 * max(1.0, abs(s_both.grad.item()))
     made_locked = len(products) - made_both
     assert (made_both, made_locked) == ((5, 0) if path == "onepass" else (10, 5))
+
+
+@pytest.mark.parametrize("output", ["fresh", "accumulate_fp32"])
+def test_a_two_pass_text_gradient_alone_is_the_full_call_s_in_fp32(output):
+    """fp32, the two-pass path without strips (the fused row kernel): d text alone is the full
+    call's bit for bit (on the GPU the variant that forms no d scale had compiled to other
+    last bits)."""
+    img, txt, s, row, col, pos, g, _ = _problem(37, 40, 10.0, torch.float32)
+    ops = TritonTileOps(strips="auto", backward="twopass")
+    kw = dict(out_dtype=torch.float32, g_diag=g[0] + g[1], offsets=(pos, pos))
+
+    def bufs():
+        if output == "fresh":
+            return None, None
+        gen = torch.Generator().manual_seed(7)
+        return torch.randn(37, 40, generator=gen).to(DEV), torch.randn(37, 40, generator=gen).to(DEV)
+
+    full = ops.backward(img, txt, s, row, col, g[0], g[1], *bufs(), **kw)
+    got = ops.backward(img, txt, s, row, col, g[0], g[1], *bufs(), need=(False, True), **kw)
+    assert got[0] is None and torch.equal(got[1], full[1])

@@ -35,6 +35,12 @@ ONE_GPU=(
 # killed rank's resume, each on every visible GPU.
 MULTI_GPU=(tests/multigpu)
 
+# Triton's compilation is most of the quick tier's time: with pytest-xdist installed the tests
+# spread over processes that compile side by side on the host's cores (one GPU is enough for
+# them all; no test times anything). GPU_TEST_WORKERS=0 runs them in one process.
+workers=${GPU_TEST_WORKERS:-8}
+par=()
+if [[ $mode != multi ]] && (( workers > 0 )) && python -c "import xdist" 2>/dev/null; then par=(-n "$workers"); fi
 case $mode in
     quick) paths=("${ONE_GPU[@]}"); extra=(--pairwise) ;;
     full) paths=("${ONE_GPU[@]}"); extra=() ;;
@@ -43,7 +49,7 @@ esac
 if (( list )); then printf '%s\n' "${paths[@]}"; exit 0; fi
 mkdir -p "$out"
 start=$(date +%s)
-python -m pytest -q -ra -p no:cacheprovider "${extra[@]}" --junitxml="$out/junit.xml" --durations=25 \
+python -m pytest -q -ra -p no:cacheprovider "${par[@]}" "${extra[@]}" --junitxml="$out/junit.xml" --durations=25 \
     "${paths[@]}" "$@" 2>&1 | tee "$out/log.txt"
 status=${PIPESTATUS[0]}
 {

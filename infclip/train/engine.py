@@ -147,6 +147,7 @@ class StepEngine:
         self._step_metrics: dict[str, float | Tensor] = {}  # this step's extra metrics (duplicate_pairs: 0-d)
         self._norms = [m for m in self.core.modules()
                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        self._cached_rows = _SteadyRows()  # the loss's embedding inputs, at one address step after step
 
     # ------------------------------------------------------------------------- step
     def step(self, images: Tensor, tokens: Tensor) -> StepOutput:
@@ -224,8 +225,9 @@ class StepEngine:
             mark()
         keep = self._kept_rows(dropped, self.s.local)
         ids = None if ids[0] is None else torch.cat(ids)
-        loss, g_img, g_txt, g_extras = self._loss_grads(torch.cat(img_c), torch.cat(txt_c), keep, ids)
-        del img_c, txt_c
+        img_all, txt_all = self._cached_rows.concat("img", img_c), self._cached_rows.concat("txt", txt_c)
+        loss, g_img, g_txt, g_extras = self._loss_grads(img_all, txt_all, keep, ids)
+        del img_c, txt_c, img_all, txt_all
         clock.lap("loss")
         if not self._ahead_queued:
             self._ahead_queued = self._decode_next_step_ahead()
@@ -448,6 +450,37 @@ class StepEngine:
 def _drain(it) -> None:
     for _ in it:
         raise RuntimeError("input stager yielded more micro-batches than the step consumed")
+
+
+class _SteadyRows:
+    """The cached embeddings concatenated for the loss, into the same buffer every step where
+    the step is small: the one-GPU loss replays CUDA graphs only for inputs at the addresses it
+    captured (``infclip.kernels.clip.graphs``), and at b <= ``STEADY_ROWS`` the host's launches,
+    not the GPU, bound its call. A buffer is kept per name (at most 2 x 16k x c x 2 bytes, 64 MB
+    at c = 1024) and replaced when the shape, dtype or device changes; larger steps concatenate
+    into fresh memory that is freed after the loss, as before (no extra memory at 1M rows).
+
+    Each call returns a detached alias of the buffer (a new leaf, the same storage): the
+    previous step's alias and its autograd graph are gone by then (the engine drops them
+    before the replay ends), so nothing still reads what is overwritten."""
+
+    STEADY_ROWS = 16384
+
+    def __init__(self):
+        self._bufs: dict[str, Tensor] = {}
+
+    def concat(self, name: str, parts: list[Tensor]) -> Tensor:
+        rows = sum(p.shape[0] for p in parts)
+        if rows > self.STEADY_ROWS:
+            self._bufs.pop(name, None)
+            return torch.cat(parts)
+        shape, first = (rows, *parts[0].shape[1:]), parts[0]
+        buf = self._bufs.get(name)
+        if buf is None or buf.shape != shape or buf.dtype != first.dtype or buf.device != first.device:
+            buf = self._bufs[name] = torch.empty(shape, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            torch.cat(parts, out=buf)
+        return buf.detach()
 
 
 def _cache(emb: Optional[Tensor], frozen: Optional[Tensor], dtype: torch.dtype) -> Tensor:

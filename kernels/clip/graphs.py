@@ -60,6 +60,11 @@ from . import launch
 from .function import loss_backward, loss_forward
 
 MAX_ROWS = 16384  # graphs only where the host is slower than the GPU (b <= 16k, H200)
+# ... and only up to this much work (b^2 c): beyond it the GPU's own time exceeds the host's,
+# and the graphs' two-pass backward and smaller strips cost more than the launches they save.
+# H200, bf16, forward + backward, a loop that reuses its buffers: b = 8k, c = 1024 graphed
+# 1.93 ms vs eager 2.15; b = 16k, c = 512 graphed 4.45 ms vs eager 3.40 (twice the work).
+MAX_WORK = 8192 * 8192 * 1024
 MIN_FWD_ROWS = 64  # the smallest forward tile height (``launch.fwd_candidates``): the largest partials
 ALLOCATOR_SLACK_BYTES = 7 << 20  # the pool's 2 MB granules (measured: 72 MB budget -> 74 MB reserved at 4 MB)
 SMALL_BLOCK_BYTES = 1 << 20  # the caching allocator's small blocks (<= 1 MB): they share 2 MB segments
@@ -141,13 +146,15 @@ def strip_budget(b: int, c: int, esize: int, strips: bool, temp: bool = False) -
 
 
 def eligible(ops, img: Tensor, txt: Tensor) -> bool:
-    """Whether ``ops``' loss of (img, txt) runs through graphs: CUDA, b <= MAX_ROWS, not inside
-    another capture, no NaN-poisoned buffers or gradient filter (their host-side state), the
-    static buffers within the memory rule."""
+    """Whether ``ops``' loss of (img, txt) runs through graphs: CUDA, b <= MAX_ROWS and
+    b^2 c <= MAX_WORK, not inside another capture, no NaN-poisoned buffers or gradient filter
+    (their host-side state), the static buffers within the memory rule."""
     if not img.is_cuda or getattr(ops, "cuda_graphs", "auto") != "auto" or os.environ.get(
             "INFCLIP_CUDA_GRAPHS", "1") == "0":
         return False
     if ops.poison or ops.threshold is not None or img.shape[0] > MAX_ROWS or torch.cuda.is_current_stream_capturing():
+        return False
+    if img.shape[0] * txt.shape[0] * img.shape[1] > MAX_WORK:
         return False
     if torch.is_inference_mode_enabled() or txt.device != img.device:  # (inference tensors can't be refilled)
         return False

@@ -276,6 +276,10 @@ def test_leaf_gradients_are_not_aliased_and_large_batches_not_graphed():
         assert torch.equal(g, copy)
     big = torch.randn(graphs.MAX_ROWS + 1, 64, device="cuda", dtype=torch.bfloat16)
     assert not graphs.eligible(ops, big, big)
+    most = torch.empty(8192, 1024, device="cuda", dtype=torch.bfloat16)
+    assert graphs.eligible(ops, most, most)  # b^2 c = MAX_WORK
+    more = torch.empty(16384, 512, device="cuda", dtype=torch.bfloat16)
+    assert not graphs.eligible(ops, more, more)  # twice the work: the GPU, not the host, bounds it
 
 
 def _warm_capture_stream(ops):

@@ -4,7 +4,13 @@ eager and ``--torchcompile``) and ours (train.py, from shards decoded by the rea
     python scripts/bench_trainer.py --out $OUT \\
         --runs openclip:32768,openclip_compile:32768,ours:32768,ours_compile:32768,lit:65536
 
-A run is ``kind:global_batch[:steps[:override;override...]]``: Hydra overrides of ours (e.g.
+A run is ``kind[@gpus]:global_batch[:steps[:override;override...]]``; ``@N`` runs it on N GPUs of
+this machine under torchrun (default 1), e.g. the scaling rows and open_clip beside ours on 2 GPUs:
+
+    python scripts/bench_trainer.py --shards '/tmp/photos256/{00000..00031}.tar' \
+        --runs ours_compile:65536,ours_compile@2:65536,ours_compile@4:65536,openclip_compile@2:65536
+
+Hydra overrides of ours (e.g.
 ``ours_compile:32768:4:data.decode=cpu``) or open_clip_train arguments of its runs as
 ``--flag=value`` (e.g. ``openclip_compile:32768:3:--model=ViT-B-16;--force-patch-dropout=0.5``).
 A run's model is ``model.name=`` / ``--model=`` there (default ViT-B/32; LiT: ViT-B/16), and
@@ -59,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", default="openclip:32768,openclip_compile:32768,ours:32768,ours_compile:32768")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not counted)")
     p.add_argument("--micro", type=int, default=1024)
-    p.add_argument("--workers", type=int, default=14)
+    p.add_argument("--workers", default="auto",
+                   help="loader workers per rank: a number, or auto (ours: data.workers=auto; open_clip: "
+                        "the same count, the cores this process may use / GPUs of the run, less one)")
     p.add_argument("--shards", default="/tmp/infclip_trainer_shards")
     p.add_argument("--images", type=int, default=16384, help="JPEGs written when --shards is empty")
     p.add_argument("--side", type=int, default=128, help="stored JPEG side")
@@ -90,7 +98,7 @@ def ensure_shards(a: argparse.Namespace) -> str:
     root = Path(a.shards)
     if not (root / "sizes.json").exists():
         t0 = time.time()
-        write_bench_shards(str(root), a.images, a.side, max(32, 2 * a.workers))
+        write_bench_shards(str(root), a.images, a.side, max(32, 2 * workers_for(a, 1)))
         print(f"wrote {a.images} {a.side}-px JPEGs to {root} in {time.time() - t0:.0f} s", flush=True)
     n = len(list(root.glob("*.tar")))
     return str(root / f"{{00000..{n - 1:05d}}}.tar")
@@ -135,25 +143,52 @@ def run_model(kind: str, overrides: list[str]) -> tuple[str, float]:
     return model, drop
 
 
-def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, overrides: list[str]) -> dict:
-    accum = global_batch // a.micro
+def split_gpus(kind: str) -> tuple[str, int]:
+    """(kind, GPUs) of a run's ``kind[@N]``."""
+    name, _, n = kind.partition("@")
+    if n and (not n.isdigit() or int(n) < 1):
+        raise SystemExit(f"run kind {kind!r}: write the GPU count as kind@N with N >= 1")
+    return name, int(n) if n else 1
+
+
+def workers_for(a, gpus: int) -> int:
+    """Loader workers per rank for open_clip's runs (ours take ``data.workers=auto`` then)."""
+    if str(a.workers) != "auto":
+        return int(a.workers)
+    return max(1, len(os.sched_getaffinity(0)) // gpus - 1)
+
+
+def launcher(gpus: int, logs: Path, body: str) -> list[str]:
+    """The command that runs the Python ``body`` (a script's text) on ``gpus`` local ranks:
+    ``python -c`` for one, torchrun over a file holding it for more (NCCL multicast off)."""
+    if gpus == 1:
+        return [sys.executable, "-c", body]
+    script = logs / f"launch_{hashlib.sha1(body.encode()).hexdigest()[:10]}.py"
+    script.write_text(body)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", str(script)]
+
+
+def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, overrides: list[str],
+                 gpus: int = 1) -> dict:
+    accum = global_batch // (a.micro * gpus)
     model, extra = openclip_args(overrides)
     tag = _tag([o.lstrip("-") for o in overrides])
     logs = Path(a.logs) / f"openclip_logs_{global_batch}_{int(compile_)}{tag}"
     subprocess.run(["rm", "-rf", str(logs)])
     wrapper = (_PEAKS + "from open_clip_train.main import main; main(sys.argv[1:])")
+    launch = launcher(gpus, Path(a.logs), wrapper)
     # On our shards through its own webdataset loader (resampled: any shard count works),
     # or its synthetic dataset (no JPEG decoded at all) when --openclip-data synthetic.
     data = (["--dataset-type", "synthetic"] if a.openclip_data == "synthetic" else
             ["--dataset-type", "webdataset", "--dataset-resampled", "--train-data", spec])
-    cmd = [sys.executable, "-c", wrapper, *data, "--model", model, *extra,
+    cmd = [*launch, *data, "--model", model, *extra,
            "--precision", "amp_bf16", "--batch-size", str(a.micro), "--accum-freq", str(accum),
-           "--workers", str(a.workers), "--train-num-samples", str(global_batch * steps), "--epochs", "1",
+           "--workers", str(workers_for(a, gpus)), "--train-num-samples", str(global_batch * steps), "--epochs", "1",
            "--log-every-n-steps", "1", "--save-frequency", "0", "--lr", "1e-3",
            "--warmup", "1", "--logs", str(logs), "--name", "bench"]
     if compile_:
         cmd.append("--torchcompile")
-    out = _run(cmd, a.timeout, Path(a.logs) / f"openclip_{global_batch}_{int(compile_)}{tag}.log")
+    out = _run(cmd, a.timeout, Path(a.logs) / f"openclip_{global_batch}_{int(compile_)}_{gpus}gpu{tag}.log")
     rows = [(float(d), float(b), float(s)) for d, b, s in OPENCLIP_LINE.findall(out)]
     steady = rows[1:] or rows
     return {"samples_per_s": _median(r[2] for r in steady), "step_s": _median(r[1] for r in steady),
@@ -161,13 +196,16 @@ def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, ov
             "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(rows)}
 
 
-def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: list[str]) -> dict:
+def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: list[str], gpus: int = 1) -> dict:
     lit = kind.startswith("lit")
-    run_dir = Path("/tmp") / f"bench_{kind}_{global_batch}"
+    run_dir = Path("/tmp") / f"bench_{kind}_{gpus}gpu_{global_batch}"
     subprocess.run(["rm", "-rf", str(run_dir)])
-    train = f"sys.argv = sys.argv[1:]; runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')"
+    # python -c gets train.py's path as argv[1] (dropped); a torchrun script gets the overrides alone
+    train = (f"sys.argv = sys.argv[{1 if gpus == 1 else 0}:]; "
+             f"runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')")
     switch = "" if a.switch_interval is None else f"sys.setswitchinterval({a.switch_interval}); "
-    cmd = [sys.executable, "-c", _PEAKS + switch + "import runpy; " + train, str(ROOT / "train.py"), f"experiment={'lit_b16_cc12m' if lit else 'vit_b32_laion'}",
+    launch = launcher(gpus, Path(a.logs), _PEAKS + switch + "import runpy; " + train)
+    cmd = [*launch, *([str(ROOT / "train.py")] if gpus == 1 else []), f"experiment={'lit_b16_cc12m' if lit else 'vit_b32_laion'}",
            f"data.shards='{spec}'", "data.resampled=true", f"data.workers={a.workers}", "data.loader_batch=256",
            f"batch.global_size={global_batch}", f"batch.micro_size={a.micro}", "memory.offload=true",
            f"steps={steps}", "schedule.warmup_fraction=0", "logging.every_n_steps=1", "logging.progress=false",
@@ -175,7 +213,7 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
            f"model.compile={str(kind.endswith('compile')).lower()}", *a.extra.split(), *overrides]
     if a.profile_step:
         cmd.append(f"logging.profile_step={a.profile_step}")
-    out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{global_batch}{_tag(overrides)}.log")
+    out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{gpus}gpu_{global_batch}{_tag(overrides)}.log")
     mfile = run_dir / "metrics.jsonl"
     recs = [json.loads(x) for x in mfile.read_text().splitlines()] if mfile.exists() else []
     steps_ = step_records(recs, a.profile_step)
@@ -314,10 +352,11 @@ def main(argv=None) -> None:
     results = []
     for run in a.runs.split(","):
         kind, g, steps, overrides = parse_run(run, a.steps)
+        kind, gpus = split_gpus(kind)
         if kind.startswith("openclip"):
-            res = run_openclip(a, g, steps, kind.endswith("compile"), spec, overrides)
+            res = run_openclip(a, g, steps, kind.endswith("compile"), spec, overrides, gpus)
         else:
-            res = run_ours(a, kind, g, steps, spec, overrides)
+            res = run_ours(a, kind, g, steps, spec, overrides, gpus)
         model = run_model(kind, overrides)
         key = f"{model[0]} patch_dropout={model[1]}"
         if key not in flops:
@@ -325,7 +364,7 @@ def main(argv=None) -> None:
         gi, gt = flops[key]
         per_sample = (gi * (1 if kind.startswith("lit") else 4) + gt * 4) * 1e9
         res["mfu_pct"] = 100 * res["samples_per_s"] * per_sample / (a.peak_tflops * 1e12)
-        res.update(kind=kind + "".join(f" {o}" for o in overrides), global_batch=g, steps=steps)
+        res.update(kind=kind + "".join(f" {o}" for o in overrides), gpus=gpus, global_batch=g, steps=steps)
         results.append(res)
         print(json.dumps(res), flush=True)
         (Path(a.out) / "trainer.json").write_text(json.dumps({"flops_gflop": flops, "runs": results}, indent=1))
@@ -342,12 +381,12 @@ def _table(results: list[dict]) -> str:
             ("decode_busy_first_pct", "decoder busy % of cache pass", "{:.0f}"),
             ("cpu_decoded_sps", "worker-decoded images/s", "{:,.0f}"), ("host_kb_per_sample", "host image kB/sample", "{:.1f}"),
             ("gpu_gb", "peak GPU GB", "{:.1f}"), ("host_rss_gb", "peak host RSS GB", "{:.1f}")]
-    lines = ["| run | global batch | " + " | ".join(k[1] for k in keys) + " |",
-             "|---|---|" + "---|" * len(keys)]
+    lines = ["| run | GPUs | global batch | " + " | ".join(k[1] for k in keys) + " |",
+             "|---|---|---|" + "---|" * len(keys)]
     for r in results:
         cells = [fmt.format(r[k]) if isinstance(r.get(k), (int, float)) and r.get(k) == r.get(k) else "—"
                  for k, _, fmt in keys]
-        lines.append(f"| {r['kind']} | {r['global_batch']:,} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['kind']} | {r.get('gpus', 1)} | {r['global_batch']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -78,3 +78,16 @@ def test_the_table_shows_the_decoder_s_busy_share_and_a_dash_where_a_run_has_non
     assert lit.split(" | ")[col] == "94" and ours.split(" | ")[col] == "—"
     first = head.split(" | ").index("decoder busy % of cache pass")
     assert lit.split(" | ")[first] == "99" and ours.split(" | ")[first] == "—"
+
+
+def test_a_run_kind_names_its_gpu_count_and_more_than_one_runs_under_torchrun(tmp_path):
+    assert bench_trainer.split_gpus("ours_compile") == ("ours_compile", 1)
+    assert bench_trainer.split_gpus("openclip_compile@4") == ("openclip_compile", 4)
+    for bad in ("ours@0", "ours@two"):
+        with pytest.raises(SystemExit):
+            bench_trainer.split_gpus(bad)
+    one = bench_trainer.launcher(1, tmp_path, "print(1)")
+    assert one[1:] == ["-c", "print(1)"]
+    two = bench_trainer.launcher(2, tmp_path, "print(2)")
+    assert two[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert Path(two[-1]).read_text() == "print(2)"

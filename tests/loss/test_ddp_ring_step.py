@@ -74,20 +74,26 @@ def single_process_grads(data) -> list[dict[str, torch.Tensor]]:
 
 def ddp_grads(data, group, impl: str) -> list[dict[str, torch.Tensor]]:
     """The same steps with DDP on ``group``: each rank feeds its M rows, loss = local mean."""
+    return ddp_grads_on(data, group, impl, torch.device("cpu"))
+
+
+def ddp_grads_on(data, group, impl: str, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """``ddp_grads`` with the model and rows on ``device`` (a GPU per rank under NCCL);
+    gradients come back on the CPU."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from infclip.loss import clip_loss
 
     torch.manual_seed(0)
-    model = DDP(TinyClip(), process_group=group)
+    model = DDP(TinyClip().to(device), process_group=group)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     rows = slice(dist.get_rank(group) * M, (dist.get_rank(group) + 1) * M)
     grads = []
     for x_img, x_txt in data:
         opt.zero_grad()
-        clip_loss(*model(x_img[rows], x_txt[rows]), impl=impl, group=group).backward()
-        grads.append({n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters()})
+        clip_loss(*model(x_img[rows].to(device), x_txt[rows].to(device)), impl=impl, group=group).backward()
+        grads.append({n.removeprefix("module."): p.grad.cpu().clone() for n, p in model.named_parameters()})
         opt.step()
     return grads
 

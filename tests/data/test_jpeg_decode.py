@@ -188,39 +188,49 @@ def test_prefetched_decodes_are_picked_up_in_order_and_cancelled_cleanly():
 def test_decode_rate_counts_decoding_not_the_wait_for_another_threads_decode(monkeypatch):
     """Two threads decode at once: the decodes run one at a time, and decode_s (the progress
     line's decode_imgs_per_s denominator) is their decoding time, not also the time one of
-    them waited for the other (which made the rate under-read beside the decode-ahead thread)."""
+    them waited for the other (which made the rate under-read beside the decode-ahead thread).
+
+    The decoder's clock is a controlled one that only a decode advances (0.3 s each), so the
+    sums are exact whatever the machine's load; a real 0.2 s pause inside the first decode
+    lets the second thread arrive and wait for it."""
     import threading
     import time
+    import types
+
+    from infclip.data import jpeg
 
     rows = PackedJpegs.collate([JpegPacker(S)(photo(64, 48, seed=k)) for k in range(2)])
     decoder = JpegDecoder(S)
     real = decoder._decode_resize
+    now = [100.0]
+    monkeypatch.setattr(jpeg, "time", types.SimpleNamespace(perf_counter=lambda: now[0], monotonic=time.monotonic,
+                                                            time=time.time, sleep=time.sleep))
+    inside = []
 
     def slow(r):
-        time.sleep(0.3)
+        inside.append(threading.get_ident())
+        now[0] += 0.3
+        time.sleep(0.2)
         return real(r)
 
     monkeypatch.setattr(decoder, "_decode_resize", slow)
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=decoder._decode_timed, args=(rows,)) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    assert wall >= 0.6  # one at a time
-    assert 0.6 <= decoder.decode_s < 0.6 + 0.25  # each decode's own 0.3 s, not 0.3 s of waiting more
-    assert decoder.decoded == 4
+    assert len(inside) == 2 and decoder.decoded == 4
+    assert decoder.decode_s == pytest.approx(0.6)  # each decode's own 0.3 s, no waiting counted
     # the trainer's per-step busy time: the decode work since the previous stats() call
     first = decoder.stats()
     assert first["decode_busy_s"] == decoder.decode_s and first["decode_imgs_per_s"] == 4 / decoder.decode_s
     assert decoder.stats()["decode_busy_s"] == 0.0
     decoder._decode_timed(rows)
-    assert 0.3 <= decoder.stats()["decode_busy_s"] < 0.3 + 0.15
+    assert decoder.stats()["decode_busy_s"] == pytest.approx(0.3)
     # the first pass's share: the work up to the trainer's mark, reported once
     decoder._decode_timed(rows)
     decoder.mark_first_pass_end()
     decoder._decode_timed(rows)  # (the replay's, or the next step's decoded ahead)
     got = decoder.stats()
-    assert 0.3 <= got["decode_busy_first_s"] < 0.3 + 0.15 and 0.6 <= got["decode_busy_s"] < 0.6 + 0.25
+    assert got["decode_busy_first_s"] == pytest.approx(0.3) and got["decode_busy_s"] == pytest.approx(0.6)
     assert "decode_busy_first_s" not in decoder.stats()

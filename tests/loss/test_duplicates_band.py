@@ -150,7 +150,8 @@ def test_band_without_the_sort_is_wrong(layout, b, monkeypatch):
     def unsorted(ids):  # the identity order, its int32 ranks, the real band
         real = sort_groups(ids)
         n = ids.numel()
-        return duplicates.GroupSort(torch.arange(n), torch.arange(n), duplicates.dense_ids(ids), real.band)
+        same = torch.arange(n, device=ids.device)  # (on the ids' device: the GPU's gather needs it there)
+        return duplicates.GroupSort(same, same, duplicates.dense_ids(ids), real.band)
 
     monkeypatch.setattr(duplicates, "sort_groups", unsorted)
     wrong = _mask_loss(img, txt, s, ids)

@@ -200,8 +200,9 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     lit = kind.startswith("lit")
     run_dir = Path("/tmp") / f"bench_{kind}_{gpus}gpu_{global_batch}"
     subprocess.run(["rm", "-rf", str(run_dir)])
-    # python -c gets train.py's path as argv[1] (dropped); a torchrun script gets the overrides alone
-    train = (f"sys.argv = sys.argv[{1 if gpus == 1 else 0}:]; "
+    # python -c gets train.py's path as argv[1], a torchrun script the overrides alone: either
+    # way train.py sees itself as argv[0]
+    train = (f"sys.argv = [{str(ROOT / 'train.py')!r}] + sys.argv[{2 if gpus == 1 else 1}:]; "
              f"runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')")
     switch = "" if a.switch_interval is None else f"sys.setswitchinterval({a.switch_interval}); "
     launch = launcher(gpus, Path(a.logs), _PEAKS + switch + "import runpy; " + train)

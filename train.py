@@ -66,13 +66,18 @@ def main(cfg: DictConfig) -> None:
 
 
 def check_command_line() -> None:
-    """Overrides checked before Hydra parses them (a typo gets "did you mean", exit 2)."""
+    """Overrides checked before Hydra parses them (a typo gets "did you mean", a key given twice
+    or an unquoted brace range the quoting rule; exit 2)."""
     from pathlib import Path
 
+    from infclip.cmdline import repeated_keys, unquoted_task_roots
     from infclip.config import ConfigError, check_overrides
 
     groups = tuple(p.name for p in (Path(__file__).resolve().parent / "configs").iterdir() if p.is_dir())
     try:
+        problem = repeated_keys(sys.argv[1:]) or unquoted_task_roots(sys.argv[1:])
+        if problem:
+            raise ConfigError(problem)
         check_overrides(sys.argv[1:], groups + ("optim", "eval"))
     except ConfigError as err:
         print(paragraph(err), file=sys.stderr, flush=True)

@@ -90,5 +90,17 @@ def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, worl
         cli.log_wandb(mode, cfg, run, step, metrics, suites)
 
 
+def check_command_line() -> None:
+    """A key given twice (an unquoted brace range the shell expanded) or an inline task's
+    unquoted brace root: one paragraph and exit 2, before Hydra parses anything."""
+    from infclip.cmdline import repeated_keys, unquoted_task_roots
+
+    problem = repeated_keys(sys.argv[1:]) or unquoted_task_roots(sys.argv[1:], ("tasks", "eval.tasks"))
+    if problem:
+        print(f"error (EvalConfigError): {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    check_command_line()
     main()

@@ -4,9 +4,11 @@ the raw arguments before Hydra parses them.
 Each check returns the problem as one paragraph naming the key and the fix, or None; the
 caller raises its own error type (and exits 2). Invariants they protect:
 
-- a key is given at most once: bash expands an unquoted brace range or wildcard
-  (``data.shards=/d/{00000..00005}.tar``) into one override per file, and Hydra keeps the
-  last one silently, so a run would train on one shard of six;
+- no key is given in two neighbouring arguments: bash expands an unquoted brace range or
+  wildcard (``data.shards=/d/{00000..00005}.tar``) into one override per file, side by side,
+  and Hydra keeps the last one silently, so a run would train on one shard of six. A key
+  given again further on (a later override of an earlier one, as scripts that extend a base
+  command do) is not refused; :func:`overridden_keys` names it in a note;
 - a shard spec inside an inline eval task (``root: /d/{0..3}.tar``) is single-quoted for
   Hydra, whose grammar rejects bare braces in a dict value with "no viable alternative".
 """
@@ -28,14 +30,22 @@ def override_key(arg: str) -> Optional[str]:
     return arg.split("=", 1)[0].lstrip("+~") or None
 
 
-def repeated_keys(args: list[str]) -> Optional[str]:
-    """A key set more than once: the paragraph naming it, its values and the quoting rule."""
-    values: dict[str, list[str]] = {}
+def _runs(args: list[str]) -> list[tuple[str, list[str]]]:
+    """(key, values) of each run of neighbouring arguments setting the same key."""
+    runs: list[tuple[str, list[str]]] = []
     for arg in args:
         key = override_key(arg)
-        if key is not None:
-            values.setdefault(key, []).append(arg.split("=", 1)[1])
-    key, given = next(((k, v) for k, v in values.items() if len(v) > 1), (None, None))
+        if key is not None and runs and runs[-1][0] == key:
+            runs[-1][1].append(arg.split("=", 1)[1])
+        else:
+            runs.append((key, [arg.split("=", 1)[1]] if key else []))
+    return runs
+
+
+def repeated_keys(args: list[str]) -> Optional[str]:
+    """A key set by neighbouring arguments (what the shell makes of an unquoted brace range or
+    wildcard): the paragraph naming it, its values and the quoting rule."""
+    key, given = next(((k, v) for k, v in _runs(args) if len(v) > 1), (None, None))
     if key is None:
         return None
     shown = " ".join(f"{key}={v}" for v in (given if len(given) <= 4 else [*given[:2], "...", given[-1]]))
@@ -48,6 +58,22 @@ def repeated_keys(args: list[str]) -> Optional[str]:
                f"quote it, {QUOTING}, e.g. \"{key}='/data/{{00000..00009}}.tar'\")")
     return (f"{key} is given {len(given)} times on the command line ({shown}), and Hydra would silently keep "
             f"only the last value; {fix}.")
+
+
+def overridden_keys(args: list[str]) -> Optional[str]:
+    """A note naming each key given more than once (apart), and the value that is used."""
+    last: dict[str, str] = {}
+    repeated = []
+    for arg in args:
+        key = override_key(arg)
+        if key is not None:
+            if key in last and key not in repeated:
+                repeated.append(key)
+            last[key] = arg.split("=", 1)[1]
+    if not repeated:
+        return None
+    used = ", ".join(f"{k}={last[k]}" for k in repeated)
+    return f"note: {', '.join(repeated)} given more than once on the command line; the last is used: {used}"
 
 
 def brace_range(values: list[str]) -> Optional[str]:

@@ -1,5 +1,5 @@
-"""Command-line checks before Hydra: a key given twice (an unquoted brace range that bash
-expanded into one override per file) and an inline task's unquoted brace root are refused
+"""Command-line checks before Hydra: a key given by neighbouring arguments (an unquoted brace
+range that bash expanded into one override per file) and an inline task's unquoted brace root are refused
 in one paragraph with the quoting rule, exit 2, before any run directory or model."""
 
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infclip.cmdline import brace_range, repeated_keys, unquoted_task_roots
+from infclip.cmdline import brace_range, overridden_keys, repeated_keys, unquoted_task_roots
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +63,8 @@ def test_the_checks_name_what_they_find_and_pass_what_is_fine():
     assert brace_range(["/d/a.tar", "/d/b.tar"]) is None and brace_range(["1", "2"]) is None
     assert brace_range(["/d/00001.tar", "/d/00003.tar"]) is None  # not consecutive: not a range
     assert repeated_keys(["steps=3", "+steps=4"]).startswith("steps is given 2 times")
+    later = ["steps=3", "seed=1", "steps=4"]  # a later override of an earlier one (apart): a note
+    assert repeated_keys(later) is None and overridden_keys(later).endswith("the last is used: steps=4")
     for fine in (["data.shards='/d/{0..3}.tar'", "steps=3", "-m", "--cfg", "job"],
                  ["eval.tasks=[{name: h, root: '/d/{0..3}.tar'}]", "data.kind=wds"]):
         assert repeated_keys(fine) is None and unquoted_task_roots(fine) is None

@@ -91,14 +91,18 @@ def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, worl
 
 
 def check_command_line() -> None:
-    """A key given twice (an unquoted brace range the shell expanded) or an inline task's
-    unquoted brace root: one paragraph and exit 2, before Hydra parses anything."""
-    from infclip.cmdline import repeated_keys, unquoted_task_roots
+    """A key repeated by the shell's expansion of an unquoted brace range, or an inline task's
+    unquoted brace root: one paragraph and exit 2, before Hydra parses anything. A key given
+    again further on is a later override: one note names the value used."""
+    from infclip.cmdline import overridden_keys, repeated_keys, unquoted_task_roots
 
     problem = repeated_keys(sys.argv[1:]) or unquoted_task_roots(sys.argv[1:], ("tasks", "eval.tasks"))
     if problem:
         print(f"error (EvalConfigError): {problem}", file=sys.stderr, flush=True)
         sys.exit(2)
+    note = overridden_keys(sys.argv[1:])
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, flush=True)
 
 
 if __name__ == "__main__":

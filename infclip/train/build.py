@@ -162,7 +162,22 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
         data_cfg, transform=transform, tokenizer=built.tokenizer, rank=info.rank,
         world_size=info.world_size, seed=cfg.seed, shards=shards, num_samples=num_samples,
     )
+    if info.is_main:
+        print(data_line(cfg, data, shards), flush=True)
     return data, eval_cfg, normalizer, towers
+
+
+def data_line(cfg: Any, data: Any, synthetic_shards: Optional[str]) -> str:
+    """The startup line saying what is trained on: the source, its shards and samples per
+    epoch, and where the sample count came from."""
+    if cfg.data.kind == "synthetic":
+        what = f"the embedded synthetic captioned shapes (data.kind=synthetic) in {synthetic_shards}"
+        origin = "the generated set's size, data.synthetic_train"
+    else:
+        spec = cfg.data.shards if not cfg.data.sources else f"data.sources ({len(cfg.data.sources)} sources)"
+        what, origin = f"data.kind=wds {spec}", data.origin
+    return (f"data: training on {what}: {len(data.spec.urls)} shard(s), {data.num_samples} samples per epoch "
+            f"({origin})")
 
 
 def _cpu_transform(cfg: Any, size: int, built: BuiltModel):

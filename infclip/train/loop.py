@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from infclip import process_group
-from infclip.config import check_run_length, validate
+from infclip.config import check_run_length, infer_data_kind, validate
 from infclip.data.decode_trace import format_summary, write_trace
 from infclip.model import clamp_logit_scale
 from infclip.train import checkpoint as ckpt
@@ -60,7 +60,10 @@ def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
     slurm.export_submitit_env()  # hydra-submitit tasks: RANK/WORLD_SIZE/MASTER_* from Slurm
     info = init_distributed(cfg.device)
     try:
+        inferred = infer_data_kind(cfg, overrides or [])  # data.shards without data.kind=wds
         validate(cfg, info.world_size)  # before any model or GPU work
+        if inferred and info.is_main:
+            print(inferred, flush=True)
         check_run_length(cfg, overrides or [])
         apply_epochs(cfg, info)  # epochs=N: steps from the dataset size
         run_dir = derive_run_dir(cfg)

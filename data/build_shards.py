@@ -9,28 +9,77 @@
     python data/build_shards.py /data/images --out /data/mine --holdout 500
 
 Output: 00000.tar ... ({key}.jpg/.txt/.json), {shard}_stats.json, sizes.json, build_stats.json;
-train on it with  train.py data.kind=wds "data.shards='/data/mine/{00000..000NN}.tar'" (the
-script prints the command, with the held-out set as the run's eval task when there is one).
+train on it with  train.py data.kind=wds "data.shards='/data/mine/{00000..000NN}.tar'" name=mine (the
+script prints the command, with the held-out set as the run's eval task when there is one; for a
+held-out set, --use eval or a name such as val.csv, it prints an eval-task snippet instead).
 """
 
 from __future__ import annotations
 
 import argparse
-
 import os
+import re
+import shlex
 
 from infclip.data.build import BuildOptions, build_shards, rows_from, split_holdout, summarize, write_holdout
+
+
+def _spec(out: str, shards: int) -> str:
+    out = out.rstrip("/") or "/"
+    return f"{out}/{{00000..{shards - 1:05d}}}.tar" if shards > 1 else f"{out}/00000.tar"
+
+
+def run_name(out: str) -> str:
+    """The run's name: the output folder's own name (``/data/mine/`` -> ``mine``)."""
+    return os.path.basename(os.path.normpath(out)) or "mine"
 
 
 def train_hint(out: str, shards: int, holdout: str | None = None) -> str:
     """The command that trains on the shards, safe to paste into a shell: double quotes for
     the shell (which would expand the braces), single quotes for Hydra (which rejects them bare).
-    With a held-out folder, it is the run's eval task (retrieval, flat layout)."""
-    spec = f"{out}/{{00000..{shards - 1:05d}}}.tar" if shards > 1 else f"{out}/00000.tar"
-    hint = f"python train.py data.kind=wds \"data.shards='{spec}'\""
+    The run is named after the output folder (``name=``), so it never resumes another run's
+    folder (the quick start's ``runs/quickstart``). With a held-out folder, it is the run's eval
+    task (retrieval, flat layout)."""
+    hint = f"python train.py data.kind=wds \"data.shards='{_spec(out, shards)}'\" {shlex.quote('name=' + run_name(out))}"
     if holdout:
         hint += f" \"eval.tasks=[{{name: holdout, kind: retrieval, format: flat, root: '{holdout}'}}]\""
     return hint
+
+
+def eval_hint(out: str, shards: int, samples: int) -> str:
+    """A held-out set in the training format as an eval task (open_clip's --val-data: the
+    contrastive loss over batches of ``batch`` samples and retrieval recall over all of them),
+    for a training command or ``python -m infclip.eval``."""
+    batch = min(256, samples)
+    return (f"\"eval.tasks=[{{name: {run_name(out)}, kind: contrastive, root: '{_spec(out, shards)}', "
+            f"batch: {batch}}}]\"")
+
+
+_HELD_OUT = re.compile(r"(^|[^a-z])(val|valid|validation|test|holdout|heldout|held_out|eval)([^a-z]|$)")
+
+
+def held_out_name(*paths: str) -> str | None:
+    """The word in an input or output name that marks a held-out split (``val.csv``,
+    ``/data/mine_test``), or None."""
+    for path in paths:
+        m = _HELD_OUT.search(os.path.basename(os.path.normpath(path)).lower())
+        if m:
+            return m.group(2)
+    return None
+
+
+def next_steps(a: argparse.Namespace, shards: int, samples: int, holdout: str | None) -> list[str]:
+    """What to do with the shards: the training command, or for a held-out set (``--use eval``,
+    or ``--use auto`` and a name such as val.csv) the eval-task snippet first."""
+    use = a.use
+    word = held_out_name(a.input, a.out) if use == "auto" else None
+    if use == "eval" or word:
+        why = f" (its name says {word!r}; --use train prints the training command)" if word else ""
+        return [f"a held-out set{why}: evaluate on it by adding this eval task to a training command or to "
+                f"python -m infclip.eval checkpoint=<run>:",
+                f"  {eval_hint(a.out, shards, samples)}",
+                f"(to train on it instead: {train_hint(a.out, shards, holdout)})"]
+    return [f"train with: {train_hint(a.out, shards, holdout)}"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,6 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--holdout", type=int, default=0,
                    help="image-caption pairs kept out of the shards and written to OUT/holdout as a retrieval eval set")
     p.add_argument("--seed", type=int, default=0, help="which rows --holdout takes")
+    p.add_argument("--use", choices=("auto", "train", "eval"), default="auto",
+                   help="what the shards are for, which sets the command printed at the end: train (the training "
+                        "command), eval (an eval-task snippet for a held-out set), auto (eval when the input or "
+                        "output name says val/test/holdout, else train)")
     a = p.parse_args(argv)
     opts = BuildOptions(out_dir=a.out, shard_size=a.shard_size,
                         max_shard_bytes=int(a.max_shard_mb * 2**20) if a.max_shard_mb else None,
@@ -69,9 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             "wrote", "held out"))
     report = build_shards(rows, opts)
     print(summarize(report, a.out))
-    n = report.shards
-    if n:
-        print(f"train with: {train_hint(a.out, n, holdout)}")
+    if report.shards:
+        print("\n".join(next_steps(a, report.shards, report.written, holdout)))
 
 
 if __name__ == "__main__":

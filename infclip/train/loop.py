@@ -28,7 +28,7 @@ from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
 from infclip.train.guard import NonFiniteError
-from infclip.train.resume import last_finite_checkpoint, maybe_resume, resume_command
+from infclip.train.resume import last_finite_checkpoint, maybe_resume, refuse_other_data, resume_command
 from infclip.train.profiling import mark_phase_end, profiled_step
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
@@ -67,6 +67,7 @@ def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
         check_run_length(cfg, overrides or [])
         apply_epochs(cfg, info)  # epochs=N: steps from the dataset size
         run_dir = derive_run_dir(cfg)
+        refuse_other_data(cfg, run_dir)  # a run folder of a run on other data: not resumed
         with run_dir_lock(run_dir, info):  # one training per run_dir (rank 0 holds the lock)
             return _start(cfg, info, run_dir, overrides or [])
     finally:

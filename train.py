@@ -71,8 +71,8 @@ def check_command_line() -> None:
     again further on is a later override: one note names the value used."""
     from pathlib import Path
 
-    from infclip.cmdline import overridden_keys, repeated_keys, unquoted_task_roots
-    from infclip.config import ConfigError, check_overrides
+    from infclip.cmdline import composition_problem, overridden_keys, repeated_keys, unquoted_task_roots
+    from infclip.config import ConfigError, EvalTaskConfig, TrainConfig, check_overrides
 
     groups = tuple(p.name for p in (Path(__file__).resolve().parent / "configs").iterdir() if p.is_dir())
     try:
@@ -80,6 +80,10 @@ def check_command_line() -> None:
         if problem:
             raise ConfigError(problem)
         check_overrides(sys.argv[1:], groups + ("optim", "eval"))
+        problem = composition_problem(str(Path(__file__).resolve().parent / "configs"), "train", sys.argv[1:],
+                                      TrainConfig, {"eval.tasks": EvalTaskConfig})
+        if problem:
+            raise ConfigError(problem)
         note = overridden_keys(sys.argv[1:])
         if note and os.environ.get("RANK", "0") == "0":
             print(note, flush=True)

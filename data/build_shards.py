@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import shlex
+import sys
 
 from infclip.data.build import BuildOptions, build_shards, rows_from, split_holdout, summarize, write_holdout
 
@@ -82,6 +83,35 @@ def next_steps(a: argparse.Namespace, shards: int, samples: int, holdout: str | 
     return [f"train with: {train_hint(a.out, shards, holdout)}"]
 
 
+def fail(message: str) -> None:
+    """One paragraph on stderr and exit status 2: the problem and its fix, no traceback."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# (option, its value must be, the test) for the numeric options
+_LIMITS = (("--shard-size", "a whole number > 0", lambda a: a.shard_size > 0),
+           ("--max-shard-mb", "> 0 (or left out)", lambda a: a.max_shard_mb is None or a.max_shard_mb > 0),
+           ("--resize", "> 0 pixels (or left out)", lambda a: a.resize is None or a.resize > 0),
+           ("--quality", "in 1..100", lambda a: 1 <= a.quality <= 100),
+           ("--workers", ">= 1", lambda a: a.workers >= 1),
+           ("--max-image-mb", "> 0", lambda a: a.max_image_mb > 0),
+           ("--holdout", ">= 0", lambda a: a.holdout >= 0))
+
+
+def bad_arguments(a: argparse.Namespace) -> str | None:
+    """The first impossible option value, named with what it must be; None when all fit."""
+    for option, want, ok in _LIMITS:
+        if not ok(a):
+            return f"{option} {getattr(a, option[2:].replace('-', '_'))} is not valid: it must be {want}"
+    if not os.path.exists(a.input):
+        return (f"input {a.input!r} does not exist: give a .csv/.tsv/.parquet table of image paths and captions, "
+                "or a folder of images with sidecar .txt captions")
+    if os.path.isfile(a.out):
+        return f"--out {a.out!r} is a file: give a folder for the shards (created if missing)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", help="a .csv/.tsv/.parquet table or an image folder with sidecar .txt captions")
@@ -105,17 +135,23 @@ def main(argv: list[str] | None = None) -> None:
                         "command), eval (an eval-task snippet for a held-out set), auto (eval when the input or "
                         "output name says val/test/holdout, else train)")
     a = p.parse_args(argv)
+    problem = bad_arguments(a)
+    if problem:
+        fail(problem)
     opts = BuildOptions(out_dir=a.out, shard_size=a.shard_size,
                         max_shard_bytes=int(a.max_shard_mb * 2**20) if a.max_shard_mb else None,
                         resize=a.resize, quality=a.quality, verify=not a.no_verify, workers=a.workers,
                         max_image_bytes=int(a.max_image_mb * 2**20))
-    rows = rows_from(a.input, a.image_col, a.caption_col, a.image_root)
+    try:
+        rows = rows_from(a.input, a.image_col, a.caption_col, a.image_root)
+    except (FileNotFoundError, KeyError, ImportError, ValueError) as e:  # the input itself
+        fail(str(e).strip("'\""))
     holdout = None
     if a.holdout:
         try:
             rows, held = split_holdout(rows, a.holdout, a.seed)
         except ValueError as e:
-            p.error(str(e))
+            fail(str(e))
         holdout = os.path.join(a.out, "holdout")
         os.makedirs(a.out, exist_ok=True)
         print(summarize(write_holdout(held, opts, holdout), holdout).replace(" in 0 shards", "").replace(

@@ -16,7 +16,7 @@ caller raises its own error type (and exits 2). Invariants they protect:
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 QUOTING = ("double quotes for the shell (which would expand the braces or wildcard into one argument per "
            "file) and single quotes inside them for Hydra")
@@ -125,3 +125,129 @@ def _bare_brace_root(value: str) -> Optional[str]:
             return token
         start = j if j > at else at + 1
     return None
+
+
+# Hydra's own flags after which nothing is composed here (Hydra answers them itself)
+_HYDRA_ONLY = ("-m", "--multirun", "-h", "--help", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
+
+
+def _split_flags(args: list[str], config_name: str) -> tuple[Optional[list[str]], list[str], str]:
+    """(overrides, extra config dirs, config name) of a command line; overrides None when
+    Hydra alone should answer it (help, multirun)."""
+    overrides, dirs, name, i = [], [], config_name, 0
+    while i < len(args):
+        arg = args[i]
+        flag, _, inline = arg.partition("=") if arg.startswith("-") else (arg, "", "")
+        if arg in _HYDRA_ONLY or arg.split("=")[0] in ("-cp", "--config-path", "hydra.searchpath", "+hydra.searchpath"):
+            return None, dirs, name  # (a search path of its own: composed by Hydra alone)
+        if flag in ("-cd", "--config-dir", "-cn", "--config-name"):
+            value = inline or (args[i + 1] if i + 1 < len(args) else "")
+            i += 1 if inline else 2
+            dirs += [value] if flag in ("-cd", "--config-dir") else []
+            name = value if flag in ("-cn", "--config-name") else name
+            continue
+        if ("=" in arg or arg.startswith("~")) and not arg.startswith("-") and not arg.lstrip("+~").startswith("hydra"):
+            overrides.append(arg)
+        i += 1
+    return overrides, dirs, name
+
+
+def composition_problem(config_dir: str, config_name: str, args: list[str], schema: type,
+                        list_keys: dict[str, type] = None) -> Optional[str]:
+    """Compose the config as Hydra will and name, in one paragraph, the mistakes whose Hydra
+    message is raw: a preset that is not valid YAML, a value of the wrong type (``steps=abc``,
+    ``steps=null``), an unknown preset name, an unknown key inside an inline list item
+    (``list_keys``: list key -> its item dataclass, e.g. ``eval.tasks``). Any other error is
+    left to Hydra; None when the config composes."""
+    import yaml
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    overrides, dirs, name = _split_flags(args, config_name)
+    if overrides is None:
+        return None
+    search = [f"hydra.searchpath=[{','.join('file://' + os.path.abspath(d) for d in dirs)}]"] if dirs else []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            compose(config_name=name, overrides=overrides + search)
+        return None
+    except yaml.YAMLError as e:
+        return _yaml_problem(e)
+    except MissingConfigException as e:
+        return _missing_preset(str(e), overrides)
+    except ConfigCompositionException as e:
+        return _composition_problem(e, overrides, schema, list_keys or {})
+    except Exception:  # anything else: Hydra reports it itself when it composes
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _yaml_problem(e: Exception) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark else "a preset"
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return (f"the preset {where} is not valid YAML ({getattr(e, 'context', None) or 'parsing it'}: {what}); fix that "
+            "line of the file (YAML: one `key: value` per line, lists as [a, b] or `- a` lines)")
+
+
+def _missing_preset(message: str, overrides: list[str]) -> Optional[str]:
+    """``experiment=nope``: the group's presets named; None for Hydra's own groups."""
+    import re
+
+    m = re.search(r"Could not find '([\w-]+)/([^']+)'", message)
+    if not m or m.group(1).startswith("hydra"):
+        return None
+    options = re.findall(r"^\t(\S+)$", message.split("Config search path")[0], re.M)
+    return (f"{m.group(1)}={m.group(2)}: there is no preset {m.group(1)}/{m.group(2)}.yaml; choose one of "
+            f"{options} (presets live in configs/{m.group(1)}/, or in <dir>/{m.group(1)}/ with --config-dir <dir>)")
+
+
+def _composition_problem(e: Exception, overrides: list[str], schema: type, list_keys: dict) -> Optional[str]:
+    from omegaconf.errors import ConfigKeyError, ValidationError
+
+    cause, text = e.__cause__ or e.__context__, str(e)
+    where = "on the command line" if text.startswith(("Error merging override", "Could not override")) else (
+        f"in the preset {text.split(chr(39))[1]}.yaml" if text.startswith("In '") else "")
+    if isinstance(cause, ValidationError) and getattr(cause, "full_key", None):
+        return _type_problem(cause, where, overrides, schema)
+    if isinstance(cause, ConfigKeyError):
+        key = next((k for k in list_keys if text.startswith(f"Could not override '{k}'")), None)
+        if key is not None:
+            return _item_key_problem(key, list_keys[key], str(getattr(cause, "key", "") or ""))
+    return None
+
+
+def _type_problem(cause: Exception, where: str, overrides: list[str], schema: type) -> str:
+    key = cause.full_key
+    first = str(cause).splitlines()[0]
+    default = _default(schema, key)
+    if "is not Optional" in first:
+        epochs = key == "steps" and any(o.split("=", 1)[0] == "epochs" for o in overrides)
+        fix = ("epochs=N sets the run length by itself: drop steps=null" if epochs
+               else f"give a value (its default is {default!r})")
+        return f"{key}=null {where}: {key} cannot be null; {fix}"
+    kind = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}.get(
+        type(default), "a value of its type")
+    shown = str(default).lower() if isinstance(default, bool) else default
+    return f"{key} {where}: {first.rstrip('.')}; {key} takes {kind} (its default: {key}={shown})"
+
+
+def _default(schema: type, key: str) -> Any:
+    node: Any = schema()
+    for part in key.split("."):
+        node = getattr(node, part, None) if not isinstance(node, dict) else node.get(part)
+    return node
+
+
+def _item_key_problem(key: str, item: type, bad: str) -> str:
+    import dataclasses
+    import difflib
+
+    names = [f.name for f in dataclasses.fields(item)]
+    near = difflib.get_close_matches(bad, names, n=1)
+    hint = f"did you mean {near[0]}? " if near else ""
+    return (f"{key}: unknown key {bad!r} in an inline task; {hint}its keys: {names} (a '+{key}=' override, which "
+            f"Hydra suggests, fails the same way)")

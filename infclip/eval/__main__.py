@@ -94,9 +94,13 @@ def check_command_line() -> None:
     """A key repeated by the shell's expansion of an unquoted brace range, or an inline task's
     unquoted brace root: one paragraph and exit 2, before Hydra parses anything. A key given
     again further on is a later override: one note names the value used."""
-    from infclip.cmdline import overridden_keys, repeated_keys, unquoted_task_roots
+    from infclip.cmdline import composition_problem, overridden_keys, repeated_keys, unquoted_task_roots
 
-    problem = repeated_keys(sys.argv[1:]) or unquoted_task_roots(sys.argv[1:], ("tasks", "eval.tasks"))
+    from infclip.eval.config import EvalTaskConfig
+
+    problem = repeated_keys(sys.argv[1:]) or unquoted_task_roots(sys.argv[1:], ("tasks", "eval.tasks")) or \
+        composition_problem(str(cli.CONFIG_DIR), "eval", sys.argv[1:], cli.EvalCommandConfig,
+                            {"eval.tasks": EvalTaskConfig})
     if problem:
         print(f"error (EvalConfigError): {problem}", file=sys.stderr, flush=True)
         sys.exit(2)

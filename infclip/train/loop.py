@@ -302,7 +302,7 @@ def _warn_duplicates(cfg: Any, info: DistInfo, parts: Parts) -> None:
     msg = duplicate_warning(cfg.batch.global_size, parts.data.num_samples, info.world_size,
                             parts.data.spec.loader_batch, parts.data.spec.resampled)
     if msg and info.is_main:
-        parts.logger.write(f"warning: {msg}")
+        parts.logger.write(msg if msg.startswith("note: ") else f"warning: {msg}")
 
 
 def _optimizer_step(cfg: Any, parts: Parts, out: Any) -> tuple[bool, bool, float]:

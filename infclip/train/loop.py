@@ -32,6 +32,7 @@ from infclip.train.resume import last_finite_checkpoint, maybe_resume, refuse_ot
 from infclip.train.profiling import mark_phase_end, profiled_step
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
+from infclip.train.textlog import TextLog, text_log
 from infclip.train.sm_partition import decode_bound_hint, running_on
 from infclip.train.logger import _BOOKKEEPING, gpu_memory_gb, run_info
 from infclip.train.pipeline import (
@@ -60,23 +61,25 @@ def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
     slurm.export_submitit_env()  # hydra-submitit tasks: RANK/WORLD_SIZE/MASTER_* from Slurm
     info = init_distributed(cfg.device)
     try:
-        inferred = infer_data_kind(cfg, overrides or [])  # data.shards without data.kind=wds
-        validate(cfg, info.world_size)  # before any model or GPU work
-        if inferred and info.is_main:
-            print(inferred, flush=True)
-        check_run_length(cfg, overrides or [])
-        apply_epochs(cfg, info)  # epochs=N: steps from the dataset size
-        run_dir = derive_run_dir(cfg)
-        refuse_other_data(cfg, run_dir)  # a run folder of a run on other data: not resumed
-        with run_dir_lock(run_dir, info):  # one training per run_dir (rank 0 holds the lock)
-            return _start(cfg, info, run_dir, overrides or [])
+        with text_log(info.is_main) as log:  # <run_dir>/out.log from the accepted start on
+            inferred = infer_data_kind(cfg, overrides or [])  # data.shards without data.kind=wds
+            validate(cfg, info.world_size)  # before any model or GPU work
+            if inferred and info.is_main:
+                print(inferred, flush=True)
+            check_run_length(cfg, overrides or [])
+            apply_epochs(cfg, info)  # epochs=N: steps from the dataset size
+            run_dir = derive_run_dir(cfg)
+            refuse_other_data(cfg, run_dir)  # a run folder of a run on other data: not resumed
+            with run_dir_lock(run_dir, info):  # one training per run_dir (rank 0 holds the lock)
+                return _start(cfg, info, run_dir, overrides or [], log)
     finally:
         process_group.leave()  # the group destroyed and its native threads joined now
 
 
-def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dict:
+def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str], log: Optional[TextLog] = None) -> dict:
     """Build, resume, record, train. Nothing is written into ``run_dir`` until the start is
-    accepted (the checkpoint loaded): a refused start leaves the folder as it was."""
+    accepted (the checkpoint loaded): a refused start leaves the folder as it was; then
+    out.log gets the lines printed so far and every later one (``log``)."""
     torch.manual_seed(cfg.seed + info.rank)
     parts = build(cfg, info, run_dir)
     state = State()
@@ -84,6 +87,8 @@ def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dic
     parts.guard.abort = lambda: _weights_abort_message(cfg, info, parts, state)
     changes = maybe_resume(cfg, info, parts, state)
     on_rank0(info, lambda: record_start(cfg, run_dir, overrides))
+    if log is not None and info.is_main:
+        log.open(run_dir)
     parts.logger.start(state.step, run_info(overrides, info), changes)
     # through the final checkpoint and eval (infclip.train.signals); the steps on the towers'
     # stream (data.decode_reserved_sms: SMs left free for the JPEG decoders' kernels)
@@ -399,6 +404,7 @@ def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: d
     skipped = bool(metrics["skipped_step"])
     _count_nonfinite(state, skipped)
     if _logged(cfg, step) or skipped:
+        metrics["epoch"] = state.samples / max(parts.data.num_samples, 1)  # passes over the data so far
         metrics["skipped_samples"] = sum(_skip_counts(state, info).values())
         metrics["nonfinite_steps"] = state.nonfinite_total
         parts.logger.log(step, metrics)
@@ -477,7 +483,12 @@ def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -
 def _print_summary(parts: Parts, summary: dict, state: State) -> None:
     w = parts.logger.write
     why = "stopped by signal" if state.stop_requested else "done"
-    w(f"== {why}: {summary['steps']} steps in {summary['wall_s']:.1f} s; run dir {parts.run_dir}")
+    total, starts = parts.logger.run_time()
+    first = parts.logger.first_step
+    mine = (f"steps {first + 1}-{summary['steps']} in {summary['wall_s']:.1f} s in this process, {summary['steps']} "
+            f"steps in {total:.1f} s over {starts} starts" if starts > 1 and first < summary["steps"]
+            else f"{summary['steps']} steps in {summary['wall_s']:.1f} s")
+    w(f"== {why}: {mine}; run dir {parts.run_dir}")
     w(f"   skipped samples: {summary['skipped_samples'] or 'none'}; non-finite steps: {summary['nonfinite_steps']}")
     for k, v in summary.items():
         if k.startswith("eval/") and not k.endswith(_BOOKKEEPING):

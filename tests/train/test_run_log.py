@@ -1,0 +1,57 @@
+"""A run that shows itself: ``<run_dir>/out.log`` holds what the run printed (startup, progress,
+eval, resume, summary), appended per start and untouched by a refused start; progress lines
+carry the epoch, elapsed time and ETA in one number format, no GPU memory on CPU, and the
+eval as a short table; the summary gives this process's steps and the whole run's time."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from infclip.train.logger import _num, clock, eval_table
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["model.name=infclip-micro", "batch.global_size=8", "batch.micro_size=4", "data.loader_batch=4",
+        "data.workers=0", "logging.every_n_steps=1", "logging.progress=false", "logging.wandb_mode=disabled",
+        "data.synthetic_train=64", "data.synthetic_eval=16", "eval.workers=0"]
+
+
+def _train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *FAST, f"data.synthetic_root={tmp_path / 'syn'}",
+                           f"run_dir={tmp_path / 'run'}", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1"))
+
+
+def test_out_log_progress_lines_eval_table_and_summary_across_a_resume(tmp_path):
+    first = _train(tmp_path, "steps=3")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    log = (tmp_path / "run" / "out.log").read_text()
+    assert log.startswith("== start ") and "data: training on the embedded synthetic" in log
+    steps = [x for x in log.splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"]
+    for line in steps:
+        assert re.search(r"  epoch=0\.\d\d  elapsed=\d:\d\d:\d\d  eta=\d:\d\d:\d\d$", line), line
+        assert "gpu_mem_gb" not in line and not re.search(r"\d\.\d+e\+\d", line), line  # CPU: no GPU memory
+    table = log.split("eval at step 3:\n", 1)[1].splitlines()
+    assert table[0].startswith("  synthetic_zeroshot   top1 0.") and " top5 0." in table[0]
+    assert table[1].startswith("  synthetic_retrieval  i2t_r1 0.")
+    assert "== done: 3 steps in " in log and first.stdout.strip().splitlines()[-1] in log
+
+    second = _train(tmp_path, "steps=5")
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    log = (tmp_path / "run" / "out.log").read_text()
+    assert log.count("== start ") == 2 and "resumed from" in log.split("== start ")[2]
+    assert re.search(r"== done: steps 4-5 in [\d.]+ s in this process, 5 steps in [\d.]+ s over 2 starts", log)
+
+    refused = _train(tmp_path, "steps=6", "resume=none")
+    assert refused.returncode == 2 and "resume=none" in refused.stderr
+    assert (tmp_path / "run" / "out.log").read_text() == log  # a refused start writes nothing
+
+
+def test_numbers_clock_and_eval_table():
+    assert [_num(x) for x in (45560.0, 8097, 2.5, 1e-4, 0.0, 0.01234)] == ["45560", "8097", "2.5", "1.000e-04",
+                                                                           "0", "0.01234"]
+    assert clock(3725.4) == "1:02:05" and clock(-1) == "0:00:00"
+    table = eval_table(7, {"eval/a/top1": 0.5, "eval/a/top1_chance": 0.1, "eval/long_name/i2t_r1": 0.25, "loss": 1.0})
+    assert table == ["eval at step 7:", "  a          top1 0.5000", "  long_name  i2t_r1 0.2500"]

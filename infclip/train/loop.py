@@ -474,6 +474,8 @@ def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -
                "skipped_samples": skips, **final}
     parts.logger.log(state.step, {"summary": summary}, echo=False)
     _print_summary(parts, summary, state)
+    if info.is_main:
+        _draw_curves(parts)
     parts.logger.close()
     if state.stop_signal == signal.SIGUSR1 and state.step < cfg.steps and info.is_main:
         slurm.requeue()  # Slurm's warning signal (not a user's SIGTERM): come back and resume
@@ -494,6 +496,19 @@ def _print_summary(parts: Parts, summary: dict, state: State) -> None:
         if k.startswith("eval/") and not k.endswith(_BOOKKEEPING):
             chance = summary.get(f"{k}_chance")
             w(f"   {k:<40} {v:8.4f}" + (f"   (chance {chance:.4f})" if chance is not None else ""))
+
+
+def _draw_curves(parts: Parts) -> None:
+    """The learning curve and eval metrics as <run_dir>/curves.png (infclip.plot); a plot
+    that cannot be drawn is one line, never a failed run."""
+    from infclip.plot import PlotError, plot_run
+
+    try:
+        parts.logger.write(f"   curves: {plot_run(parts.run_dir)}")
+    except PlotError as e:
+        parts.logger.write(f"   curves: not drawn ({e})")
+    except Exception as e:  # a plotting library's failure must not fail a finished run
+        parts.logger.write(f"   curves: not drawn ({type(e).__name__}: {str(e).strip()[:200]})")
 
 
 def _save(parts: Parts, state: State) -> Path:

@@ -3,12 +3,17 @@ eval, resume, summary), appended per start and untouched by a refused start; pro
 carry the epoch, elapsed time and ETA in one number format, no GPU memory on CPU, and the
 eval as a short table; the summary gives this process's steps and the whole run's time."""
 
+import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from infclip.plot import main as plot_main, read_curves
 from infclip.train.logger import _num, clock, eval_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,6 +42,10 @@ def test_out_log_progress_lines_eval_table_and_summary_across_a_resume(tmp_path)
     assert table[0].startswith("  synthetic_zeroshot   top1 0.") and " top5 0." in table[0]
     assert table[1].startswith("  synthetic_retrieval  i2t_r1 0.")
     assert "== done: 3 steps in " in log and first.stdout.strip().splitlines()[-1] in log
+    drawn = importlib.util.find_spec("matplotlib") is not None
+    assert (f"   curves: {tmp_path / 'run' / 'curves.png'}" if drawn else "   curves: not drawn (drawing the curves "
+            "needs matplotlib: pip install 'infclip[plot]'") in log
+    assert (tmp_path / "run" / "curves.png").is_file() == drawn
 
     second = _train(tmp_path, "steps=5")
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
@@ -55,3 +64,24 @@ def test_numbers_clock_and_eval_table():
     assert clock(3725.4) == "1:02:05" and clock(-1) == "0:00:00"
     table = eval_table(7, {"eval/a/top1": 0.5, "eval/a/top1_chance": 0.1, "eval/long_name/i2t_r1": 0.25, "loss": 1.0})
     assert table == ["eval at step 7:", "  a          top1 0.5000", "  long_name  i2t_r1 0.2500"]
+
+
+def test_python_m_infclip_plot_draws_the_run_and_refuses_a_folder_without_metrics(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"event": "start", "time": 0}] + [{"step": s, "time": s, "loss": 3.0 / s, "lr": 1e-3} for s in (1, 2, 3)]
+    records += [{"step": 3, "time": 4, "eval/a/top1": 0.5, "eval/a/top1_chance": 0.1, "eval/a/num_samples": 9},
+                {"step": 2, "time": 5, "loss": 2.0, "lr": 1e-3}]  # a resumed run logged step 2 again
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "lo')
+    (run / "eval.jsonl").write_text(json.dumps({"step": 1, "event": "eval_command", "eval/a/top1": 0.25}) + "\n")
+    train, evals = read_curves(run)
+    assert {s: r["loss"] for s, r in train.items()} == {1: 3.0, 2: 2.0, 3: 1.0}
+    assert evals == {"a/top1": {1: 0.25, 3: 0.5}}  # no chance or bookkeeping keys
+    assert plot_main([str(tmp_path / "none")]) == 2
+    assert "has no metrics.jsonl: give a run folder" in capsys.readouterr().err
+    pytest.importorskip("matplotlib")
+    assert plot_main([str(run)]) == 0
+    from PIL import Image
+
+    with Image.open(run / "curves.png") as png:
+        assert png.format == "PNG" and png.size[0] > png.size[1] > 300  # two panels side by side

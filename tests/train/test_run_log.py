@@ -47,6 +47,8 @@ def test_out_log_progress_lines_eval_table_and_summary_across_a_resume(tmp_path)
             "needs matplotlib: pip install 'infclip[plot]'") in log
     assert (tmp_path / "run" / "curves.png").is_file() == drawn
 
+    _check_per_class(tmp_path / "run")
+
     second = _train(tmp_path, "steps=5")
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     log = (tmp_path / "run" / "out.log").read_text()
@@ -85,3 +87,32 @@ def test_python_m_infclip_plot_draws_the_run_and_refuses_a_folder_without_metric
 
     with Image.open(run / "curves.png") as png:
         assert png.format == "PNG" and png.size[0] > png.size[1] > 300  # two panels side by side
+
+
+def _check_per_class(run: Path) -> None:
+    """The final eval's per-class CSV and confusion matrix agree with its top-1 and mean
+    per-class recall in metrics.jsonl."""
+    import csv
+
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in records if "eval/synthetic_zeroshot/top1" in r][-1]
+    rows = list(csv.DictReader((run / "per_class" / "synthetic_zeroshot.csv").open()))
+    matrix = list(csv.reader((run / "per_class" / "synthetic_zeroshot_confusion.csv").open()))
+    assert len(rows) == len(matrix) - 1 == final["eval/synthetic_zeroshot/num_classes"] == len(matrix[0]) - 1
+    counts = [[int(v) for v in row[1:]] for row in matrix[1:]]
+    total = sum(map(sum, counts))
+    assert total == sum(int(r["images"]) for r in rows) == final["eval/synthetic_zeroshot/num_samples"]
+    assert sum(counts[i][i] for i in range(len(counts))) / total == pytest.approx(final["eval/synthetic_zeroshot/top1"])
+    recalls = [float(r["top1"]) for r in rows if int(r["images"])]
+    assert sum(recalls) / len(recalls) == pytest.approx(final["eval/synthetic_zeroshot/mean_per_class_recall"])
+
+
+def test_the_confusion_matrix_counts_top1_predictions_and_leaves_out_non_finite_scores():
+    import torch
+
+    from infclip.eval.zeroshot import confusion_counts
+
+    classes = torch.eye(3)
+    img = torch.tensor([[1.0, 0, 0], [0, 0.2, 1.0], [0, 1.0, 0], [float("nan"), 0, 0]])
+    matrix = confusion_counts(img, torch.tensor([0, 1, 1, 2]), classes)
+    assert matrix.tolist() == [[1, 0, 0], [0, 1, 1], [0, 0, 0]]

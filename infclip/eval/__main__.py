@@ -57,7 +57,7 @@ def _evaluate(cfg: DictConfig, dist_info: cli.Dist) -> dict:
     pretrained, (model, tokenizer, preprocess) = cli.load_checkpoint(cfg, dist_info.device)
     if dist_info.rank == 0:  # what is evaluated, before the numbers
         print(f"eval: checkpoint {pretrained or cfg.checkpoint}; tasks {[t.name for t in tasks]} "
-              f"(from {cli.task_source(cfg)})", flush=True)
+              f"(from {cli.task_source(cfg)}); precision={cfg.precision}", flush=True)
     details: dict = {}  # zero-shot tasks' per-class counts and confusion matrices
     try:
         metrics = run_evals(

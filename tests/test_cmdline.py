@@ -128,3 +128,12 @@ def test_build_shards_argument_errors_are_one_paragraph_with_exit_2(args, match,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and match in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_eval_commands_help_shows_its_own_usage_and_keys_not_the_trainers_presets():
+    proc = subprocess.run([sys.executable, "-m", "infclip.eval", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("python -m infclip.eval: evaluate a checkpoint") and "Usage:" in proc.stdout
+    assert "checkpoint: ???" in proc.stdout and "precision: fp32" in proc.stdout
+    assert "experiment:" not in proc.stdout and "loss: clip" not in proc.stdout

@@ -490,7 +490,8 @@ def _print_summary(parts: Parts, summary: dict, state: State) -> None:
     mine = (f"steps {first + 1}-{summary['steps']} in {summary['wall_s']:.1f} s in this process, {summary['steps']} "
             f"steps in {total:.1f} s over {starts} starts" if starts > 1 and first < summary["steps"]
             else f"{summary['steps']} steps in {summary['wall_s']:.1f} s")
-    w(f"== {why}: {mine}; run dir {parts.run_dir}")
+    again = "; run the same command to resume" if state.stop_requested and state.step < parts.logger.total else ""
+    w(f"== {why}: {mine}; run dir {parts.run_dir}{again}")
     w(f"   skipped samples: {summary['skipped_samples'] or 'none'}; non-finite steps: {summary['nonfinite_steps']}")
     for k, v in summary.items():
         if k.startswith("eval/") and not k.endswith(_BOOKKEEPING):

@@ -99,9 +99,16 @@ def _wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     if not info.distributed:
         return model
     ids = [info.device.index] if info.device.type == "cuda" else None
-    # broadcast_buffers=False: open_clip towers keep no buffers that must stay in sync,
-    # and the gradient-cache replay runs several forwards per step.
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    # No buffer sync in the forward: open_clip towers keep no buffers that must stay in sync,
+    # and the gradient-cache replay runs several forwards per step. torch >= 2.14 names it
+    # forward_sync_buffers (its broadcast_buffers warns once per rank); either way the
+    # buffers, identical on every rank at init, agree.
+    import inspect
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    key = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters \
+        else "broadcast_buffers"
+    return ddp(model, device_ids=ids, **{key: False})
 
 
 def _loss_fn(cfg: Any, group: Any):

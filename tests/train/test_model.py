@@ -117,3 +117,19 @@ def test_the_ddp_wrap_warns_nothing(tmp_path):
         assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_random_init_asked_for_is_not_announced_as_a_warning(caplog):
+    """Without model.pretrained, open_clip's "initialized randomly" warning (printed before a
+    resume's "resumed from ...") is left out; the model is built as before."""
+    import logging
+
+    from infclip.config import ModelConfig
+    from infclip.model import build_model
+
+    with caplog.at_level(logging.WARNING):
+        built = build_model(ModelConfig(name="infclip-micro"))
+    assert built.model is not None
+    assert not [r for r in caplog.records if "initialized randomly" in r.getMessage()]
+    logging.getLogger().warning("No pretrained weights loaded for model 'x'. Model initialized randomly.")
+    assert [r for r in caplog.records if "initialized randomly" in r.getMessage()]  # the filter is gone again

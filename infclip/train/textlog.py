@@ -53,6 +53,9 @@ class _Tee(io.TextIOBase):
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self.stream, "encoding", "utf-8")
 
+    def __getattr__(self, name: str):  # buffer, reconfigure, ...: the stream's own (not logged)
+        return getattr(self.stream, name)
+
 
 class TextLog:
     """Lines held until ``open(run_dir)``, then appended to ``run_dir/out.log``."""

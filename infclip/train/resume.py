@@ -118,7 +118,8 @@ def refuse_other_data(cfg: Any, run_dir: Path) -> None:
         f"run_dir {run_dir} holds a run trained on {before[0]} (checkpoints up to {existing[-1].name}), and this "
         f"command asks for {asked[0]}: resume=auto would continue that run on other data. Give this run its "
         f"own folder with name={name or 'mine'} (or run_dir=/path/to/new/run); to continue that run, give "
-        f"its data again (or, to continue it on the new data on purpose, resume={existing[-1]}).")
+        f"its data again; to start from its weights on the new data, add model.pretrained={existing[-1] / 'model.pt'} "
+        f"to the new run.")
 
 
 def _load(path: Path, info: DistInfo) -> tuple[dict, dict, dict]:

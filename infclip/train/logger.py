@@ -26,12 +26,12 @@ import torch
 
 def _num(v: Any) -> str:
     """One format for every number of a progress line: whole numbers from 1000 on (never
-    ``4.556e+04`` beside ``8097``), 4 significant digits below (``0.0001``, ``2.469``)."""
+    ``4.556e+04`` beside ``8097``), 4 significant digits below (``0.0001000``, ``2.000``)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return str(v)
     if isinstance(v, int) or abs(v) >= 1000:
         return f"{v:.0f}"
-    return f"{v:.4g}"
+    return f"{v:#.4g}"
 
 
 def _fmt(key: str, v: Any) -> str:

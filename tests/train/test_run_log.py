@@ -61,8 +61,8 @@ def test_out_log_progress_lines_eval_table_and_summary_across_a_resume(tmp_path)
 
 
 def test_numbers_clock_and_eval_table():
-    assert [_num(x) for x in (45560.0, 8097, 2.5, 1e-4, 0.0, 0.01234, 8.954e-4)] == [
-        "45560", "8097", "2.5", "0.0001", "0", "0.01234", "0.0008954"]
+    assert [_num(x) for x in (45560.0, 8097, 2.5, 1e-4, 0.0, 0.01234, 8.954e-4, 2.0001)] == [
+        "45560", "8097", "2.500", "0.0001000", "0.000", "0.01234", "0.0008954", "2.000"]
     assert clock(3725.4) == "1:02:05" and clock(-1) == "0:00:00"
     table = eval_table(7, {"eval/a/top1": 0.5, "eval/a/top1_chance": 0.1, "eval/long_name/i2t_r1": 0.25, "loss": 1.0})
     assert table == ["eval at step 7:", "  a          top1 0.5000", "  long_name  i2t_r1 0.2500"]

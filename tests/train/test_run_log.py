@@ -116,3 +116,23 @@ def test_the_confusion_matrix_counts_top1_predictions_and_leaves_out_non_finite_
     img = torch.tensor([[1.0, 0, 0], [0, 0.2, 1.0], [0, 1.0, 0], [float("nan"), 0, 0]])
     matrix = confusion_counts(img, torch.tensor([0, 1, 1, 2]), classes)
     assert matrix.tolist() == [[1, 0, 0], [0, 1, 1], [0, 0, 0]]
+
+
+def test_the_text_log_holds_lines_until_the_start_is_accepted_and_logs_the_error_that_ends_a_run(tmp_path, capsys):
+    from infclip.train.textlog import text_log
+
+    with pytest.raises(ValueError):
+        with text_log(True):
+            print("refused before the start")
+            raise ValueError("a refused start")
+    assert not list(tmp_path.iterdir())  # nothing written: the log never opened
+    with pytest.raises(RuntimeError):
+        with text_log(True) as log:
+            print("startup line")
+            log.open(tmp_path)
+            print("progress\rstep 2")  # a bar's redraw: only the text after the carriage return
+            raise RuntimeError("the run failed")
+    lines = (tmp_path / "out.log").read_text().splitlines()
+    assert lines[0].startswith("== start ") and lines[1:] == ["startup line", "step 2",
+                                                             "error (RuntimeError): the run failed"]
+    assert "startup line" in capsys.readouterr().out  # the terminal still sees everything

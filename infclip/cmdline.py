@@ -10,7 +10,10 @@ caller raises its own error type (and exits 2). Invariants they protect:
   given again further on (a later override of an earlier one, as scripts that extend a base
   command do) is not refused; :func:`overridden_keys` names it in a note;
 - a shard spec inside an inline eval task (``root: /d/{0..3}.tar``) is single-quoted for
-  Hydra, whose grammar rejects bare braces in a dict value with "no viable alternative".
+  Hydra, whose grammar rejects bare braces in a dict value with "no viable alternative";
+- the config composes (:func:`composition_problem`): a malformed preset, a value of the wrong
+  type, an unknown preset or a typo inside an inline eval task is named in our words, where
+  Hydra's raw message would recommend the wrong fix or none.
 """
 
 from __future__ import annotations

@@ -66,14 +66,27 @@ def main(cfg: DictConfig) -> None:
 
 
 def check_command_line() -> None:
-    """Overrides checked before Hydra parses them (a typo gets "did you mean", exit 2)."""
+    """Overrides checked before Hydra parses them (a typo gets "did you mean", a key repeated by
+    the shell's expansion or an unquoted brace range the quoting rule; exit 2). A key given
+    again further on is a later override: one note names the value used."""
     from pathlib import Path
 
-    from infclip.config import ConfigError, check_overrides
+    from infclip.cmdline import composition_problem, overridden_keys, repeated_keys, unquoted_task_roots
+    from infclip.config import ConfigError, EvalTaskConfig, TrainConfig, check_overrides
 
     groups = tuple(p.name for p in (Path(__file__).resolve().parent / "configs").iterdir() if p.is_dir())
     try:
+        problem = repeated_keys(sys.argv[1:]) or unquoted_task_roots(sys.argv[1:])
+        if problem:
+            raise ConfigError(problem)
         check_overrides(sys.argv[1:], groups + ("optim", "eval"))
+        problem = composition_problem(str(Path(__file__).resolve().parent / "configs"), "train", sys.argv[1:],
+                                      TrainConfig, {"eval.tasks": EvalTaskConfig})
+        if problem:
+            raise ConfigError(problem)
+        note = overridden_keys(sys.argv[1:])
+        if note and os.environ.get("RANK", "0") == "0":
+            print(note, flush=True)
     except ConfigError as err:
         print(paragraph(err), file=sys.stderr, flush=True)
         sys.exit(2)

@@ -338,6 +338,23 @@ def check_run_length(cfg: Any, overrides: list[str]) -> None:
                           f"{cfg.epochs} epoch(s), or drop epochs=... to train {cfg.steps} steps")
 
 
+def infer_data_kind(cfg: Any, overrides: list[str]) -> Optional[str]:
+    """Training data is what the user named: ``data.shards`` (or ``data.sources``) with a
+    preset's ``data.kind=synthetic`` becomes ``data.kind=wds`` (returns the line saying so);
+    with ``data.kind=synthetic`` on the command line the contradiction is refused, naming both
+    keys and the fix. None when nothing was inferred."""
+    if cfg.data.kind != "synthetic" or not (cfg.data.shards or cfg.data.sources):
+        return None
+    given = "data.shards" if cfg.data.shards else "data.sources"
+    if any(o.split("=", 1)[0].lstrip("+~") == "data.kind" for o in overrides if "=" in o):
+        raise ConfigError(f"data.kind=synthetic and {given} are both given: the synthetic shapes would be trained "
+                          f"on and {given} ignored. To train on your shards set data.kind=wds (or drop "
+                          f"data.kind=synthetic); to train on the synthetic set drop {given}")
+    cfg.data.kind = "wds"
+    return (f"data: data.kind=wds inferred from {given} (the preset{' ' + cfg.experiment if cfg.experiment else ''}"
+            " has data.kind=synthetic, which would ignore the shards)")
+
+
 def steps_for_epochs(epochs: int, num_samples: int, global_batch: int) -> int:
     """Optimizer steps that see ``epochs`` passes over ``num_samples`` (the last one partial)."""
     return math.ceil(epochs * num_samples / global_batch)

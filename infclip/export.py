@@ -154,9 +154,22 @@ def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file under this process's umask (0644 under 022), read
+    from /proc where it exists (setting the umask to read it would race other threads)."""
+    try:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("Umask:"))
+        return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, StopIteration, ValueError):
+        return 0o644
+
+
 def _fsync_write(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)``, fsync, rename into place; the file gets the mode of any other file the
+    run writes (safetensors creates its files 0600 whatever the umask)."""
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
+    os.chmod(tmp, _new_file_mode())
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -268,6 +281,15 @@ def export(ckpt: Path, out: Path, model: Optional[str] = None) -> Path:
     return out
 
 
+def _check_out(out: Path, ckpt: Path) -> None:
+    """--out is a folder (new or existing) other than the checkpoint itself."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file: give a folder for the open_clip files (created if missing)")
+    if out.exists() and out.resolve() == ckpt.resolve():
+        raise ExportError(f"--out {out} is the checkpoint folder itself, which holds these files already; give "
+                          "another folder (or load it as it is: open_clip's 'local-dir:' + that folder)")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infclip.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="run folder (newest checkpoint) or a checkpoints/step_XXXXXXXX folder")
@@ -275,10 +297,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", required=True, help="output folder (created)")
     parser.add_argument("--model", default=None, help="architecture name when the run has no config.yaml")
     args = parser.parse_args(argv)
+    out = Path(args.out).expanduser()
     try:
         ckpt = find_checkpoint(Path(args.checkpoint).expanduser(), args.step,
                                warn=lambda line: print(line, file=sys.stderr, flush=True))
-        out = export(ckpt, Path(args.out).expanduser(), args.model)
+        _check_out(out, ckpt)
+        try:
+            out = export(ckpt, out, args.model)
+        except OSError as e:  # the folder named by --out cannot be made or written
+            raise ExportError(f"--out {out} cannot be written ({type(e).__name__}: {e.strerror or e}); choose a "
+                              "folder on a writable disk (it is created if missing)") from None
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

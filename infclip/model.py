@@ -13,11 +13,13 @@ naming the key, the file and what did not match.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import open_clip
 import torch
@@ -73,6 +75,29 @@ def _check_pretrained(pretrained: str | None, key: str) -> None:
         raise ModelError(f"{key}={pretrained!r} is not a file; give an existing checkpoint or an open_clip tag")
 
 
+class _RandomInitNote(logging.Filter):
+    """Drops open_clip's "No pretrained weights loaded ... initialized randomly" warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "initialized randomly" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_random_init(quiet: bool) -> Iterator[None]:
+    """Without model.pretrained a random init is what was asked for, and a resume loads its
+    weights right after: open_clip's warning that it initialized randomly (printed before
+    "resumed from ...") would only mislead. Other warnings pass."""
+    if not quiet:
+        yield
+        return
+    note = _RandomInitNote()
+    logging.getLogger().addFilter(note)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeFilter(note)
+
+
 def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
     """Builds the open_clip model named by ``cfg`` (a ModelConfig) on ``device``, in fp32."""
     name = register_config_file(cfg.config_file) if cfg.config_file else cfg.name
@@ -90,8 +115,9 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
         if value is not None:
             kwargs[key] = tuple(value) * (3 if len(value) == 1 else 1) if key in ("image_mean", "image_std") else value
     try:
-        model, _, preprocess_val = open_clip.create_model_and_transforms(
-            name, pretrained=cfg.pretrained, device=device, output_dict=True, **kwargs)
+        with _quiet_random_init(not cfg.pretrained):
+            model, _, preprocess_val = open_clip.create_model_and_transforms(
+                name, pretrained=cfg.pretrained, device=device, output_dict=True, **kwargs)
     except Exception as e:  # a tag unknown or not downloadable, a file that does not load or fit
         if not cfg.pretrained:
             raise

@@ -28,6 +28,7 @@ import io
 import json
 import os
 import random
+import shutil
 import stat
 import time
 from collections import Counter
@@ -266,6 +267,64 @@ def split_holdout(rows: list[tuple[str, Caption]], n: int, seed: int = 0) -> tup
         raise ValueError(f"--holdout {n}: must be >= 0 and less than the {len(rows)} input rows")
     held = set(random.Random(seed).sample(range(len(rows)), n))
     return ([r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held])
+
+
+def table_columns(path: str, cols: list[str]) -> list[dict[str, str]]:
+    """The values of ``cols`` in every row of a CSV/TSV/parquet table, in the order of
+    ``read_table``'s rows; a missing column is a KeyError naming the table's columns."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+
+            names = pq.read_schema(path).names
+        except ImportError:
+            raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from None
+        if set(cols) - set(names):
+            raise KeyError(f"{path} has no column(s) {sorted(set(cols) - set(names))}; columns: {names}")
+        table = pq.read_table(path, columns=cols).to_pydict()
+        return [{c: "" if table[c][i] is None else str(table[c][i]) for c in cols} for i in range(len(table[cols[0]]))]
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, delimiter="\t" if path.endswith((".tsv", ".tab")) else ",")
+        missing = set(cols) - set(reader.fieldnames or [])
+        if missing:
+            raise KeyError(f"{path} has no column(s) {sorted(missing)}; columns: {reader.fieldnames}")
+        return [{c: (r[c] or "").strip() for c in cols} for r in reader]
+
+
+def held_indices(count: int, n: int = 0, seed: int = 0, splits: Optional[list[str]] = None,
+                 eval_splits: tuple[str, ...] = ()) -> set[int]:
+    """The rows kept out of the shards: those whose split value is one of ``eval_splits``
+    (``splits``: one value per row), else ``n`` rows drawn as ``split_holdout`` draws them."""
+    if splits is not None:
+        return {i for i, v in enumerate(splits) if v.strip().lower() in eval_splits}
+    if n < 0 or n >= count:
+        raise ValueError(f"--holdout {n}: must be >= 0 and less than the {count} input rows")
+    return set(random.Random(seed).sample(range(count), n))
+
+
+def class_folder_name(label: str) -> str:
+    """A class label as one path component (``/`` and leading dots replaced)."""
+    name = label.strip().replace(os.sep, "_").replace("/", "_").lstrip(".")
+    return name or "_"
+
+
+def write_class_folders(holdout_dir: str, labels: dict[str, str], out_dir: str) -> dict[str, int]:
+    """The held-out images of ``holdout_dir`` (the flat retrieval folder; its test.json keeps
+    each image's source path) also as an image-folder tree ``out_dir/<class>/<file>``, a
+    zero-shot eval set (``format: imagefolder``; ``python -m infclip.eval.wds_export`` makes
+    clip_benchmark's layout of it). ``labels``: source path -> class label. Returns images
+    per class; an image without a label is left out."""
+    entries = json.load(open(os.path.join(holdout_dir, "test.json")))
+    per_class: Counter = Counter()
+    for entry in entries:
+        label = labels.get(entry.get("url", ""), "").strip()
+        if not label:
+            continue
+        folder = os.path.join(out_dir, class_folder_name(label))
+        os.makedirs(folder, exist_ok=True)
+        shutil.copyfile(os.path.join(holdout_dir, entry["image"]), os.path.join(folder, os.path.basename(entry["image"])))
+        per_class[label] += 1
+    return dict(per_class)
 
 
 def write_holdout(rows: list[tuple[str, Caption]], opts: BuildOptions, out_dir: str) -> BuildReport:

@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from infclip.data.config import DataConfig
-from infclip.data.shards import DataError, Source, check_exist, count_samples, expand
+from infclip.data.shards import DataError, Source, check_exist, count_samples_from, expand, folder_spec
 from infclip.data.stream import BatchStream, EpochPlan, StreamSpec
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images uint8 (B,3,H,W), tokens int64 (B,L)
@@ -30,23 +30,36 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # images uint8 (B,3,H,W), tokens int6
 
 def resolve_sources(cfg: DataConfig, shards: Optional[str] = None,
                     num_samples: Optional[int] = None) -> list[Source]:
-    """Expand, check and count the configured sources (``shards`` overrides the config)."""
+    """Expand, check and count the configured sources (``shards`` overrides the config). A
+    local folder stands for the ``*.tar`` shards in it. Each source records where its sample
+    count came from (the key that set it, or the files counted)."""
     if shards is not None:
-        specs = [(shards, 1.0, num_samples)]
+        specs = [(shards, 1.0, num_samples, "given with the shards")]
     elif cfg.sources:
-        specs = [(s.shards, s.weight, s.num_samples) for s in cfg.sources]
+        specs = [(s.shards, s.weight, s.num_samples, f"data.sources[{i}].num_samples")
+                 for i, s in enumerate(cfg.sources)]
     elif cfg.shards:
-        specs = [(cfg.shards, 1.0, None)]
+        specs = [(cfg.shards, 1.0, None, "")]
     else:
         raise DataError("no training shards: set data.shards=/path/{00000..00099}.tar or data.sources")
     sources = []
-    for spec, weight, n in specs:
-        urls = expand(spec)
+    for spec, weight, n, key in specs:
+        urls = expand(folder_spec(spec))
         check_exist(urls)
         if weight <= 0:
             raise DataError(f"source {spec!r} has weight {weight}; weights must be > 0")
-        sources.append(Source(urls, weight, n if n is not None else count_samples(urls)))
+        counted, origin = (n, key) if n is not None else count_samples_from(urls)
+        sources.append(Source(urls, weight, counted, origin))
     return sources
+
+
+def count_origin(cfg: DataConfig, sources: list[Source], num_samples: Optional[int]) -> str:
+    """Where ``total_samples`` took the epoch's size from, in words."""
+    if num_samples is not None:
+        return "given with the shards"
+    if cfg.num_samples is not None:
+        return "set by data.num_samples"
+    return "counted from " + " and ".join(sorted({s.counted_from for s in sources}, reverse=True))
 
 
 def total_samples(cfg: DataConfig, sources: list[Source], num_samples: Optional[int]) -> int:
@@ -88,6 +101,7 @@ class TrainData:
     workers: int
     num_samples: int
     pin_memory: bool = False  # pin loader batches (only useful if they go to the GPU as they are)
+    origin: str = ""  # where num_samples came from, in words ("counted from sizes.json", ...)
 
     def __post_init__(self) -> None:
         self.plan = EpochPlan(cursors=[0] * max(self.workers, 1))
@@ -263,7 +277,9 @@ def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callabl
                       epoch_batches=epoch_batches, shuffle_buffer=cfg.shuffle_buffer,
                       caption_key=cfg.caption_key, json_caption_key=cfg.json_caption_key)
     # No pinning here: the trainer copies loader batches into its own (pinned) step buffer.
-    return TrainData(spec, transform, tokenizer, workers, total, pin_memory=False)
+    data = TrainData(spec, transform, tokenizer, workers, total, pin_memory=False)
+    data.origin = count_origin(cfg, sources, num_samples)
+    return data
 
 
 def _fit_workers(cfg: DataConfig, urls: list[str], world_size: int, workers: int) -> int:

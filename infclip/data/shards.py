@@ -36,6 +36,19 @@ class Source:
     urls: list[str]
     weight: float = 1.0
     num_samples: Optional[int] = None  # configured or counted; None when unknown
+    counted_from: str = "unknown"  # where num_samples came from: a config key, sizes.json, *_stats.json
+
+
+def folder_spec(spec: str) -> str:
+    """A local folder given as a shard spec (the folder ``data/build_shards.py`` wrote) as the
+    ``::``-list of its ``*.tar`` files in name order; any other spec unchanged. A folder
+    without shards stays as it was (the existence check then names it)."""
+    path = spec.strip()
+    path = path[len("file://"):] if path.startswith("file://") else path
+    if "{" in path or "::" in path or not is_local(path) or not os.path.isdir(path):
+        return spec
+    tars = sorted(n for n in os.listdir(path) if n.endswith(".tar"))
+    return "::".join(os.path.join(path, n) for n in tars) if tars else spec
 
 
 def expand(spec: str) -> list[str]:
@@ -64,7 +77,7 @@ def check_exist(urls: Sequence[str], show: int = 5) -> None:
             "Fix data.shards (brace range, folder) or remove the missing shards from it.")
 
 
-def _shard_count(url: str, sizes_cache: dict[str, Optional[dict]]) -> Optional[int]:
+def _shard_count(url: str, sizes_cache: dict[str, Optional[dict]]) -> tuple[Optional[int], str]:
     path = _local_path(url)
     folder, name = os.path.split(path)
     if folder not in sizes_cache:
@@ -72,24 +85,31 @@ def _shard_count(url: str, sizes_cache: dict[str, Optional[dict]]) -> Optional[i
         sizes_cache[folder] = json.load(open(sizes_file)) if os.path.exists(sizes_file) else None
     sizes = sizes_cache[folder]
     if sizes is not None and name in sizes:
-        return int(sizes[name])
+        return int(sizes[name]), "sizes.json"
     stats = os.path.join(folder, os.path.splitext(name)[0] + "_stats.json")
     if os.path.exists(stats):
         with open(stats) as f:
-            return int(json.load(f)["successes"])
-    return None
+            return int(json.load(f)["successes"]), "*_stats.json"
+    return None, "unknown"
+
+
+def count_samples_from(urls: Sequence[str]) -> tuple[Optional[int], str]:
+    """(total samples, the files counted: "sizes.json", "*_stats.json" or both joined), or
+    (None, "unknown") if any shard is not covered (or remote)."""
+    cache: dict[str, Optional[dict]] = {}
+    total, origins = 0, set()
+    for url in urls:
+        n, origin = _shard_count(url, cache) if is_local(url) else (None, "unknown")
+        if n is None:
+            return None, "unknown"
+        total += n
+        origins.add(origin)
+    return total, " and ".join(sorted(origins, reverse=True))
 
 
 def count_samples(urls: Sequence[str]) -> Optional[int]:
     """Total samples from sizes.json / *_stats.json, or None if any shard is not covered."""
-    cache: dict[str, Optional[dict]] = {}
-    total = 0
-    for url in urls:
-        n = _shard_count(url, cache) if is_local(url) else None
-        if n is None:
-            return None
-        total += n
-    return total
+    return count_samples_from(urls)[0]
 
 
 # -- reading ----------------------------------------------------------------------------------

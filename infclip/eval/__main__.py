@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -16,6 +17,7 @@ from infclip.eval import cli
 from infclip.eval.config import EvalConfigError
 from infclip.eval.runner import make_autocast, run_evals
 from infclip.eval.suites import format_suite, summarize
+from infclip.eval.zeroshot import write_per_class
 
 cli.register()
 
@@ -55,22 +57,26 @@ def _evaluate(cfg: DictConfig, dist_info: cli.Dist) -> dict:
     pretrained, (model, tokenizer, preprocess) = cli.load_checkpoint(cfg, dist_info.device)
     if dist_info.rank == 0:  # what is evaluated, before the numbers
         print(f"eval: checkpoint {pretrained or cfg.checkpoint}; tasks {[t.name for t in tasks]} "
-              f"(from {cli.task_source(cfg)})", flush=True)
+              f"(from {cli.task_source(cfg)}); precision={cfg.precision}", flush=True)
+    details: dict = {}  # zero-shot tasks' per-class counts and confusion matrices
     try:
         metrics = run_evals(
             model, tokenizer, preprocess, ecfg, step=0, final=True, device=dist_info.device,
             rank=dist_info.rank, world_size=dist_info.world_size, group=dist_info.group,
-            autocast=make_autocast(cfg.precision, dist_info.device),
+            autocast=make_autocast(cfg.precision, dist_info.device), details=details,
         )
     except EvalConfigError as e:  # name the command-line key too: eval.tasks[i] is task.<name> here
         raise EvalConfigError(f"{e}\n(on this command line: +task.<task name>.<field>=..., or data_root=...)") from e
     if dist_info.rank == 0:
-        _report(cfg, pretrained, ecfg, metrics, suites, dist_info.world_size)
+        _report(cfg, pretrained, ecfg, metrics, suites, dist_info.world_size, details)
     return metrics
 
 
-def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, world_size: int) -> None:
-    """Print the task table and one table per suite; write the JSON file, the run's metrics, wandb."""
+def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, world_size: int,
+            details: dict) -> None:
+    """Print the task table and one table per suite; write the JSON file, each zero-shot task's
+    per-class accuracy and confusion matrix (CSV files in ``<output stem>_per_class/``), the
+    run's metrics, wandb."""
     print(cli.format_table(metrics))
     for line in cli.nonfinite_warnings(metrics):
         print(line, file=sys.stderr, flush=True)
@@ -81,6 +87,9 @@ def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, worl
     output = cfg.output or cli.default_output(pretrained)
     cli.write_results(output, cfg, pretrained, ecfg, metrics, world_size)
     print(f"results written to {output}")
+    for name, task in details.items():
+        per_class, _ = write_per_class(Path(output).with_name(Path(output).stem + "_per_class"), name, task)
+        print(f"{name}: per-class accuracy in {per_class} (confusion matrix beside it)")
     run, step = cli.run_folder(pretrained), cli.checkpoint_step(pretrained)
     if cfg.log_to_run and run is not None:
         cli.log_to_run(run, step, metrics, cfg)
@@ -90,5 +99,25 @@ def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, worl
         cli.log_wandb(mode, cfg, run, step, metrics, suites)
 
 
+def check_command_line() -> None:
+    """A key repeated by the shell's expansion of an unquoted brace range, or an inline task's
+    unquoted brace root: one paragraph and exit 2, before Hydra parses anything. A key given
+    again further on is a later override: one note names the value used."""
+    from infclip.cmdline import composition_problem, overridden_keys, repeated_keys, unquoted_task_roots
+
+    from infclip.eval.config import EvalTaskConfig
+
+    problem = repeated_keys(sys.argv[1:]) or unquoted_task_roots(sys.argv[1:], ("tasks", "eval.tasks")) or \
+        composition_problem(str(cli.CONFIG_DIR), "eval", sys.argv[1:], cli.EvalCommandConfig,
+                            {"eval.tasks": EvalTaskConfig})
+    if problem:
+        print(f"error (EvalConfigError): {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    note = overridden_keys(sys.argv[1:])
+    if note and os.environ.get("RANK", "0") == "0":
+        print(note, flush=True)
+
+
 if __name__ == "__main__":
+    check_command_line()
     main()

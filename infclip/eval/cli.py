@@ -234,13 +234,18 @@ def _run_of(checkpoint: Optional[str]) -> Optional[Path]:
 
 
 def _run_tasks(run: Path) -> list[Any]:
-    """The run's own eval.tasks (what the trainer evaluated), ``synthetic:`` roots resolved
-    the way the trainer resolved them (the run's own synthetic dataset)."""
+    """The run's own eval.tasks (what the trainer evaluated): ``synthetic:`` roots resolved the
+    way the trainer resolved them (the run's own synthetic dataset), and left out, as the
+    trainer left them out, for a run on its own data (data.kind=wds)."""
     run_cfg = OmegaConf.load(run / "config.yaml")
     tasks = OmegaConf.to_container(run_cfg.get("eval", {}).get("tasks", []), resolve=True) or []
+    if run_cfg.get("data", {}).get("kind", "synthetic") != "synthetic":  # the trainer skipped these too
+        tasks = [t for t in tasks if not str(t.get("root", "")).startswith("synthetic:")]
     if not tasks:
-        raise EvalConfigError(f"the run {run} evaluated no tasks (eval.tasks=[] in its config.yaml): name the "
-                              "tasks to evaluate with tasks=[...] (presets, suites or inline dicts; docs/eval.md)")
+        raise EvalConfigError(f"the run {run} evaluated no tasks (its config.yaml has no eval.tasks the trainer ran: "
+                              "eval.tasks=[], or only the embedded synthetic set's, skipped for its own data): name "
+                              "the tasks to evaluate with \"tasks=[{name: mine, kind: zeroshot, format: imagefolder, "
+                              "root: /data/mine_val}]\" (presets, suites or inline dicts; docs/eval.md)")
     if any(str(t.get("root", "")).startswith("synthetic:") for t in tasks):
         from infclip.data.config import DataConfig
         from infclip.data.synthetic import ensure_synthetic

@@ -88,13 +88,15 @@ def _identity(x):
 
 
 def run_task(model, tokenizer, preprocess, task: EvalTaskConfig, index: int, cfg: EvalConfig,
-             rt: Runtime, loss_fn: Optional[LossFn] = None) -> dict[str, float]:
-    """Metrics of one task (unprefixed keys), identical on every rank of ``rt``."""
+             rt: Runtime, loss_fn: Optional[LossFn] = None, details: Optional[dict] = None) -> dict[str, float]:
+    """Metrics of one task (unprefixed keys), identical on every rank of ``rt``; a zero-shot
+    task fills ``details`` with its per-class counts and confusion matrix."""
     cpu_tf, on_device = split_preprocess(preprocess)
     data = _load(task, index, cpu_tf)
     workers = resolve_workers(cfg.workers)
     if task.kind == "zeroshot":
-        return evaluate_zeroshot(model, tokenizer, data, on_device, cfg.batch_size, workers, cfg.chunk_size, rt)
+        return evaluate_zeroshot(model, tokenizer, data, on_device, cfg.batch_size, workers, cfg.chunk_size, rt,
+                                 details)
     if task.kind == "contrastive":
         return evaluate_contrastive(model, tokenizer, data, on_device, cfg.batch_size, workers, cfg.chunk_size,
                                     rt, batch=task.batch, loss_fn=loss_fn)
@@ -104,7 +106,7 @@ def run_task(model, tokenizer, preprocess, task: EvalTaskConfig, index: int, cfg
 def run_evals(model, tokenizer, preprocess, cfg: EvalConfig, *, step: int, final: bool,
               device: Union[str, torch.device], rank: int = 0, world_size: int = 1, group=None,
               autocast: Optional[Callable[[], ContextManager]] = None,
-              loss_fn: Optional[LossFn] = None) -> dict[str, float]:
+              loss_fn: Optional[LossFn] = None, details: Optional[dict] = None) -> dict[str, float]:
     """Run the tasks due at ``step`` (all of them when ``final``); returns {"eval/<task>/<metric>": v}.
 
     model: unwrapped open_clip CLIP (encode_image / encode_text). preprocess: PIL -> float
@@ -114,7 +116,9 @@ def run_evals(model, tokenizer, preprocess, cfg: EvalConfig, *, step: int, final
     context factory (e.g. ``make_autocast("bf16", device)``); None runs in fp32. ``loss_fn``:
     the contrastive tasks' loss, with the trainer's signature ``loss_fn(img, txt, scale[, bias])``
     and no process group (each batch is scored whole on one rank); training passes its own
-    ``loss.kind``, None uses CLIP's loss (SigLIP's for a model with a logit bias).
+    ``loss.kind``, None uses CLIP's loss (SigLIP's for a model with a logit bias). ``details``:
+    a dict that gets ``{task name: per-class counts and confusion matrix}`` of each zero-shot
+    task (``infclip.eval.zeroshot.write_per_class`` writes them).
     """
     if OmegaConf.is_config(cfg):  # a Hydra node straight from the trainer's config
         cfg = OmegaConf.to_object(cfg)
@@ -131,7 +135,10 @@ def run_evals(model, tokenizer, preprocess, cfg: EvalConfig, *, step: int, final
     with eval_mode(model), torch.no_grad(), torch.random.fork_rng(devices=cuda):
         for index, task in tasks:
             start = time.perf_counter()
-            result = run_task(model, tokenizer, preprocess, task, index, cfg, rt, loss_fn)
+            mine = {} if details is not None and task.kind == "zeroshot" else None
+            result = run_task(model, tokenizer, preprocess, task, index, cfg, rt, loss_fn, mine)
+            if mine:
+                details[task.name] = mine
             result["seconds"] = time.perf_counter() - start
             metrics.update({f"eval/{task.name}/{k}": float(v) for k, v in result.items()})
     return metrics

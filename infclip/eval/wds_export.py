@@ -114,8 +114,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"wrote {n['images']} images of {n['classes']} classes in {n['shards']} shards to {a.out} "
           f"(skipped {n['skipped']} files that are no images)")
     workers = "" if n["shards"] >= 4 else f" --num_workers {n['shards']}"  # one tar per loader worker at least
+    # --no_amp: fp32 encoders, as python -m infclip.eval's default precision=fp32 (its autocast
+    # default moves accuracies in the third decimal)
     print(f"clip_benchmark eval --dataset wds/{name} --dataset_root {a.out} --task zeroshot_classification "
-          f"--model local-dir:<checkpoint folder> --pretrained none{workers}")
+          f"--model local-dir:<checkpoint folder> --pretrained none --no_amp{workers}")
 
 
 if __name__ == "__main__":

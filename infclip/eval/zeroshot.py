@@ -8,6 +8,7 @@ hit counts cross ranks, so the sums equal those of one process.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Optional
 
 import open_clip
@@ -68,16 +69,62 @@ def summarize(counts: Tensor) -> dict[str, float]:
     }
 
 
+def confusion_counts(img: Tensor, labels: Tensor, classes: Tensor) -> Tensor:
+    """(C, C) float64: row = true class, column = top-1 prediction, for one rank's images;
+    images with non-finite scores are left out (they count as misses in the metrics)."""
+    num_classes = classes.shape[0]
+    scores = img @ classes.T
+    keep = finite_rows(scores)
+    out = torch.zeros(num_classes * num_classes, dtype=torch.float64, device=img.device)
+    flat = labels[keep] * num_classes + scores[keep].argmax(dim=1)
+    out.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+    return out.view(num_classes, num_classes)
+
+
 def evaluate_zeroshot(model, tokenizer: Callable, data: ZeroShotData, on_device: Optional[Callable],
-                      batch_size: int, workers: int, chunk_size: int, rt: Runtime) -> dict[str, float]:
-    """Zero-shot metrics over all of ``data`` (sharded over the group; same result on every rank)."""
+                      batch_size: int, workers: int, chunk_size: int, rt: Runtime,
+                      details: Optional[dict] = None) -> dict[str, float]:
+    """Zero-shot metrics over all of ``data`` (sharded over the group; same result on every rank).
+    ``details``: filled with the class names, the per-class counts and the confusion matrix
+    (:func:`write_per_class` writes them), on every rank."""
     classes = class_embeddings(model, tokenizer, data.classnames, data.templates, batch_size, rt)
     indices = shard(len(data.images), rt)
-    counts = torch.zeros(4, len(data.classnames), dtype=torch.float64, device=rt.device)
+    num_classes = len(data.classnames)
+    counts = torch.zeros(4, num_classes, dtype=torch.float64, device=rt.device)
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=rt.device)
     if len(indices):
         img = encode_images(model, data.images, indices, on_device, batch_size, workers, rt)
         labels = torch.tensor([data.images.labels[i] for i in indices], device=rt.device)
         with fp32(rt):
             for i in range(0, len(indices), chunk_size):  # logits never exceed chunk_size x C
                 counts += zeroshot_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
-    return summarize(all_reduce_sum(counts, rt))
+                if details is not None:
+                    confusion += confusion_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
+    counts = all_reduce_sum(counts, rt)
+    if details is not None:
+        details.update(classnames=list(data.classnames), counts=counts.cpu(),
+                       confusion=all_reduce_sum(confusion, rt).cpu())
+    return summarize(counts)
+
+
+def write_per_class(folder: Path, name: str, details: dict) -> tuple[Path, Path]:
+    """``<folder>/<name>.csv`` (per class: images, top-1 and top-5 accuracy, i.e. recall) and
+    ``<folder>/<name>_confusion.csv`` (true class rows, predicted class columns, image counts),
+    as clip_benchmark's per-class report. Returns both paths."""
+    import csv
+
+    folder.mkdir(parents=True, exist_ok=True)
+    counts, names = details["counts"], details["classnames"]
+    per_class, matrix = folder / f"{name}.csv", folder / f"{name}_confusion.csv"
+    with open(per_class, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["class", "images", "top1", "top5"])
+        for c, cls in enumerate(names):
+            n = int(counts[2, c])
+            w.writerow([cls, n, f"{counts[0, c] / n:.6f}" if n else "", f"{counts[1, c] / n:.6f}" if n else ""])
+    with open(matrix, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["true \\ predicted", *names])
+        for cls, row in zip(names, details["confusion"].long().tolist()):
+            w.writerow([cls, *row])
+    return per_class, matrix

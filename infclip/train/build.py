@@ -99,9 +99,16 @@ def _wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
     if not info.distributed:
         return model
     ids = [info.device.index] if info.device.type == "cuda" else None
-    # broadcast_buffers=False: open_clip towers keep no buffers that must stay in sync,
-    # and the gradient-cache replay runs several forwards per step.
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+    # No buffer sync in the forward: open_clip towers keep no buffers that must stay in sync,
+    # and the gradient-cache replay runs several forwards per step. torch >= 2.14 names it
+    # forward_sync_buffers (its broadcast_buffers warns once per rank); either way the
+    # buffers, identical on every rank at init, agree.
+    import inspect
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    key = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters \
+        else "broadcast_buffers"
+    return ddp(model, device_ids=ids, **{key: False})
 
 
 def _loss_fn(cfg: Any, group: Any):
@@ -157,12 +164,27 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
     if cfg.data.kind == "synthetic":
         shards, num_samples, eval_cfg = _synthetic(cfg, info)
     data_cfg = copy.deepcopy(cfg.data)
-    data_cfg.loader_batch = _loader_batch(cfg, info)
+    data_cfg.loader_batch = _loader_batch(cfg, info, num_samples if shards else _wds_samples(cfg))
     data = build_train_data(
         data_cfg, transform=transform, tokenizer=built.tokenizer, rank=info.rank,
         world_size=info.world_size, seed=cfg.seed, shards=shards, num_samples=num_samples,
     )
+    if info.is_main:
+        print(data_line(cfg, data, shards), flush=True)
     return data, eval_cfg, normalizer, towers
+
+
+def data_line(cfg: Any, data: Any, synthetic_shards: Optional[str]) -> str:
+    """The startup line saying what is trained on: the source, its shards and samples per
+    epoch, and where the sample count came from."""
+    if cfg.data.kind == "synthetic":
+        what = f"the embedded synthetic captioned shapes (data.kind=synthetic) in {synthetic_shards}"
+        origin = "the generated set's size, data.synthetic_train"
+    else:
+        spec = cfg.data.shards if not cfg.data.sources else f"data.sources ({len(cfg.data.sources)} sources)"
+        what, origin = f"data.kind=wds {spec}", data.origin
+    return (f"data: training on {what}: {len(data.spec.urls)} shard(s), {data.num_samples} samples per epoch "
+            f"({origin})")
 
 
 def _cpu_transform(cfg: Any, size: int, built: BuiltModel):
@@ -348,13 +370,27 @@ def _eval_config(cfg: Any) -> Any:
     return ev
 
 
-def _loader_batch(cfg: Any, info: DistInfo) -> int:
-    """Largest loader batch <= data.loader_batch that divides the per-rank step batch."""
-    local = cfg.batch.global_size // info.world_size
-    size = next(d for d in range(min(cfg.data.loader_batch, local), 0, -1) if local % d == 0)
-    if size != cfg.data.loader_batch and info.is_main:
-        print(f"note: data.loader_batch={cfg.data.loader_batch} does not divide the per-rank batch {local}; "
-              f"using {size}", flush=True)
+def _wds_samples(cfg: Any) -> Optional[int]:
+    """Samples per epoch of the configured shards, or None where they cannot be counted
+    (building the data then says so, naming data.num_samples)."""
+    from infclip.data.pipeline import resolve_sources, total_samples
+    from infclip.data.shards import DataError
+
+    try:
+        return total_samples(cfg.data, resolve_sources(cfg.data), None)
+    except DataError:
+        return None
+
+
+def _loader_batch(cfg: Any, info: DistInfo, epoch_samples: Optional[int] = None) -> int:
+    """Largest loader batch <= data.loader_batch that divides the per-rank step batch and
+    that an epoch of ``epoch_samples`` fills at least once on every rank (a small dataset
+    gets a smaller loader batch, said in one line, instead of no batch at all)."""
+    local, asked = cfg.batch.global_size // info.world_size, cfg.data.loader_batch
+    fits = max(1, epoch_samples // info.world_size) if epoch_samples else asked
+    size = next(d for d in range(min(asked, local, fits), 0, -1) if local % d == 0)
+    if size != asked and info.is_main:
+        why = (f"an epoch of {epoch_samples} samples on {info.world_size} rank(s) fills no batch of {asked}"
+               if fits < min(asked, local) else f"it does not divide the per-rank batch {local}")
+        print(f"note: data.loader_batch={asked} lowered to {size}: {why}", flush=True)
     return size
-
-

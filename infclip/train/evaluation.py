@@ -34,11 +34,27 @@ def evaluate(cfg: Any, info: DistInfo, parts: Any, step: int, final: bool) -> di
                                          temperature=cfg.loss.temperature, grad_filter=0.0), group=None)
     # pure_bf16: the weights are bf16 already; bf16 autocast casts the eval transforms' fp32 images to them
     amp = "bf16" if cfg.precision.amp == "pure_bf16" else cfg.precision.amp
+    details = {} if final else None  # the final eval's per-class results: <run_dir>/per_class/
     with make_autocast(amp, info.device)():
         results = run_evals(
             unwrap(parts.model), parts.built.tokenizer, parts.built.preprocess_val, parts.eval_cfg,
             step=step, final=final, device=info.device, rank=info.rank, world_size=info.world_size,
-            group=torch.distributed.group.WORLD if info.distributed else None, loss_fn=loss_fn,
+            group=torch.distributed.group.WORLD if info.distributed else None, loss_fn=loss_fn, details=details,
         )
     parts.logger.log(step, results)
+    if details and info.is_main:
+        _write_per_class(parts, details)
     return results
+
+
+def _write_per_class(parts: Any, details: dict) -> None:
+    """Each zero-shot task's per-class accuracy and confusion matrix as CSV files in
+    <run_dir>/per_class/, named in one line; a write that fails is a warning line."""
+    from infclip.eval.zeroshot import write_per_class
+
+    for name, task in details.items():
+        try:
+            per_class, _ = write_per_class(parts.run_dir / "per_class", name, task)
+            parts.logger.write(f"eval {name}: per-class accuracy in {per_class} (confusion matrix beside it)")
+        except OSError as e:
+            parts.logger.write(f"warning: eval {name}: per-class results not written ({e})")

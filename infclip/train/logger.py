@@ -24,10 +24,37 @@ from typing import Any, Optional
 import torch
 
 
+def _num(v: Any) -> str:
+    """One format for every number of a progress line: whole numbers from 1000 on (never
+    ``4.556e+04`` beside ``8097``), 4 significant digits below (``0.0001000``, ``2.000``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return str(v)
+    if isinstance(v, int) or abs(v) >= 1000:
+        return f"{v:.0f}"
+    return f"{v:#.4g}"
+
+
 def _fmt(key: str, v: Any) -> str:
-    if isinstance(v, float):
-        return f"{key}={v:.4g}"
-    return f"{key}={v}"
+    return f"{key}={_num(v)}"
+
+
+def clock(seconds: float) -> str:
+    """``H:MM:SS``."""
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def eval_table(step: int, metrics: dict[str, Any]) -> list[str]:
+    """The eval metrics of a record as a short table: one line per task."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in metrics.items():
+        if key.startswith("eval/") and _shown(key) and key.count("/") >= 2:
+            task, name = key[len("eval/"):].rsplit("/", 1)
+            tasks.setdefault(task, []).append(f"{name} {_num(value) if not isinstance(value, float) else f'{value:.4f}'}")
+    if not tasks:
+        return []
+    width = max(len(t) for t in tasks)
+    return [f"eval at step {step}:"] + [f"  {task:<{width}}  " + "  ".join(vals) for task, vals in tasks.items()]
 
 
 class MetricsLogger:
@@ -39,6 +66,7 @@ class MetricsLogger:
         self._wandb_started = False
         self._tb = None  # SummaryWriter, opened by ``start`` when logging.tensorboard
         self._bar = None
+        self._t0, self._step0 = time.perf_counter(), 0  # this process's first step (set_start): elapsed, ETA
         if not enabled:
             return
         if cfg.progress and sys.stderr.isatty():
@@ -121,6 +149,8 @@ class MetricsLogger:
             self._wandb.config.update({"run": info}, allow_val_change=True)
 
     def set_start(self, step: int) -> None:
+        """Training starts (or resumes) at ``step`` now: the origin of elapsed time and ETA."""
+        self._t0, self._step0 = time.perf_counter(), step
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()
@@ -136,8 +166,47 @@ class MetricsLogger:
             for key, value in _scalars(metrics).items():
                 self._tb.add_scalar(key, value, global_step=step)
         if echo:
-            shown = {k: v for k, v in metrics.items() if _shown(k)}
-            self.write(f"step {step:>6}/{self.total}  " + "  ".join(_fmt(k, v) for k, v in shown.items()))
+            self._echo(step, metrics)
+
+    def _echo(self, step: int, metrics: dict[str, Any]) -> None:
+        """A step record as one short line (the epoch, elapsed time and ETA of this process's
+        steps at the end); its eval metrics, if any, as a table."""
+        shown = {k: v for k, v in metrics.items() if _shown(k) and not k.startswith("eval/")
+                 and not (k == "gpu_mem_gb" and not v)}  # no GPU: no GPU memory to show
+        if shown:
+            done = step - self._step0
+            elapsed = time.perf_counter() - self._t0
+            timing = [f"epoch={metrics['epoch']:.2f}"] if "epoch" in metrics else []
+            if done > 0:
+                timing += [f"elapsed={clock(elapsed)}", f"eta={clock(elapsed / done * (self.total - step))}"]
+            self.write(f"step {step:>6}/{self.total}  " + "  ".join([*(_fmt(k, v) for k, v in shown.items()),
+                                                                     *timing]))
+        for line in eval_table(step, metrics):
+            self.write(line)
+
+    @property
+    def first_step(self) -> int:
+        """The step this process started (or resumed) from (``set_start``)."""
+        return self._step0
+
+    def run_time(self) -> tuple[float, int]:
+        """(seconds, starts) of the whole run so far from metrics.jsonl: each process start
+        counts from its start record to its last record (the gaps between starts do not)."""
+        total, starts, begin, last = 0.0, 0, None, None
+        if not self.enabled or not self.path.exists():
+            return 0.0, 0
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("event") == "start":
+                total += (last - begin) if begin is not None and last is not None else 0.0
+                starts, begin, last = starts + 1, rec.get("time"), rec.get("time")
+            elif isinstance(rec.get("time"), (int, float)):
+                last = rec["time"]
+        total += (last - begin) if begin is not None and last is not None else 0.0
+        return total, starts
 
     def progress(self, step: int, metrics: dict[str, Any]) -> None:
         if self._bar is not None:

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from infclip import process_group
-from infclip.config import check_run_length, validate
+from infclip.config import check_run_length, infer_data_kind, validate
 from infclip.data.decode_trace import format_summary, write_trace
 from infclip.model import clamp_logit_scale
 from infclip.train import checkpoint as ckpt
@@ -28,10 +28,11 @@ from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
 from infclip.train.guard import NonFiniteError
-from infclip.train.resume import last_finite_checkpoint, maybe_resume, resume_command
+from infclip.train.resume import last_finite_checkpoint, maybe_resume, refuse_other_data, resume_command
 from infclip.train.profiling import mark_phase_end, profiled_step
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
+from infclip.train.textlog import TextLog, text_log
 from infclip.train.sm_partition import decode_bound_hint, running_on
 from infclip.train.logger import _BOOKKEEPING, gpu_memory_gb, run_info
 from infclip.train.pipeline import (
@@ -60,19 +61,25 @@ def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
     slurm.export_submitit_env()  # hydra-submitit tasks: RANK/WORLD_SIZE/MASTER_* from Slurm
     info = init_distributed(cfg.device)
     try:
-        validate(cfg, info.world_size)  # before any model or GPU work
-        check_run_length(cfg, overrides or [])
-        apply_epochs(cfg, info)  # epochs=N: steps from the dataset size
-        run_dir = derive_run_dir(cfg)
-        with run_dir_lock(run_dir, info):  # one training per run_dir (rank 0 holds the lock)
-            return _start(cfg, info, run_dir, overrides or [])
+        with text_log(info.is_main) as log:  # <run_dir>/out.log from the accepted start on
+            inferred = infer_data_kind(cfg, overrides or [])  # data.shards without data.kind=wds
+            validate(cfg, info.world_size)  # before any model or GPU work
+            if inferred and info.is_main:
+                print(inferred, flush=True)
+            check_run_length(cfg, overrides or [])
+            apply_epochs(cfg, info)  # epochs=N: steps from the dataset size
+            run_dir = derive_run_dir(cfg)
+            refuse_other_data(cfg, run_dir)  # a run folder of a run on other data: not resumed
+            with run_dir_lock(run_dir, info):  # one training per run_dir (rank 0 holds the lock)
+                return _start(cfg, info, run_dir, overrides or [], log)
     finally:
         process_group.leave()  # the group destroyed and its native threads joined now
 
 
-def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dict:
+def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str], log: Optional[TextLog] = None) -> dict:
     """Build, resume, record, train. Nothing is written into ``run_dir`` until the start is
-    accepted (the checkpoint loaded): a refused start leaves the folder as it was."""
+    accepted (the checkpoint loaded): a refused start leaves the folder as it was; then
+    out.log gets the lines printed so far and every later one (``log``)."""
     torch.manual_seed(cfg.seed + info.rank)
     parts = build(cfg, info, run_dir)
     state = State()
@@ -80,6 +87,8 @@ def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str]) -> dic
     parts.guard.abort = lambda: _weights_abort_message(cfg, info, parts, state)
     changes = maybe_resume(cfg, info, parts, state)
     on_rank0(info, lambda: record_start(cfg, run_dir, overrides))
+    if log is not None and info.is_main:
+        log.open(run_dir)
     parts.logger.start(state.step, run_info(overrides, info), changes)
     # through the final checkpoint and eval (infclip.train.signals); the steps on the towers'
     # stream (data.decode_reserved_sms: SMs left free for the JPEG decoders' kernels)
@@ -298,7 +307,7 @@ def _warn_duplicates(cfg: Any, info: DistInfo, parts: Parts) -> None:
     msg = duplicate_warning(cfg.batch.global_size, parts.data.num_samples, info.world_size,
                             parts.data.spec.loader_batch, parts.data.spec.resampled)
     if msg and info.is_main:
-        parts.logger.write(f"warning: {msg}")
+        parts.logger.write(msg if msg.startswith("note: ") else f"warning: {msg}")
 
 
 def _optimizer_step(cfg: Any, parts: Parts, out: Any) -> tuple[bool, bool, float]:
@@ -395,6 +404,7 @@ def _after_step(cfg: Any, info: DistInfo, parts: Parts, state: State, metrics: d
     skipped = bool(metrics["skipped_step"])
     _count_nonfinite(state, skipped)
     if _logged(cfg, step) or skipped:
+        metrics["epoch"] = state.samples / max(parts.data.num_samples, 1)  # passes over the data so far
         metrics["skipped_samples"] = sum(_skip_counts(state, info).values())
         metrics["nonfinite_steps"] = state.nonfinite_total
         parts.logger.log(step, metrics)
@@ -464,6 +474,8 @@ def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -
                "skipped_samples": skips, **final}
     parts.logger.log(state.step, {"summary": summary}, echo=False)
     _print_summary(parts, summary, state)
+    if info.is_main:
+        _draw_curves(parts)
     parts.logger.close()
     if state.stop_signal == signal.SIGUSR1 and state.step < cfg.steps and info.is_main:
         slurm.requeue()  # Slurm's warning signal (not a user's SIGTERM): come back and resume
@@ -473,12 +485,31 @@ def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -
 def _print_summary(parts: Parts, summary: dict, state: State) -> None:
     w = parts.logger.write
     why = "stopped by signal" if state.stop_requested else "done"
-    w(f"== {why}: {summary['steps']} steps in {summary['wall_s']:.1f} s; run dir {parts.run_dir}")
+    total, starts = parts.logger.run_time()
+    first = parts.logger.first_step
+    mine = (f"steps {first + 1}-{summary['steps']} in {summary['wall_s']:.1f} s in this process, {summary['steps']} "
+            f"steps in {total:.1f} s over {starts} starts" if starts > 1 and first < summary["steps"]
+            else f"{summary['steps']} steps in {summary['wall_s']:.1f} s")
+    again = "; run the same command to resume" if state.stop_requested and state.step < parts.logger.total else ""
+    w(f"== {why}: {mine}; run dir {parts.run_dir}{again}")
     w(f"   skipped samples: {summary['skipped_samples'] or 'none'}; non-finite steps: {summary['nonfinite_steps']}")
     for k, v in summary.items():
         if k.startswith("eval/") and not k.endswith(_BOOKKEEPING):
             chance = summary.get(f"{k}_chance")
             w(f"   {k:<40} {v:8.4f}" + (f"   (chance {chance:.4f})" if chance is not None else ""))
+
+
+def _draw_curves(parts: Parts) -> None:
+    """The learning curve and eval metrics as <run_dir>/curves.png (infclip.plot); a plot
+    that cannot be drawn is one line, never a failed run."""
+    from infclip.plot import PlotError, plot_run
+
+    try:
+        parts.logger.write(f"   curves: {plot_run(parts.run_dir)}")
+    except PlotError as e:
+        parts.logger.write(f"   curves: not drawn ({e})")
+    except Exception as e:  # a plotting library's failure must not fail a finished run
+        parts.logger.write(f"   curves: not drawn ({type(e).__name__}: {str(e).strip()[:200]})")
 
 
 def _save(parts: Parts, state: State) -> Path:

@@ -651,7 +651,8 @@ def host_budget_bytes(host_buffer_gb: Optional[float]) -> int:
 def duplicate_warning(global_size: int, epoch_samples: int, world_size: int, loader_batch: int,
                       resampled: bool) -> Optional[str]:
     """A warning when one step's batch must (or is likely to) hold the same sample twice:
-    in a contrastive batch a duplicate is a false negative. None when there is no such risk.
+    in a contrastive batch a duplicate is a false negative. None when there is no such risk;
+    a line starting "note: " for the bounded epoch-boundary case (logged as it is).
 
     * the global batch exceeds the dataset: every step repeats samples;
     * epoch mode, a step straddles an epoch boundary (the epoch is not a whole number of
@@ -671,9 +672,12 @@ def duplicate_warning(global_size: int, epoch_samples: int, world_size: int, loa
         return None
     per_step = global_size // (world_size * loader_batch)
     epoch_batches = epoch_samples // (world_size * loader_batch)
-    if per_step and epoch_batches % per_step:
-        return (f"an epoch ({epoch_batches} loader batches per rank) is not a whole number of steps "
-                f"({per_step} loader batches each): the step that crosses an epoch boundary can hold samples "
-                f"of both epochs twice; make batch.global_size divide the epoch or set data.num_samples "
-                f"to a multiple of {global_size}")
+    if per_step and epoch_batches % per_step:  # a small, bounded effect: a note, not a warning
+        tail = epoch_batches % per_step
+        most = min(tail, per_step - tail) * world_size * loader_batch
+        return (f"note: an epoch ({epoch_batches} loader batches per rank) is not a whole number of steps "
+                f"({per_step} loader batches each), so one step in every {epoch_batches / per_step:.1f} takes "
+                f"samples from two epochs and may hold up to {most} of its {global_size} samples twice (false "
+                f"negatives in the loss). Nothing is wrong; to avoid it make batch.global_size divide the epoch "
+                f"or set data.num_samples to a multiple of {global_size}")
     return None

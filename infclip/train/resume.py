@@ -78,6 +78,50 @@ def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> dict[str, 
     return changes
 
 
+def _trained_on(data: dict) -> tuple[str, Any]:
+    """(the data of a config's ``data`` section in words, what identifies it): the synthetic
+    set's parameters, or the shard URLs (a folder and a brace range of its files agree)."""
+    if data.get("kind", "synthetic") == "synthetic":
+        keys = ("synthetic_train", "synthetic_image_size", "synthetic_seed")
+        return ("the embedded synthetic captioned shapes (data.kind=synthetic)",
+                ("synthetic", *(data.get(k) for k in keys)))
+    specs = [s.get("shards") for s in data.get("sources") or []] or [data.get("shards")]
+    words = f"data.shards={specs[0]}" if not data.get("sources") else f"data.sources={specs}"
+    return words, tuple(_urls(spec) for spec in specs)
+
+
+def _urls(spec: Any) -> Any:
+    from infclip.data.shards import expand, folder_spec
+
+    try:
+        return tuple(expand(folder_spec(str(spec))))
+    except ValueError:
+        return spec
+
+
+def refuse_other_data(cfg: Any, run_dir: Path) -> None:
+    """``resume=auto`` into a run folder whose checkpoints were trained on other data than
+    this command names is refused (it would continue that run on other data), naming both and
+    the fix: this run's own ``name=`` or ``run_dir=``. Checked before any model is built,
+    against the folder's config.yaml (the accepted start's); nothing to check without one."""
+    from omegaconf import OmegaConf
+
+    saved_file, existing = run_dir / "config.yaml", ckpt.list_checkpoints(run_dir)
+    if cfg.resume != "auto" or not existing or not saved_file.is_file():
+        return
+    saved = OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True).get("data") or {}
+    before, asked = _trained_on(saved), _trained_on(OmegaConf.to_container(cfg.data, resolve=True))
+    if before[1] == asked[1]:
+        return
+    name = Path(str(cfg.data.shards).split("{")[0].rstrip("/")).name if cfg.data.kind == "wds" else "synthetic"
+    raise ResumeError(
+        f"run_dir {run_dir} holds a run trained on {before[0]} (checkpoints up to {existing[-1].name}), and this "
+        f"command asks for {asked[0]}: resume=auto would continue that run on other data. Give this run its "
+        f"own folder with name={name or 'mine'} (or run_dir=/path/to/new/run); to continue that run, give "
+        f"its data again; to start from its weights on the new data, add model.pretrained={existing[-1] / 'model.pt'} "
+        f"to the new run.")
+
+
 def _load(path: Path, info: DistInfo) -> tuple[dict, dict, dict]:
     try:
         return ckpt.load(path, info.rank, map_location=info.device)

@@ -1,8 +1,9 @@
 """Stop signals: SIGTERM (a user's scancel), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's warning
 before the time limit) end training after the current step, with a checkpoint and exit status 0.
 
-SIGINT is recorded as SIGTERM (a user's stop: never a requeue) and announced in one line; a
-second SIGINT ends the process at once (status 130, no checkpoint: the newest one stays the
+SIGINT is recorded as SIGTERM (a user's stop: never a requeue); the first stop signal is
+announced in one line, by the main rank only (every rank of a torchrun job receives a
+terminal's Ctrl-C), saying that the same command resumes; a second SIGINT ends the process at once (status 130, no checkpoint: the newest one stays the
 last complete one, and the ``.step_N.tmp`` an interrupted save may leave is removed at the
 next start).
 
@@ -25,6 +26,7 @@ from typing import Any, Iterator
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 INTERRUPTED_EXIT = 130  # a second Ctrl-C: the shell's status for "ended by SIGINT"
+RESUME_HINT = "run the same command to resume"
 
 
 def install_signal_handlers(state: Any) -> dict:
@@ -36,6 +38,8 @@ def install_signal_handlers(state: Any) -> dict:
         if signum == signal.SIGINT:
             _interrupt(state)
             signum = signal.SIGTERM
+        elif not state.signal_received:
+            _say(f"{signal.Signals(signum).name}: stopping after this step with a checkpoint; {RESUME_HINT}")
         state.signal_received = max(state.signal_received, signum)
 
     return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
@@ -45,13 +49,18 @@ def _interrupt(state: Any) -> None:
     """First SIGINT: say what happens (os.write: a print could be re-entered); second: exit now."""
     state.interrupts = getattr(state, "interrupts", 0) + 1
     if state.interrupts == 1:
-        _say("interrupted: stopping after this step with a checkpoint (interrupt again to exit at once)")
+        _say(f"interrupted: stopping after this step with a checkpoint; {RESUME_HINT} (interrupt again to "
+             "exit at once)")
         return
     _say("interrupted again: exiting now without a checkpoint (the newest complete one stays)")
     os._exit(INTERRUPTED_EXIT)  # at once: no finally blocks, no waiting on loader workers
 
 
 def _say(line: str) -> None:
+    """One line on stderr from the main rank only: every rank of a torchrun job gets the
+    terminal's Ctrl-C, and the run is told once."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     try:
         os.write(2, f"{line}\n".encode())
     except OSError:

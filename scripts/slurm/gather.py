@@ -96,6 +96,16 @@ def write_csv(rows: list[dict], path: Path) -> None:
             w.writerow({k: ("" if v is None else v) for k, v in r.items()})
 
 
+def plot_panels(rows: list[dict]) -> list[tuple[str, str]]:
+    """(key, title) of each panel: throughput per GPU, peak GPU memory unless every run's is 0
+    (CPU runs have none to show), and each eval metric."""
+    evals = sorted({k for r in rows for k in r if k.startswith("eval/")})
+    panels = [("samples_per_s_per_gpu", "samples/s per GPU")]
+    if any(r.get("peak_gpu_mem_gb") for r in rows):
+        panels.append(("peak_gpu_mem_gb", "peak GPU memory (GB)"))
+    return panels + [(k, k) for k in evals]
+
+
 def plot(rows: list[dict], path: Path) -> bool:
     """Throughput per GPU, peak memory and eval metrics against the global batch (log2)."""
     try:
@@ -106,9 +116,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     rows = [r for r in rows if r["batch"]]
-    evals = sorted({k for r in rows for k in r if k.startswith("eval/")})
-    panels = [("samples_per_s_per_gpu", "samples/s per GPU"), ("peak_gpu_mem_gb", "peak GPU memory (GB)")]
-    panels += [(k, k) for k in evals]
+    panels = plot_panels(rows)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
         pts = sorted((r["batch"], r[key]) for r in rows if r.get(key) is not None)

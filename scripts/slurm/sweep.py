@@ -7,7 +7,9 @@
 
 Each job runs ``scripts/slurm/train.sbatch`` with ``batch.global_size=B optim.lr=LR
 name=<name>_b<B> run_dir=<sweep dir>/b<B>``; a requeued job therefore resumes in its own
-directory. ``--dry-run`` prints the exact sbatch commands and submits nothing. The sweep's
+directory. Every member's config is validated first, as train.py will on its ranks; if any
+cannot run, each such member is named and nothing is submitted (exit 2). ``--dry-run`` prints
+the exact sbatch commands and submits nothing. The sweep's
 manifest (``<sweep dir>/sweep.json``) lists the runs for ``scripts/slurm/gather.py``.
 
 Learning-rate rules, from a reference (batch b0, lr0): constant lr = lr0; linear
@@ -71,10 +73,43 @@ def plan(args: argparse.Namespace) -> list[SweepRun]:
         sbatch = [args.sbatch, f"--job-name={name}", f"--nodes={args.nodes}",
                   f"--gpus-per-node={args.gpus_per_node}", f"--output={Path(args.sweep_dir) / 'logs'}/%x-%j.out",
                   *args.sbatch_arg]
-        overrides = [*args.overrides, f"batch.global_size={batch}", f"optim.lr={lr:.6g}",
-                     f"name={name}", f"run_dir={run_dir}"]
+        overrides = member_overrides(args, batch, lr, name, run_dir)
         runs.append(SweepRun(batch, float(f"{lr:.6g}"), name, run_dir, [*sbatch, str(SBATCH_SCRIPT), *overrides]))
     return runs
+
+
+def member_overrides(args: argparse.Namespace, batch: int, lr: float, name: str, run_dir: str) -> list[str]:
+    """The train.py overrides of one member: the shared ones, then what the sweep sets."""
+    return [*args.overrides, f"batch.global_size={batch}", f"optim.lr={lr:.6g}", f"name={name}", f"run_dir={run_dir}"]
+
+
+def member_problems(args: argparse.Namespace, runs: list[SweepRun]) -> list[str]:
+    """Each member's config composed and validated as train.py will on its nodes x GPUs ranks
+    (a micro-batch that does not divide the per-rank batch, a missing data.shards, ...), one
+    line per member that cannot run. Devices are taken to be GPUs (the members run on GPU
+    nodes, whatever this host has) unless the overrides set ``device``; data files are not
+    opened (the submitting host may not see them)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf.errors import MissingMandatoryValue
+
+    from infclip.config import register_configs, validate
+
+    register_configs()
+    world = args.nodes * args.gpus_per_node
+    gpu = [] if any(o.split("=", 1)[0].lstrip("+") == "device" for o in args.overrides) else ["device=cuda"]
+    problems = []
+    for run in runs:
+        overrides = member_overrides(args, run.batch, run.lr, run.name, run.run_dir)
+        try:
+            with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+                validate(compose(config_name="train", overrides=[*overrides, *gpu]), world)
+        except MissingMandatoryValue as e:
+            problems.append(f"{run.name}: {e.full_key} has no value (??? in the preset): set {e.full_key}=... "
+                            "after --")
+        except Exception as e:  # ConfigError and Hydra's composition errors: their message is the story
+            problems.append(f"{run.name} (batch.global_size={run.batch} on {world} ranks): "
+                            f"{str(e).strip().splitlines()[0]}")
+    return problems
 
 
 def submit(run: SweepRun) -> str:
@@ -110,6 +145,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     runs = plan(args)
+    problems = member_problems(args, runs)
+    if problems:  # nothing is submitted: a member that cannot run would fail inside its job's log
+        print(f"error: {len(problems)} of {len(runs)} sweep members cannot run, so none was submitted:\n  "
+              + "\n  ".join(problems), file=sys.stderr)
+        return 2
     if not args.dry_run:  # Slurm cannot create the log directory itself
         (Path(args.sweep_dir) / "logs").mkdir(parents=True, exist_ok=True)
     for run in runs:

@@ -124,3 +124,24 @@ def test_a_run_folder_is_evaluated_on_its_own_tasks_by_default(tmp_path, synthet
     OmegaConf.save({"eval": {"tasks": []}}, run / "config.yaml")
     with pytest.raises(EvalConfigError, match="evaluated no tasks"):
         plan_tasks(_compose([f"checkpoint={run}"]))
+
+
+def test_a_run_on_its_own_data_is_not_evaluated_on_the_synthetic_tasks_the_trainer_skipped(tmp_path, micro):
+    """A data.kind=wds run whose config still lists the quick start's synthetic tasks: the
+    trainer skipped them, so does the eval command (its other tasks stay); none left: refused
+    with the way to name tasks, not near-chance numbers appended to the run's eval.jsonl."""
+    from omegaconf import OmegaConf
+
+    from infclip.eval.cli import plan_tasks
+
+    run = tmp_path / "run"
+    _save(run, 3, micro[0])
+    synthetic = {"name": "synthetic_zeroshot", "kind": "zeroshot", "root": "synthetic:zeroshot", "format": "wds"}
+    held = {"name": "holdout", "kind": "retrieval", "format": "flat", "root": str(tmp_path / "holdout")}
+    (tmp_path / "holdout").mkdir()
+    (tmp_path / "holdout" / "test.json").write_text('[{"image": "a.png", "caption": ["a"]}]')
+    OmegaConf.save({"data": {"kind": "wds"}, "eval": {"tasks": [synthetic, held]}}, run / "config.yaml")
+    assert [t.name for t in plan_tasks(_compose([f"checkpoint={run}"]))[0]] == ["holdout"]
+    OmegaConf.save({"data": {"kind": "wds"}, "eval": {"tasks": [synthetic]}}, run / "config.yaml")
+    with pytest.raises(EvalConfigError, match=r"evaluated no tasks .* only the embedded synthetic set's.*tasks=\[\{"):
+        plan_tasks(_compose([f"checkpoint={run}"]))

@@ -64,3 +64,11 @@ def test_hydra_multirun_gives_each_job_its_own_run_dir(tmp_path):
     assert gather.main([str(tmp_path / "runs" / "sw")]) == 0
     rows = list(csv.DictReader(open(tmp_path / "runs" / "sw" / "sweep.csv")))
     assert [r["batch"] for r in rows] == ["32", "64"]
+
+
+def test_the_sweep_plot_leaves_out_a_gpu_memory_panel_that_is_all_zero():
+    rows = [{"batch": 32, "samples_per_s_per_gpu": 10.0, "peak_gpu_mem_gb": 0.0, "eval/a/top1": 0.5},
+            {"batch": 64, "samples_per_s_per_gpu": 12.0, "peak_gpu_mem_gb": 0.0}]
+    assert [k for k, _ in gather.plot_panels(rows)] == ["samples_per_s_per_gpu", "eval/a/top1"]
+    rows[1]["peak_gpu_mem_gb"] = 3.5
+    assert [k for k, _ in gather.plot_panels(rows)] == ["samples_per_s_per_gpu", "peak_gpu_mem_gb", "eval/a/top1"]

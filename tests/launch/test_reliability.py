@@ -108,7 +108,8 @@ def test_nan_in_the_weights_is_caught_before_any_save_and_the_printed_resume_wor
 
 def test_resume_with_a_new_lr_applies_it_and_records_it(tmp_path, data_root, reference):
     run_dir = _copy_until(reference, tmp_path, 4)
-    proc = run(train_cmd(data_root, run_dir, *COMMON, "optim.lr=3e-4"), cwd=tmp_path)
+    common = [o for o in COMMON if not o.startswith("optim.lr=")]
+    proc = run(train_cmd(data_root, run_dir, *common, "optim.lr=3e-4"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [x for x in proc.stdout.splitlines() if x.startswith("resume: ")]
     assert lines == ["resume: optim.lr changed 0.001 -> 0.0003; applied from step 5 (lr now 0.0003)"], lines

@@ -133,7 +133,8 @@ def test_sbatch_real_path_launches_every_node_and_forwards_usr1_once(tmp_path):
 def test_sweep_dry_run_prints_one_sbatch_per_batch_with_lr_rule(tmp_path, capsys):
     assert sweep.main(["--dry-run", "--batches", "32k,128k,1M", "--lr-rule", "sqrt", "--ref-batch", "32k",
                        "--ref-lr", "1e-3", "--nodes", "4", "--sweep-dir", str(tmp_path / "sw"),
-                       "--", "experiment=vit_b32_laion", "steps=100"]) == 0
+                       "--", "experiment=vit_b32_laion", "data.shards='/data/laion/{00000..00099}.tar'",
+                       "steps=100"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 3 and not (tmp_path / "sw").exists()  # dry run: nothing written, nothing submitted
     expected = {32768: 1e-3, 131072: 2e-3, 1048576: 1e-3 * 32**0.5}
@@ -164,6 +165,22 @@ def test_sweep_submits_and_writes_manifest(tmp_path):
     assert [r["lr"] for r in manifest["runs"]] == [1e-3, 2e-3]
     assert all(r["job_id"].startswith("9") for r in manifest["runs"])
     assert (sw / "logs").is_dir() and len((tmp_path / "calls.txt").read_text().splitlines()) == 2
+
+
+def test_sweep_validates_every_member_and_submits_none_when_one_cannot_run(tmp_path, capsys):
+    """global 128 on 2 ranks with micro 128: that member is named (and why), nothing submitted."""
+    fake = tmp_path / "sbatch"
+    fake.write_text("#!/bin/sh\necho submitted >> " + str(tmp_path / "calls") + "\necho Submitted batch job 1\n")
+    fake.chmod(0o755)
+    argv = ["--batches", "128,512", "--gpus-per-node", "2", "--sbatch", str(fake), "--sweep-dir", str(tmp_path / "sw"),
+            "--", "steps=10", "batch.micro_size=128"]
+    assert sweep.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: 1 of 2 sweep members cannot run, so none was submitted:")
+    assert "sweep_b128 (batch.global_size=128 on 2 ranks): batch.micro_size=128 must divide the per-rank" in err
+    assert "sweep_b512" not in err and not (tmp_path / "calls").exists() and not (tmp_path / "sw" / "sweep.json").exists()
+    assert sweep.main(["--dry-run", "--", "experiment=vit_b32_laion"]) == 2
+    assert "data.kind=wds needs data.shards=" in capsys.readouterr().err
 
 
 def test_sweep_rejects_overrides_it_sets_itself(capsys):

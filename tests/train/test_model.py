@@ -96,3 +96,40 @@ def test_image_pretrained_that_does_not_fit_is_refused_in_one_paragraph(tmp_path
 def test_a_pretrained_tag_that_is_neither_a_tag_nor_a_file_is_a_config_error():
     with pytest.raises(ConfigError, match="model.pretrained='no-such-tag' cannot be loaded into model.name='infclip-micro'"):
         build_model(ModelConfig(name="infclip-micro", pretrained="no-such-tag"))
+
+
+def test_the_ddp_wrap_warns_nothing(tmp_path):
+    """torch's deprecated broadcast_buffers argument printed a FutureWarning on every rank."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from infclip.train.build import _wrap_ddp
+    from infclip.train.distributed import DistInfo
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapped = _wrap_ddp(torch.nn.Linear(3, 2), DistInfo(0, 2, 0, torch.device("cpu")))  # "distributed"
+        assert isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
+        assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_random_init_asked_for_is_not_announced_as_a_warning(caplog):
+    """Without model.pretrained, open_clip's "initialized randomly" warning (printed before a
+    resume's "resumed from ...") is left out; the model is built as before."""
+    import logging
+
+    from infclip.config import ModelConfig
+    from infclip.model import build_model
+
+    with caplog.at_level(logging.WARNING):
+        built = build_model(ModelConfig(name="infclip-micro"))
+    assert built.model is not None
+    assert not [r for r in caplog.records if "initialized randomly" in r.getMessage()]
+    logging.getLogger().warning("No pretrained weights loaded for model 'x'. Model initialized randomly.")
+    assert [r for r in caplog.records if "initialized randomly" in r.getMessage()]  # the filter is gone again

@@ -92,6 +92,9 @@ def test_duplicate_warnings():
     assert "larger than the dataset" in duplicate_warning(1024, 1000, 1, 8, resampled=False)
     assert "not a whole number of steps" in duplicate_warning(64, 1000, 1, 16, resampled=False)
     assert duplicate_warning(64, 1024, 1, 16, resampled=False) is None
+    boundary = duplicate_warning(64, 1000, 1, 16, resampled=False)  # 62 loader batches, 4 per step
+    assert boundary.startswith("note: ") and "up to 32 of its 64 samples twice" in boundary  # 2 + 2 straddle
+    assert "one step in every 15.5" in boundary and "Nothing is wrong" in boundary
     assert "duplicate pairs" in duplicate_warning(32768, 100_000, 1, 256, resampled=True)
     assert duplicate_warning(256, 10_000_000, 1, 256, resampled=True) is None
 

@@ -21,3 +21,28 @@ def test_stop_signal_after_a_finished_run_exits_zero(sig):
     run = lambda mode: subprocess.run([sys.executable, "-c", CHILD, mode, str(int(sig))], timeout=60)  # noqa: E731
     assert run("installed").returncode == 0
     assert run("default").returncode == -int(sig)  # without it the signal kills the process
+
+
+def test_a_stop_signal_is_announced_once_by_the_main_rank_with_how_to_resume(capfd, monkeypatch):
+    """Every rank of a torchrun job receives a terminal's Ctrl-C: only rank 0 says so, once,
+    and the line says that the same command resumes."""
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from infclip.train.signals import signals_handled
+
+    for rank, said in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        state = SimpleNamespace(signal_received=0, interrupts=0)
+        with signals_handled(state):
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGINT)
+        err = capfd.readouterr().err
+        assert state.signal_received == signal.SIGTERM and state.interrupts == 1
+        lines = err.strip().splitlines()
+        assert lines == ([] if not said else [
+            "SIGTERM: stopping after this step with a checkpoint; run the same command to resume",
+            "interrupted: stopping after this step with a checkpoint; run the same command to resume (interrupt "
+            "again to exit at once)"])

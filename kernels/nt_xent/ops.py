@@ -183,7 +183,8 @@ class TritonMaskedLSEOps(ObjectiveTiles):
         d_vec = self._alloc(rows, device=a.device, dtype=torch.float32) if fixup else vecs[0]
         per = cdiv(rows, cfg.BM) * cdiv(n, cfg.BN)
         ds_all = torch.zeros(cdiv(m, rows) * per, device=a.device, dtype=torch.float32)
-        use_tma = cfg.tma and tma_ok(a, b)  # else (fp32, or a row not 16-byte aligned) pointer loads
+        # else (fp32, a row not 16-byte aligned, or c = 0: the TMA kernel assumes K > 0) pointer loads
+        use_tma = cfg.tma and a.shape[1] > 0 and tma_ok(a, b)
         consts = dict(LSE_ON_A=flags["LSE_ON_A"], SYM=flags.get("SYM", False), HAS_OFF=flags["HAS_OFF"],
                       HAS_POS=pos, FOLD=self.fold)
 

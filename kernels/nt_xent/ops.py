@@ -26,6 +26,7 @@ not measured on the GPU yet).
 from __future__ import annotations
 
 import torch
+import triton
 from torch import Tensor
 
 from ..clip import launch
@@ -44,13 +45,32 @@ def strip_candidates(k: int, esize: int) -> list[StripConfig]:
     128x128, BK 64, 8 warps, 4 stages first, 22.7 ms vs 25.2 for the pointer kernel at
     c = 512, b = 64k, one direction), whose tiles and epilogue are the same shape here
     (the masked epilogue adds two compares per entry). The interpreter runs the TMA kernel
-    (16-bit inputs; fp32 falls back to pointer loads)."""
+    (16-bit inputs; fp32 falls back to pointer loads). Before triton 3.8 the TMA kernel's
+    masked epilogue does not fit 128x128 tiles in registers (``_tma_wide_tiles_fit``):
+    the first candidate (the one used untimed) is the TMA kernel at 128x64, and the
+    128x128 one comes last, timed like the rest."""
     if launch.interpreting():
         return [StripConfig(16, 16, 16, 2, 1, 1, tma=True)]
     if esize == 4:
         return objective_strip_candidates(k, esize)
-    return [StripConfig(128, 128, 64, 8, 8, 4, tma=True), StripConfig(128, 128, 64, 8, 8, 4),
-            StripConfig(128, 256, 64, 8, 8, 3), StripConfig(64, 128, 64, 8, 4, 3, tma=True, per_sm=2)]
+    rest = [StripConfig(128, 128, 64, 8, 8, 4), StripConfig(128, 256, 64, 8, 8, 3),
+            StripConfig(64, 128, 64, 8, 4, 3, tma=True, per_sm=2)]
+    wide = StripConfig(128, 128, 64, 8, 8, 4, tma=True)
+    if _tma_wide_tiles_fit():
+        return [wide, *rest]
+    return [StripConfig(128, 64, 64, 8, 8, 4, tma=True), *rest, wide]
+
+
+def _tma_wide_tiles_fit() -> bool:
+    """Whether this triton compiles ``_masked_strip_tma_kernel`` at 128x128, 8 warps without
+    register spills (ptxas, sm_90, the own block's flags: SYM, offsets, positives): 3.8 does
+    (226 registers a thread); 3.6 and 3.7 spill 340 and 156 bytes a thread (255 registers),
+    where 128x64 takes 203 and 172 registers and spills nothing."""
+    parts = triton.__version__.split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= (3, 8)
+    except (ValueError, IndexError):
+        return True
 
 
 class TritonMaskedLSEOps(ObjectiveTiles):
@@ -183,7 +203,8 @@ class TritonMaskedLSEOps(ObjectiveTiles):
         d_vec = self._alloc(rows, device=a.device, dtype=torch.float32) if fixup else vecs[0]
         per = cdiv(rows, cfg.BM) * cdiv(n, cfg.BN)
         ds_all = torch.zeros(cdiv(m, rows) * per, device=a.device, dtype=torch.float32)
-        use_tma = cfg.tma and tma_ok(a, b)  # else (fp32, or a row not 16-byte aligned) pointer loads
+        # else (fp32, a row not 16-byte aligned, or c = 0: the TMA kernel assumes K > 0) pointer loads
+        use_tma = cfg.tma and a.shape[1] > 0 and tma_ok(a, b)
         consts = dict(LSE_ON_A=flags["LSE_ON_A"], SYM=flags.get("SYM", False), HAS_OFF=flags["HAS_OFF"],
                       HAS_POS=pos, FOLD=self.fold)
 

@@ -27,7 +27,15 @@ class DataConfig:
     num_samples: Optional[int] = None  # samples per epoch; None: count from stats/sizes files
     resampled: bool = False  # True: shards drawn with replacement (per rank/worker/epoch seeds)
     workers: int = 2  # DataLoader workers per rank
-    shuffle_buffer: int = 1000  # sample shuffle buffer per worker (0 disables)
+    # Streams of the global sample order (infclip/data/stream.py): each rank reads whole streams,
+    # each loader worker holds a few. Fixed for the life of a run (checkpoints carry it), so a run
+    # resumes on any number of ranks that divides it, with the same global batches in the same
+    # steps. null: ranks x data.workers of the run's first start (2 ranks x 8 workers: 16, which
+    # resumes on 1, 2, 4, 8 or 16 ranks). Set a number with many divisors (48) to keep more world
+    # sizes open; epoch mode needs at least that many shards, and each stream keeps its own
+    # shuffle buffer (a worker holding k streams holds k buffers).
+    streams: Optional[int] = None
+    shuffle_buffer: int = 1000  # sample shuffle buffer per stream (data.streams; 0 disables)
     loader_batch: int = 256  # samples per loader batch; the trainer assembles steps from these
     image_size: Optional[int] = None  # None: the model's own image size
     caption_key: str = "txt"  # sample field holding the caption
@@ -193,6 +201,9 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.jpeg_max_bytes must be >= 1024 (bytes per packed JPEG), got {cfg.jpeg_max_bytes}")
     if cfg.loader_batch <= 0:
         raise ValueError(f"data.loader_batch must be > 0, got {cfg.loader_batch}")
+    if cfg.streams is not None and (isinstance(cfg.streams, bool) or cfg.streams < 1):
+        raise ValueError(f"data.streams must be a whole number >= 1 (streams of the global sample order) or null "
+                         f"(ranks x data.workers at the run's first start), got {cfg.streams!r}")
     if cfg.workers < 0 or cfg.shuffle_buffer < 0:
         raise ValueError("data.workers and data.shuffle_buffer must be >= 0 (0: in-process / no shuffle)")
     if cfg.num_samples is not None and cfg.num_samples <= 0:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from infclip.data.config import DataConfig
 from infclip.data.shards import DataError, Source, check_exist, count_samples, expand
 from infclip.data.stream import BatchStream, Position, StreamSpec
+from infclip.data.workers import AUTO, size_loader, this_machine
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images uint8 (B,3,H,W), tokens int64 (B,L)
 
@@ -374,7 +375,7 @@ def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callabl
     sources = resolve_sources(cfg, shards, num_samples)
     total = total_samples(cfg, sources, num_samples)
     urls = [u for s in sources for u in s.urls]
-    wanted = max(cfg.workers, 0)
+    wanted = _workers(cfg.workers, world_size)
     workers = _fit_workers(cfg, urls, world_size, wanted)
     streams = cfg.streams or world_size * max(workers, 1)
     if streams % world_size:
@@ -398,6 +399,14 @@ def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callabl
                       json_caption_key=cfg.json_caption_key, streams=streams, stream_world=world0)
     # No pinning here: the trainer copies loader batches into its own (pinned) step buffer.
     return TrainData(spec, transform, tokenizer, workers, total, pin_memory=False, wanted_workers=wanted)
+
+
+def _workers(workers: Any, world_size: int) -> int:
+    """data.workers as a number ("auto" sized for loader workers that decode; the trainer
+    resolves it itself, knowing where images are decoded)."""
+    if workers != AUTO:
+        return max(int(workers), 0)
+    return size_loader(this_machine(world_size), "cpu").workers
 
 
 def _fit_workers(cfg: DataConfig, urls: list[str], world_size: int, workers: int) -> int:

@@ -56,14 +56,15 @@ def test_two_ranks_checkpoint_one_resumes_then_two_again_each_sample_once(tmp_pa
     _train(tmp_path, "a", 2, "steps=1")
     out_b = _train(tmp_path, "b", 1, "steps=2", f"resume={tmp_path / 'a' / 'checkpoints' / 'step_00000001'}")
     assert "resume: written on 2 rank(s), resuming on 1: the global sample order goes on at global loader batch 4" \
-        in out_b
+        in out_b and "data: 1 loader worker(s) per rank: data.workers=1 (as set" in out_b
     out_c = _train(tmp_path, "c", 2, "steps=4", f"resume={tmp_path / 'b' / 'checkpoints' / 'step_00000002'}")
     assert "resume: written on 1 rank(s), resuming on 2" in out_c and "same global batch (64 samples" in out_c
     seen = {**_trained(tmp_path, "a", 1, 1), **_trained(tmp_path, "b", 2, 2), **_trained(tmp_path, "c", 3, 4)}
     keys = [k for i in sorted(seen) for k in seen[i]]
     assert len(keys) == 256 and len(set(keys)) == 256  # the whole epoch, each sample once
 
-    _train(tmp_path, "ref", 1, "steps=4")  # uninterrupted, on 1 rank
+    out_ref = _train(tmp_path, "ref", 1, "steps=4", "data.workers=auto")  # uninterrupted, on 1 rank
+    assert "loader worker(s) per rank: data.workers=auto:" in out_ref
     assert _trained(tmp_path, "ref", 1, 4) == seen  # the same samples in the same global batches
     ref = losses(tmp_path / "ref")
     got = {**losses(tmp_path / "a"), **losses(tmp_path / "b"), **losses(tmp_path / "c")}

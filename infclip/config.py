@@ -285,6 +285,11 @@ def validate(cfg: Any, world_size: int) -> None:
     _validate_schedule(cfg.schedule, cfg.steps)
     _validate_loss(cfg)
     _validate_model(cfg)
+    streams = cfg.data.streams
+    if isinstance(streams, int) and streams >= 1 and streams % world_size:
+        raise ConfigError(f"data.streams={streams} is not a multiple of the world size {world_size}: each rank reads "
+                          f"whole streams of the global sample order. Run on a number of ranks that divides "
+                          f"{streams}, or set data.streams to a multiple of {world_size} (or null) for a new run")
     if cfg.data.kind == "wds" and not (cfg.data.shards or cfg.data.sources):
         raise ConfigError("data.kind=wds needs data.shards=/path/{00000..00099}.tar (or data.sources)")
     if cfg.task == "simclr" and (cfg.loss.kind != "nt_xent" or cfg.model.lock_image or cfg.model.lock_text

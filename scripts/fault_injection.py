@@ -412,8 +412,8 @@ def case_half_empty(ctx: Ctx) -> tuple[bool, str]:
         else:
             shutil.copy(ctx.data / "train" / f"{i:05d}.tar", folder / f"{i:05d}.tar")
     urls = [str(folder / f"{i:05d}.tar") for i in range(4)]
-    spec = lambda s: StreamSpec(urls, [1.0] * 4, False, s, 0, 1, 16, 2, 0)  # noqa: E731
-    seed = next(s for s in range(100) if sorted(Path(u).name for u in epoch_shards(spec(s), 0, 0, 2))
+    spec = lambda s: StreamSpec(urls, [1.0] * 4, False, s, 0, 1, 16, 2, 0, streams=2)  # noqa: E731
+    seed = next(s for s in range(100) if sorted(Path(u).name for u in epoch_shards(spec(s), 0, 0))
                 == ["00000.tar", "00001.tar"])  # one worker's whole share is the two empty shards
     run_dir = ctx.fresh("half-empty")
     micro = [o for o in MICRO if not o.startswith("data.workers")]

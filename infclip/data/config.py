@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+from infclip.data.workers import check_count
 
 
 @dataclass
@@ -26,8 +28,21 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)
     num_samples: Optional[int] = None  # samples per epoch; None: count from stats/sizes files
     resampled: bool = False  # True: shards drawn with replacement (per rank/worker/epoch seeds)
-    workers: int = 2  # DataLoader workers per rank
-    shuffle_buffer: int = 1000  # sample shuffle buffer per worker (0 disables)
+    # DataLoader workers per rank. "auto": sized from the cores this process may run on
+    # (os.sched_getaffinity) shared by the training processes of its node (LOCAL_WORLD_SIZE):
+    # all but 2 of a rank's cores when the workers decode, half when the GPU decodes, rounded
+    # down to 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48 or 64 (infclip/data/workers.py); the startup
+    # line says what and why. A number is used as given (0: load in the training process).
+    workers: Any = "auto"
+    # Streams of the global sample order (infclip/data/stream.py): each rank reads whole streams,
+    # each loader worker holds a few. Fixed for the life of a run (checkpoints carry it), so a run
+    # resumes on any number of ranks that divides it, with the same global batches in the same
+    # steps. null: ranks x data.workers of the run's first start (2 ranks x 8 workers: 16, which
+    # resumes on 1, 2, 4, 8 or 16 ranks). Set a number with many divisors (48) to keep more world
+    # sizes open; epoch mode needs at least that many shards, and each stream keeps its own
+    # shuffle buffer (a worker holding k streams holds k buffers).
+    streams: Optional[int] = None
+    shuffle_buffer: int = 1000  # sample shuffle buffer per stream (data.streams; 0 disables)
     loader_batch: int = 256  # samples per loader batch; the trainer assembles steps from these
     image_size: Optional[int] = None  # None: the model's own image size
     caption_key: str = "txt"  # sample field holding the caption
@@ -67,7 +82,8 @@ class DataConfig:
     # nvImageCodec decoder instances (own CUDA stream and host thread each) that decode parts
     # of a micro-batch at once: beside the towers a single decode chain waits on the busy SMs
     # between its stages (docs/data.md, "Decoding on the GPU").
-    decode_threads: int = 2
+    # "auto": 2, or 1 when a rank has fewer than 8 cores (infclip/data/workers.py).
+    decode_threads: Any = "auto"
     # More nvImageCodec decoder options for the hardware / cuda decoders, space-separated
     # "[module]:option=value" entries after the backend's own (nvImageCodec's "Codec options";
     # a later entry overrides an earlier one, unknown options are ignored by the library), e.g.
@@ -165,8 +181,7 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.decode must be 'auto', 'cpu' or 'device', got {cfg.decode!r}")
     if cfg.device_decoder not in ("auto", "hardware", "cuda", "nvjpeg"):
         raise ValueError(f"data.device_decoder must be auto, hardware, cuda or nvjpeg, got {cfg.device_decoder!r}")
-    if cfg.decode_threads < 1:
-        raise ValueError(f"data.decode_threads must be >= 1 (decoder instances), got {cfg.decode_threads}")
+    check_count("data.decode_threads", cfg.decode_threads, 1)
     if cfg.decoded_keep_gb is not None and cfg.decoded_keep_gb < 0:
         raise ValueError(f"data.decoded_keep_gb must be >= 0 (0: decode in both passes) or null (auto), "
                          f"got {cfg.decoded_keep_gb}")
@@ -193,8 +208,12 @@ def check_data_config(cfg: DataConfig) -> None:
         raise ValueError(f"data.jpeg_max_bytes must be >= 1024 (bytes per packed JPEG), got {cfg.jpeg_max_bytes}")
     if cfg.loader_batch <= 0:
         raise ValueError(f"data.loader_batch must be > 0, got {cfg.loader_batch}")
-    if cfg.workers < 0 or cfg.shuffle_buffer < 0:
-        raise ValueError("data.workers and data.shuffle_buffer must be >= 0 (0: in-process / no shuffle)")
+    if cfg.streams is not None and (isinstance(cfg.streams, bool) or cfg.streams < 1):
+        raise ValueError(f"data.streams must be a whole number >= 1 (streams of the global sample order) or null "
+                         f"(ranks x data.workers at the run's first start), got {cfg.streams!r}")
+    check_count("data.workers", cfg.workers, 0)
+    if cfg.shuffle_buffer < 0:
+        raise ValueError("data.shuffle_buffer must be >= 0 (0: no shuffle)")
     if cfg.num_samples is not None and cfg.num_samples <= 0:
         raise ValueError(f"data.num_samples must be > 0 or null (count from sizes.json), got {cfg.num_samples}")
     lo, hi = cfg.aug_scale

@@ -14,7 +14,7 @@ import os
 import signal
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 
 from infclip.data.config import DataConfig
 from infclip.data.shards import DataError, Source, check_exist, count_samples_from, expand, folder_spec
-from infclip.data.stream import BatchStream, EpochPlan, StreamSpec
+from infclip.data.stream import BatchStream, Position, StreamSpec
+from infclip.data.workers import AUTO, size_loader, this_machine
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # images uint8 (B,3,H,W), tokens int64 (B,L)
 
@@ -93,7 +94,8 @@ def url_weights(sources: list[Source]) -> list[float]:
 
 @dataclass
 class TrainData:
-    """Infinite batches for one rank with a resumable position and skip counters."""
+    """Infinite batches for one rank: its share of the global order (:mod:`infclip.data.stream`),
+    with a resumable position and skip counters."""
 
     spec: StreamSpec
     transform: Callable
@@ -102,16 +104,25 @@ class TrainData:
     num_samples: int
     pin_memory: bool = False  # pin loader batches (only useful if they go to the GPU as they are)
     origin: str = ""  # where num_samples came from, in words ("counted from sizes.json", ...)
+    wanted_workers: Optional[int] = None  # data.workers as asked (a resume on another layout refits to it)
 
     def __post_init__(self) -> None:
-        self.plan = EpochPlan(cursors=[0] * max(self.workers, 1))
+        self.position = Position(cursors=[None] * self.spec.streams)
         self._skips: Counter = Counter()
         self._iter: Any = None  # the DataLoader's iterator while batches() runs (for waiting_on)
+        if self.wanted_workers is None:
+            self.wanted_workers = self.workers
 
     @property
     def epoch_batches(self) -> int:
-        """Batches per epoch per rank (the same on every rank)."""
-        return self.spec.epoch_batches
+        """Loader batches per epoch per rank (exact when the world size divides the epoch's
+        global batches, as at the run's first start)."""
+        return self.spec.epoch_batches // self.spec.world_size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next global batch."""
+        return self.position.batches // self.spec.epoch_batches
 
     def batches(self) -> Iterator[Batch]:
         """Yield (images, tokens) forever; epochs advance by themselves. Call once per run.
@@ -121,17 +132,20 @@ class TrainData:
         it = self._iter = iter(self._loader())
         try:
             for images, tokens, info in it:
-                if info["epoch"] != self.plan.epoch:  # the first batch of the next epoch
-                    self.plan = EpochPlan(epoch=info["epoch"], cursors=[0] * max(self.workers, 1))
-                self.plan.batch += 1
-                self.plan.cursors[info["worker"]] = info["raw"]
-                self._skips.update(info["skips"])
+                self._advance(info)
                 yield images, tokens
         finally:
             self._iter = None
             shutdown = getattr(it, "_shutdown_workers", None)  # torch's multi-worker iterator
             if shutdown is not None:
                 shutdown()
+
+    def _advance(self, info: dict) -> None:
+        """One loader batch of this rank taken: each rank takes one of every ``W`` global
+        batches, so once all ranks have taken it the world has consumed ``W`` more."""
+        self.position.batches += self.spec.world_size
+        self.position.cursors[info["lane"]] = [info["epoch"], info["batch"] + 1, info["raw"]]
+        self._skips.update(info["skips"])
 
     def waiting_on(self) -> str:
         """Which loader worker the next batch must come from (batches arrive in order) and what
@@ -148,8 +162,8 @@ class TrainData:
     def _loader(self) -> DataLoader:
         if self.workers:  # HF tokenizers warn (and may deadlock) when used across fork()
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        plan = EpochPlan(self.plan.epoch, self.plan.batch, list(self.plan.cursors))
-        dataset = BatchStream(self.spec, self.transform, self.tokenizer, plan, self.workers)
+        position = Position(self.position.batches, [None if c is None else list(c) for c in self.position.cursors])
+        dataset = BatchStream(self.spec, self.transform, self.tokenizer, position, self.workers)
         # An explicit generator: creating the loader must not draw from the trainer's torch RNG
         # (the workers' seeds come from mix_seed, not from the loader's base seed).
         return DataLoader(dataset, batch_size=None, num_workers=self.workers,
@@ -162,29 +176,137 @@ class TrainData:
         return dict(self._skips)
 
     def state_dict(self) -> dict[str, Any]:
-        """The resume position (valid between two ``next()`` calls on ``batches()``)."""
-        s = self.spec
-        return {"epoch": self.plan.epoch, "batch": self.plan.batch, "cursors": list(self.plan.cursors),
-                "workers": self.workers, "world_size": s.world_size, "seed": s.seed,
-                "resampled": s.resampled, "epoch_batches": s.epoch_batches,
+        """The resume position (valid between two ``next()`` calls on ``batches()``). Only the
+        cursors of streams this rank delivered (or resumed with) are known here: a checkpoint
+        holds every rank's, and :func:`merge_positions` joins them."""
+        s, p = self.spec, self.position
+        return {"position": p.batches, "epoch": self.epoch, "cursors": [None if c is None else list(c) for c in p.cursors],
+                "streams": s.streams, "stream_world": s.stream_world, "epoch_batches": s.epoch_batches,
+                "num_samples": self.num_samples, "loader_batch": s.loader_batch, "seed": s.seed,
+                "resampled": s.resampled, "world_size": s.world_size, "workers": self.workers,
                 "skips": dict(self._skips)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at a saved position; the layout (workers, world size, seed, mode) must match."""
+        """Resume at a saved global position (one rank's state, or :func:`merge_positions` of
+        a checkpoint's): the saved order (streams, epoch length) is taken over; the worker
+        count is refitted to divide this rank's streams. Raises DataError, naming the keys and
+        the fix, when the order cannot continue here (other seed, mode or data, or a world
+        size that does not divide the streams)."""
+        state = _current_form(state, self.spec.rank)
+        self._refuse_other_data(state)
+        streams, world = int(state["streams"]), self.spec.world_size
+        if streams % world:
+            raise DataError(_world_refusal(streams, world, int(state.get("world_size") or 0)))
+        self.workers = fit_workers(self.wanted_workers, streams // world)
+        self.spec = replace(self.spec, streams=streams, stream_world=int(state["stream_world"]),
+                            epoch_batches=int(state["epoch_batches"]))
+        cursors = [None if c is None else list(c) for c in state["cursors"]]
+        self.position = Position(int(state["position"]), cursors + [None] * (streams - len(cursors)))
+        self._check_cursors()
+        self._skips = Counter(state.get("skips", {}) if self.spec.rank == 0 else {})
+
+    def _refuse_other_data(self, state: dict[str, Any]) -> None:
+        """The saved order belongs to this seed, mode, loader batch and number of samples."""
         s = self.spec
-        mine = {"workers": self.workers, "world_size": s.world_size, "seed": s.seed,
-                "resampled": s.resampled, "epoch_batches": s.epoch_batches}
+        mine: dict[str, Any] = {"seed": s.seed, "resampled": s.resampled}
+        if "num_samples" in state:
+            mine.update(num_samples=self.num_samples, loader_batch=s.loader_batch)
+        else:  # an earlier version's: its epoch length is what these settings made of it
+            world0 = int(state["stream_world"])
+            mine["epoch_batches"] = world0 * (self.num_samples // (world0 * s.loader_batch))
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if diff:
             raise DataError(
                 "cannot resume the data position exactly: " + ", ".join(
                     f"{k} was {a} now {b}" for k, (a, b) in diff.items())
-                + "; restore these settings (data.workers, world size, seed, data.resampled, "
-                "data.num_samples, data.loader_batch), or start a new run from the checkpoint's weights "
-                "(model.pretrained=<checkpoint>/model.pt, another run_dir): its data position and "
-                "optimizer state start afresh")
-        self.plan = EpochPlan(state["epoch"], state["batch"], list(state["cursors"]))
-        self._skips = Counter(state.get("skips", {}))
+                + "; restore these settings (seed, data.resampled, data.num_samples, data.loader_batch, the "
+                "shards), or start a new run from the checkpoint's weights (model.pretrained=<checkpoint>/model.pt, "
+                "another run_dir): its data position and optimizer state start afresh")
+
+    def _check_cursors(self) -> None:
+        """Every stream this rank continues mid-epoch has its cursor (never guess a position)."""
+        s, start = self.spec, self.position.batches
+        epoch = start // s.epoch_batches
+        for k in range(s.streams):
+            n = start + s.rank + k * s.world_size
+            if n // s.epoch_batches == epoch:
+                self.position.start_of(s, epoch, s.locate(n)[1])
+
+    def describe(self) -> str:
+        """Where this rank's share of the global order starts, for the startup line."""
+        s, n = self.spec, self.position.batches
+        epoch, g = divmod(n, s.epoch_batches)
+        return (f"global loader batch {n} (epoch {epoch}, {g} of {s.epoch_batches}); {s.streams} streams "
+                f"(data.streams), {s.streams // s.world_size} per rank on {max(self.workers, 1)} "
+                f"{'worker(s)' if self.workers else 'in-process loader'}")
+
+
+def merge_positions(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The global position of a checkpoint from its ranks' saved states (rank ``r``'s at index
+    ``r``): each stream's newest cursor, the skips summed. Raises DataError when the ranks do not
+    agree on the order or the position (rank files that do not belong together)."""
+    forms = [_current_form(s, r) for r, s in enumerate(states)]
+    shared = ("position", "streams", "stream_world", "epoch_batches", "seed", "resampled")
+    for key in shared:
+        values = {repr(f.get(key)) for f in forms}
+        if len(values) > 1:
+            raise DataError(f"the checkpoint's rank files disagree on the data position ({key}: {sorted(values)}); "
+                            "they do not belong together. Resume from another checkpoint (resume=<its folder>)")
+    cursors: list = [None] * int(forms[0]["streams"])
+    for form in forms:
+        for lane, c in enumerate(form["cursors"]):
+            if c is not None and (cursors[lane] is None or list(c) > cursors[lane]):
+                cursors[lane] = list(c)
+    skips: Counter = Counter()
+    for form in forms:
+        skips.update(form.get("skips", {}))
+    return {**forms[0], "cursors": cursors, "skips": dict(skips), "world_size": len(states)}
+
+
+def order_streams(state: dict[str, Any]) -> Optional[int]:
+    """The streams of a saved data position's global order (None: no position saved)."""
+    if not state or "cursors" not in state:
+        return None
+    return int(_current_form(state, 0)["streams"])
+
+
+def _current_form(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A saved data position in the global form; a per-rank one of an earlier version (cursors
+    per worker of rank ``rank``) is the same order with streams = world size x workers."""
+    if not state or "cursors" not in state:
+        raise DataError("the checkpoint holds no data position; resume from another checkpoint "
+                        "(resume=<its folder>), or start a new run from its weights (model.pretrained=<it>/model.pt)")
+    if "streams" in state:
+        return state
+    world, workers = int(state["world_size"]), max(int(state["workers"]), 1)
+    per_rank = int(state["epoch_batches"])
+    cursors: list = [None] * (world * workers)
+    for w, raw in enumerate(state["cursors"]):
+        done = len(range(w, min(int(state["batch"]), per_rank), workers))
+        if done:
+            cursors[rank + world * w] = [int(state["epoch"]), done, int(raw)]
+    return {**state, "position": int(state["epoch"]) * per_rank * world + int(state["batch"]) * world,
+            "streams": world * workers, "stream_world": world, "epoch_batches": per_rank * world,
+            "cursors": cursors}
+
+
+def _world_refusal(streams: int, world: int, saved_world: int) -> str:
+    fits = [d for d in range(1, streams + 1) if streams % d == 0]
+    written = f" (written on {saved_world} rank(s))" if saved_world else ""
+    return (f"cannot resume the data position on {world} rank(s): the run's global sample order{written} has "
+            f"{streams} streams (data.streams: ranks x data.workers at the run's first start, unless set), and "
+            f"each rank must take a whole number of them. Resume on {', '.join(map(str, fits))} rank(s), or start "
+            "a new run from the checkpoint's weights (model.pretrained=<checkpoint>/model.pt, another run_dir). "
+            "To keep more world sizes open, start runs with data.streams set to a number with many divisors "
+            "(e.g. 48)")
+
+
+def fit_workers(wanted: int, per_rank: int) -> int:
+    """The most loader workers, at most ``wanted``, that divide a rank's ``per_rank`` streams
+    (each worker then holds whole streams); 0 stays 0 (in-process loading)."""
+    if wanted <= 0:
+        return 0
+    return max(d for d in range(1, min(wanted, per_rank) + 1) if per_rank % d == 0)
 
 
 def reading(pid: int, urls: list[str]) -> str:
@@ -256,36 +378,58 @@ def _quietly(fn: Callable, *args) -> None:
 def build_train_data(cfg: DataConfig, *, transform: Callable, tokenizer: Callable, rank: int,
                      world_size: int, seed: int, shards: Optional[str] = None,
                      num_samples: Optional[int] = None) -> TrainData:
-    """Build one rank's training stream.
+    """Build one rank's training stream, at the start of a fresh global order.
 
     ``transform``: PIL.Image -> uint8 (3,H,W) (see :mod:`infclip.data.transforms`);
-    ``tokenizer``: list[str] -> int64 (N, L). Batches per epoch per rank =
-    num_samples // (world_size * cfg.loader_batch); partial batches are dropped.
+    ``tokenizer``: list[str] -> int64 (N, L). Streams: cfg.streams, else world_size x the
+    workers per rank. Global batches per epoch: num_samples // cfg.loader_batch with
+    cfg.streams, else world_size x (num_samples // (world_size * cfg.loader_batch)); partial
+    batches are dropped.
     """
     sources = resolve_sources(cfg, shards, num_samples)
     total = total_samples(cfg, sources, num_samples)
     urls = [u for s in sources for u in s.urls]
-    workers = _fit_workers(cfg, urls, world_size, max(cfg.workers, 0))
-    _check_layout(cfg, sources, urls, world_size, workers)
-    epoch_batches = total // (world_size * cfg.loader_batch)
-    if epoch_batches == 0:
+    wanted = _workers(cfg.workers, world_size)
+    workers = _fit_workers(cfg, urls, world_size, wanted)
+    streams = cfg.streams or world_size * max(workers, 1)
+    if streams % world_size:
+        raise DataError(f"data.streams={streams} must be a multiple of the world size {world_size} "
+                        "(each rank takes whole streams); set data.streams to a multiple of it, or null")
+    workers = _fit_streams(workers, streams // world_size)
+    _check_layout(cfg, sources, urls, world_size, workers, streams)
+    per_rank = total // (world_size * cfg.loader_batch)
+    if per_rank == 0:
         raise DataError(
             f"an epoch of {total} samples gives no full batch of data.loader_batch={cfg.loader_batch} "
             f"on each of {world_size} ranks; lower data.loader_batch or add data")
+    # data.streams set: the order is a function of the data, seed and streams alone (seeds named
+    # by the stream, every full loader batch in the epoch); default: the first start's layout
+    # (seeds named by its (rank, worker), an epoch every rank divides): earlier versions' order
+    world0 = 1 if cfg.streams else world_size
     spec = StreamSpec(urls=urls, weights=url_weights(sources), resampled=cfg.resampled, seed=seed,
                       rank=rank, world_size=world_size, loader_batch=cfg.loader_batch,
-                      epoch_batches=epoch_batches, shuffle_buffer=cfg.shuffle_buffer,
-                      caption_key=cfg.caption_key, json_caption_key=cfg.json_caption_key)
+                      epoch_batches=world0 * (total // (world0 * cfg.loader_batch)),
+                      shuffle_buffer=cfg.shuffle_buffer, caption_key=cfg.caption_key,
+                      json_caption_key=cfg.json_caption_key, streams=streams, stream_world=world0)
     # No pinning here: the trainer copies loader batches into its own (pinned) step buffer.
-    data = TrainData(spec, transform, tokenizer, workers, total, pin_memory=False)
+    data = TrainData(spec, transform, tokenizer, workers, total, pin_memory=False, wanted_workers=wanted)
     data.origin = count_origin(cfg, sources, num_samples)
     return data
+
+
+
+def _workers(workers: Any, world_size: int) -> int:
+    """data.workers as a number ("auto" sized for loader workers that decode; the trainer
+    resolves it itself, knowing where images are decoded)."""
+    if workers != AUTO:
+        return max(int(workers), 0)
+    return size_loader(this_machine(world_size), "cpu").workers
 
 
 def _fit_workers(cfg: DataConfig, urls: list[str], world_size: int, workers: int) -> int:
     """Epoch mode reads each shard in one worker: with fewer shards than world x workers, use
     as many workers per rank as there are shards for each (saying so), not refuse the run."""
-    if cfg.resampled or workers <= 1 or len(urls) >= world_size * workers:
+    if cfg.streams or cfg.resampled or workers <= 1 or len(urls) >= world_size * workers:
         return workers
     fit = max(1, len(urls) // world_size)
     print(f"data: {len(urls)} shard(s) for {world_size} rank(s) x data.workers={workers} in epoch mode: "
@@ -293,16 +437,30 @@ def _fit_workers(cfg: DataConfig, urls: list[str], world_size: int, workers: int
     return fit
 
 
+def _fit_streams(workers: int, per_rank: int) -> int:
+    """data.streams set: the workers refitted to divide a rank's streams, saying so."""
+    fit = fit_workers(workers, per_rank)
+    if fit != workers:
+        print(f"data: {per_rank} stream(s) per rank (data.streams): using {fit} loader worker(s) per rank, "
+              f"not {workers} (each worker holds whole streams: their number divides the streams per rank)",
+              flush=True)
+    return fit
+
+
 def _check_layout(cfg: DataConfig, sources: list[Source], urls: list[str], world_size: int,
-                  workers: int) -> None:
+                  workers: int, streams: int) -> None:
     if cfg.resampled:
         return
     if len({s.weight for s in sources}) > 1:
         raise DataError("data.sources with different weights need data.resampled=true "
                         "(epoch mode reads every shard once per epoch)")
-    slots = world_size * max(workers, 1)
-    if len(urls) < slots:
-        raise DataError(
-            f"epoch mode needs at least world_size x data.workers = {world_size} x {max(workers, 1)} "
-            f"= {slots} shards, but there are {len(urls)}; lower data.workers, use more (smaller) "
-            "shards, or set data.resampled=true")
+    if len(urls) >= streams:
+        return
+    if cfg.streams:
+        raise DataError(f"epoch mode reads each shard in one stream: data.streams={streams} needs at least "
+                        f"{streams} shards, but there are {len(urls)}; lower data.streams, use more (smaller) "
+                        "shards, or set data.resampled=true")
+    raise DataError(
+        f"epoch mode needs at least world_size x data.workers = {world_size} x {max(workers, 1)} "
+        f"= {streams} shards, but there are {len(urls)}; lower data.workers, use more (smaller) "
+        "shards, or set data.resampled=true")

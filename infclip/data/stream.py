@@ -1,20 +1,35 @@
-"""The per-worker sample stream: shard order, shuffle, decode, batch, tokenize.
+"""The global sample order and the per-worker streams that deliver it: shard order, shuffle,
+decode, batch, tokenize.
 
-Everything random here is a pure function of (seed, epoch, rank, worker, position), which is
-what makes the resume position (:class:`WorkerCursor`) exact:
+The order does not depend on the number of ranks. It is made of ``S`` *streams* (lanes),
+fixed for the life of a run (``data.streams``; by default ranks x workers of its first start,
+``stream_world`` x workers). An epoch is ``G`` global loader batches; global batch ``g`` of an
+epoch is the next batch of stream ``g % S``. Counting global batches from the run's start
+(``n = epoch * G + g``), rank ``r`` of ``W`` takes ``n = r, r + W, r + 2W, ...``; its
+DataLoader worker ``k % w`` delivers its ``k``-th. With ``W | S`` and ``w | S / W`` every batch
+of one stream within an epoch comes from the same worker, so each worker holds a few whole
+streams. Invariant: a step takes global batches ``[t * B, (t + 1) * B)`` (``B`` = global batch
+/ loader batch) whatever ``W`` is, so a run checkpointed on ``W`` ranks resumes on ``W'``
+(any divisor of ``S``) with the same samples in every later step, none repeated or skipped.
 
-* epoch mode: all shards are permuted with ``seed + epoch`` (the same on every rank), split
-  ``[rank::world]`` then ``[worker::workers]``. A worker whose shards run out before its batch
-  quota wraps around over its own shards (new permutation per pass); extra samples are dropped.
-  A worker whose own shards give no sample in a whole pass (all empty or unreadable) borrows:
-  it reads every shard of the run, in its own seeded order, so half-bad data still trains;
-  only when a whole pass over every shard gives nothing does it stop, with the counts by reason.
+Everything random is a pure function of (seed, epoch, stream key, position), which is what
+makes the resume position (:class:`Position`) exact. A stream's key is ``(l % stream_world,
+l // stream_world)``: the (rank, worker) that read it at the run's first start, so with an
+unchanged world the order is the per-(rank, worker) order of earlier versions.
+
+* epoch mode: all shards are permuted with ``seed + epoch`` (the same on every rank), stream
+  ``l`` reads ``[l::S]`` of them. A stream whose shards run out before its batch quota wraps
+  around over its own shards (new permutation per pass); extra samples are dropped. A stream
+  whose own shards give no sample in a whole pass (all empty or unreadable) borrows: it reads
+  every shard of the run, in its own seeded order, so half-bad data still trains; only when a
+  whole pass over every shard gives nothing does it stop, with the counts by reason.
 * resampled mode: shards are drawn with replacement from a generator seeded with
-  (seed, epoch, rank, worker), with per-source weights.
+  (seed, epoch, stream key), with per-source weights.
 
-The shuffle buffer, json caption choice and the image augmentation (torch RNG, seeded per
-batch inside ``fork_rng``) follow the same seeds. A resumed worker replays the raw stream
-(tar reading + shuffle, no decoding) up to its cursor and continues with identical batches.
+The shuffle buffer (one per stream), json caption choice and the image augmentation (torch
+RNG, seeded per batch inside ``fork_rng``) follow the same seeds. A resumed stream replays its
+raw stream (tar reading + shuffle, no decoding) up to its cursor and continues with identical
+batches.
 """
 
 from __future__ import annotations
@@ -54,66 +69,102 @@ class StreamSpec:
     rank: int
     world_size: int
     loader_batch: int
-    epoch_batches: int  # batches per epoch for this rank (all workers together)
-    shuffle_buffer: int
+    epoch_batches: int  # G: global loader batches per epoch (all ranks together)
+    shuffle_buffer: int  # samples per stream
     caption_key: str = "txt"
     json_caption_key: Optional[str] = None
+    streams: int = 0  # S, the streams of the global order; 0: world_size (one per rank)
+    stream_world: int = 0  # the world size that names the streams' seeds; 0: world_size
+
+    def __post_init__(self) -> None:
+        self.streams = self.streams or self.world_size
+        self.stream_world = self.stream_world or self.world_size
+
+    def stream_key(self, lane: int) -> tuple[int, int]:
+        """The seed identity of stream ``lane``: the (rank, worker) that read it at the start."""
+        return lane % self.stream_world, lane // self.stream_world
+
+    def locate(self, n: int) -> tuple[int, int, int]:
+        """(epoch, stream, the stream's batch index in that epoch) of global batch ``n``."""
+        epoch, g = divmod(n, self.epoch_batches)
+        return epoch, g % self.streams, g // self.streams
 
 
 @dataclass
-class WorkerCursor:
-    """Resume position of one worker within an epoch."""
+class Position:
+    """Where the global order stands (valid between two steps, when every rank has taken the
+    same number of loader batches).
 
-    raw: int = 0  # raw samples (after the shuffle buffer) consumed so far
-    batches: int = 0  # batches produced so far
+    ``batches``: global loader batches consumed since the run began, by all ranks together.
+    ``cursors[l]``: ``[epoch, batches, raw]`` of stream ``l`` after its last delivered batch
+    (its batches and raw samples consumed in that epoch), or None if unknown here.
+    """
+
+    batches: int = 0
+    cursors: list = field(default_factory=list)
+
+    def start_of(self, spec: StreamSpec, epoch: int, lane: int) -> tuple[int, int]:
+        """(batches done, raw cursor) of stream ``lane`` in ``epoch`` at this position;
+        raises DataError when a stream that has delivered batches has no matching cursor."""
+        now, g = divmod(self.batches, spec.epoch_batches)
+        done = len(range(lane, g, spec.streams)) if epoch == now else 0
+        if done == 0:
+            return 0, 0
+        cursor = self.cursors[lane] if lane < len(self.cursors) else None
+        if cursor is None or list(cursor[:2]) != [epoch, done]:
+            raise DataError(
+                f"the saved data position is inconsistent: stream {lane} has delivered {done} batch(es) of "
+                f"epoch {epoch} at global batch {self.batches}, but its cursor is {cursor}. The checkpoint's "
+                "rank files do not belong together; resume from another checkpoint (resume=<its folder>)")
+        return done, int(cursor[2])
 
 
 # -- shard order ------------------------------------------------------------------------------
 
 
-def epoch_shards(spec: StreamSpec, epoch: int, worker: int, workers: int) -> list[str]:
-    """Epoch mode: this worker's disjoint share of the epoch's shard permutation."""
+def epoch_shards(spec: StreamSpec, epoch: int, lane: int) -> list[str]:
+    """Epoch mode: stream ``lane``'s disjoint share of the epoch's shard permutation."""
     order = list(spec.urls)
     random.Random(mix_seed("shards", spec.seed, epoch)).shuffle(order)
-    return order[spec.rank::spec.world_size][worker::workers]
+    return order[lane::spec.streams]
 
 
-def shard_stream(spec: StreamSpec, epoch: int, worker: int, workers: int) -> Iterator[Optional[str]]:
-    """Infinite shard URLs for one worker; epoch mode wraps around its share and marks the end
+def shard_stream(spec: StreamSpec, epoch: int, lane: int) -> Iterator[Optional[str]]:
+    """Infinite shard URLs for one stream; epoch mode wraps around its share and marks the end
     of each pass with ``None`` (the shuffle buffer is flushed there, so a pass never mixes with
     the next one and the first pass covers every sample exactly once)."""
+    key = spec.stream_key(lane)
     if spec.resampled:
-        rng = random.Random(mix_seed("resample", spec.seed, epoch, spec.rank, worker))
+        rng = random.Random(mix_seed("resample", spec.seed, epoch, *key))
         while True:
             yield rng.choices(spec.urls, weights=spec.weights)[0]
-    mine = epoch_shards(spec, epoch, worker, workers)
+    mine = epoch_shards(spec, epoch, lane)
     for wrap in range(1 << 62):
         order = list(mine)
         if wrap:
-            random.Random(mix_seed("wrap", spec.seed, epoch, spec.rank, worker, wrap)).shuffle(order)
+            random.Random(mix_seed("wrap", spec.seed, epoch, *key, wrap)).shuffle(order)
         yield from order
         yield None
 
 
-def borrowed_shards(spec: StreamSpec, epoch: int, worker: int) -> Iterator[Optional[str]]:
-    """Every shard of the run, in an order of this (rank, worker)'s own, pass after pass
-    (``None`` at pass ends): what a worker reads once its own share gave nothing."""
+def borrowed_shards(spec: StreamSpec, epoch: int, lane: int) -> Iterator[Optional[str]]:
+    """Every shard of the run, in an order of this stream's own, pass after pass (``None`` at
+    pass ends): what a stream reads once its own share gave nothing."""
     for wrap in range(1 << 62):
         order = list(spec.urls)
-        random.Random(mix_seed("borrow", spec.seed, epoch, spec.rank, worker, wrap)).shuffle(order)
+        random.Random(mix_seed("borrow", spec.seed, epoch, *spec.stream_key(lane), wrap)).shuffle(order)
         yield from order
         yield None
 
 
-def raw_stream(spec: StreamSpec, epoch: int, worker: int, workers: int,
-               counts: Counter) -> Iterator[Optional[RawSample]]:
-    """Samples of this worker's shards in order (``None`` at pass ends). A worker whose own
+def raw_stream(spec: StreamSpec, epoch: int, lane: int, counts: Counter) -> Iterator[Optional[RawSample]]:
+    """Samples of this stream's shards in order (``None`` at pass ends). A stream whose own
     share gives nothing for a whole pass switches to ``borrowed_shards``; it raises only when
     no shard of the run gives a sample (a whole pass over all of them, or MAX_EMPTY_DRAWS
     resampled draws, which already span every shard). Deterministic, so resume replays it."""
     empty, own = 0, not spec.resampled
-    limit = MAX_EMPTY_DRAWS if spec.resampled else len(epoch_shards(spec, epoch, worker, workers))
-    urls = shard_stream(spec, epoch, worker, workers)
+    limit = MAX_EMPTY_DRAWS if spec.resampled else len(epoch_shards(spec, epoch, lane))
+    urls = shard_stream(spec, epoch, lane)
     while True:
         url = next(urls)
         if url is None:
@@ -128,7 +179,7 @@ def raw_stream(spec: StreamSpec, epoch: int, worker: int, workers: int,
             continue
         if own and len(spec.urls) > limit:  # other workers' or ranks' shards may still deliver
             own, empty, limit = False, 0, len(spec.urls)
-            urls = borrowed_shards(spec, epoch, worker)
+            urls = borrowed_shards(spec, epoch, lane)
             continue
         raise DataError(
             f"no training shard gives a sample: {empty} shards in a row were empty or unreadable "
@@ -250,73 +301,67 @@ def decode(sample: RawSample, spec: StreamSpec, transform: Callable, rng: random
 # -- the worker-side dataset ------------------------------------------------------------------
 
 
-@dataclass
-class EpochPlan:
-    """Where a rank's loader starts: epoch, batches already consumed, and worker cursors."""
-
-    epoch: int = 0
-    batch: int = 0
-    cursors: list[int] = field(default_factory=list)  # raw samples consumed per worker
-
-
-def worker_quota(epoch_batches: int, worker: int, workers: int) -> int:
-    """Batches worker ``w`` produces per epoch: the DataLoader takes batch k from worker k % W."""
-    return len(range(worker, epoch_batches, workers))
-
-
 class BatchStream(IterableDataset):
-    """Yields ``(images uint8 (B,3,H,W), tokens int64 (B,L), info)`` forever, epoch after epoch.
+    """Yields ``(images uint8 (B,3,H,W), tokens int64 (B,L), info)`` forever, epoch after epoch:
+    this rank's share of the global order from ``position`` on, DataLoader worker ``p`` of
+    ``workers`` delivering the rank's batches ``k = p, p + workers, ...`` (the DataLoader takes
+    them round-robin, so they arrive in order). Needs ``workers | S / W`` (see the module doc).
 
-    ``info`` = {"epoch", "worker" (logical), "raw" (its cursor after this batch), "skips"
-    (Counter delta)}. One DataLoader serves the whole run, so workers are forked once and
-    prefetch across epoch boundaries.
+    ``info`` = {"index" (global batch number since the run began), "epoch", "lane",
+    "batch" (the stream's batch index in the epoch), "raw" (its cursor after this batch),
+    "keys" (sample keys), "skips" (Counter delta)}. One DataLoader serves the whole run, so
+    workers are forked once and prefetch across epoch boundaries.
     """
 
     def __init__(self, spec: StreamSpec, transform: Callable, tokenizer: Callable,
-                 plan: EpochPlan, workers: int):
+                 position: Position, workers: int):
         self.spec, self.transform, self.tokenizer = spec, transform, tokenizer
-        self.plan, self.workers = plan, max(workers, 1)
+        self.position, self.workers = position, max(workers, 1)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
         info = get_worker_info()
-        physical, W, E = (0 if info is None else info.id), self.workers, self.spec.epoch_batches
-        epoch, start, cursors = self.plan.epoch, self.plan.batch, self.plan.cursors
-        position = 0  # loader position of the epoch's first batch (relative to this loader)
-        while True:
-            # The DataLoader takes loader position q from physical worker q % W; in-epoch batch
-            # b = start + q - position belongs to logical worker b % W: constant for this worker.
-            logical = (start + physical - position) % W
-            cursor = cursors[logical] if logical < len(cursors) else 0
-            yield from self._epoch(epoch, logical, start, cursor)
-            position += E - start
-            epoch, start, cursors = epoch + 1, 0, []
+        spec, physical = self.spec, (0 if info is None else info.id)
+        lanes: dict[int, Iterator] = {}
+        current = -1  # the epoch whose streams ``lanes`` holds (older ones are dropped)
+        for k in range(physical, 1 << 62, self.workers):
+            n = self.position.batches + spec.rank + k * spec.world_size
+            epoch, lane, b = spec.locate(n)
+            if epoch != current:
+                lanes, current = {}, epoch
+            if lane not in lanes:
+                done, raw = self.position.start_of(spec, epoch, lane)
+                lanes[lane] = self._lane(epoch, lane, done, raw)
+            images, tokens, out = next(lanes[lane])
+            if out["batch"] != b:  # another worker delivers batches of this stream: never mix them up
+                raise DataError(f"loader worker {physical} of {self.workers} would deliver batch {out['batch']} of "
+                                f"stream {lane} as its batch {b}: the worker count must divide the streams per rank "
+                                f"({spec.streams} / {spec.world_size})")
+            yield images, tokens, {**out, "index": n}
 
-    def _epoch(self, epoch: int, worker: int, start: int, raw: int
-               ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
-        """Logical worker ``worker``'s batches of ``epoch`` after in-epoch batch ``start``."""
+    def _lane(self, epoch: int, lane: int, done: int, raw: int
+              ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]:
+        """Stream ``lane``'s batches of ``epoch`` from its batch ``done`` (raw cursor ``raw``) on."""
         spec = self.spec
-        done = worker_quota(start, worker, self.workers)
-        todo = worker_quota(spec.epoch_batches, worker, self.workers) - done
-        if todo <= 0:
-            return
         counts: Counter = Counter()
-        rng = random.Random(mix_seed("shuffle", spec.seed, epoch, spec.rank, worker))
-        stream = shuffled(raw_stream(spec, epoch, worker, self.workers, counts), spec.shuffle_buffer, rng)
+        key = spec.stream_key(lane)
+        rng = random.Random(mix_seed("shuffle", spec.seed, epoch, *key))
+        stream = shuffled(raw_stream(spec, epoch, lane, counts), spec.shuffle_buffer, rng)
         for _ in range(raw):  # resume: replay the raw stream without decoding
             next(stream)
         counts.clear()  # skips before the cursor were counted by the run that consumed them
-        for b in range(done, done + todo):
-            seed = mix_seed("batch", spec.seed, epoch, spec.rank, worker, b)
-            images, texts, raw = self._batch(stream, counts, raw, seed)
-            info = {"epoch": epoch, "worker": worker, "raw": raw, "skips": dict(counts)}
+        for b in range(done, 1 << 62):
+            seed = mix_seed("batch", spec.seed, epoch, *key, b)
+            images, texts, keys, raw = self._batch(stream, counts, raw, seed)
+            info = {"epoch": epoch, "lane": lane, "batch": b, "raw": raw, "keys": keys, "skips": dict(counts)}
             collate = getattr(self.transform, "collate", torch.stack)  # JpegPacker: PackedJpegs
             yield collate(images), self.tokenizer(texts), info
             counts.clear()
 
     def _batch(self, stream: Iterator[RawSample], counts: Counter, raw: int, seed: int
-               ) -> tuple[list[torch.Tensor], list[str], int]:
+               ) -> tuple[list[torch.Tensor], list[str], list[str], int]:
         images: list[torch.Tensor] = []
         texts: list[str] = []
+        keys: list[str] = []
         rng = random.Random(seed)
         split = getattr(self.transform, "cpu_share", 0.0) > 0  # data.cpu_decode_share: route by hash
         # Augmentations draw from torch's RNG (crops, jitter, erasing noise) and Python's global
@@ -338,6 +383,7 @@ class BatchStream(IterableDataset):
                         continue
                     images.append(image)
                     texts.append(text)
+                    keys.append(f"{sample.get('__url__')}/{sample.get('__key__')}")
         finally:
             random.setstate(py_state)
-        return images, texts, raw
+        return images, texts, keys, raw

@@ -124,6 +124,7 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
 
     size = cfg.data.image_size or built.image_size
     decode, why = resolve_decode(cfg, info.device)
+    sizing = size_loader_agreed(cfg, info, decode)
     share = float(cfg.data.cpu_decode_share)
     reserved, towers = int(cfg.data.decode_reserved_sms), Partition(None, 0, 0)
     if decode == "device":  # workers pack JPEG bytes + crop; the trainer decodes (data/jpeg.py)
@@ -134,7 +135,7 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
         transform = JpegPacker(size, cfg.data.jpeg_max_bytes, tuple(cfg.data.aug_scale), tuple(cfg.data.aug_ratio),
                                cpu_share=share, cpu_transform=_cpu_transform(cfg, size, built) if share else None)
         normalizer = JpegDecoder(size, built.mean, built.std, device=info.device, backend=cfg.data.device_decoder,
-                                 keep_bytes=_keep_bytes(cfg, info.device), decode_threads=cfg.data.decode_threads,
+                                 keep_bytes=_keep_bytes(cfg, info.device), decode_threads=sizing.decode_threads,
                                  roi=cfg.data.decode_roi, decoder_options=cfg.data.decoder_options)
         why = f"{why}; decoder {normalizer.describe()}"
         if reserved:  # after the decoder: its probe initialised CUDA on this device
@@ -160,11 +161,13 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
             why += f"; data.decode_ahead_from={cfg.data.decode_ahead_from} ignored: no decoding runs on the GPU"
     if info.is_main:
         print(f"data: decode={decode} ({why})", flush=True)
+        print(f"data: {sizing.workers} loader worker(s) per rank: {sizing.why}", flush=True)
     shards, num_samples, eval_cfg = None, None, _eval_config(cfg)
     if cfg.data.kind == "synthetic":
         shards, num_samples, eval_cfg = _synthetic(cfg, info)
     data_cfg = copy.deepcopy(cfg.data)
     data_cfg.loader_batch = _loader_batch(cfg, info, num_samples if shards else _wds_samples(cfg))
+    data_cfg.workers, data_cfg.decode_threads = sizing.workers, sizing.decode_threads
     data = build_train_data(
         data_cfg, transform=transform, tokenizer=built.tokenizer, rank=info.rank,
         world_size=info.world_size, seed=cfg.seed, shards=shards, num_samples=num_samples,
@@ -185,6 +188,25 @@ def data_line(cfg: Any, data: Any, synthetic_shards: Optional[str]) -> str:
         what, origin = f"data.kind=wds {spec}", data.origin
     return (f"data: training on {what}: {len(data.spec.urls)} shard(s), {data.num_samples} samples per epoch "
             f"({origin})")
+
+
+def size_loader_agreed(cfg: Any, info: DistInfo, decode: str) -> Any:
+    """data.workers / data.decode_threads for this process (infclip.data.workers), the worker
+    count agreed on by every rank (the smallest): the default data.streams is ranks x workers,
+    and ranks on machines of other sizes must build the same global sample order."""
+    from dataclasses import replace
+
+    from infclip.data.workers import AUTO, size_loader, this_machine
+
+    sizing = size_loader(this_machine(info.world_size), decode, cfg.data.workers, cfg.data.decode_threads)
+    if cfg.data.workers != AUTO or not info.distributed:
+        return sizing
+    agreed = torch.tensor([sizing.workers], device=info.device)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+    if int(agreed.item()) == sizing.workers:
+        return sizing
+    return replace(sizing, workers=int(agreed.item()),
+                   why=f"{sizing.why}; {int(agreed.item())}, the fewest any rank chose (every rank reads the same streams)")
 
 
 def _cpu_transform(cfg: Any, size: int, built: BuiltModel):

@@ -6,6 +6,8 @@ Layout: ``<run_dir>/checkpoints/step_00000100/`` holding
                     and ``torch.load(path, weights_only=True)``
     train.pt        optimizer, scheduler, GradScaler, step, counters (rank 0)
     rank_00000.pt   per-rank RNG states (python, numpy, torch CPU/CUDA) and data position
+                    (one per rank that wrote it; together they hold the global position,
+                    which resumes on another number of ranks: ``infclip.data.pipeline``)
     (+ files of ``on_publish``, e.g. open_clip_config.json / open_clip_model.safetensors)
     manifest.json   size and SHA-256 of every other file (``infclip.manifest``), written last
 
@@ -309,24 +311,67 @@ def needed_files(world_size: int) -> tuple[str, ...]:
     return ("model.pt", "train.pt", *(f"rank_{r:05d}.pt" for r in range(world_size)))
 
 
+def saved_world_size(path: Path) -> int:
+    """The number of ranks that wrote checkpoint ``path`` (its rank files)."""
+    return len(list(path.glob("rank_*.pt")))
+
+
 def verify_checkpoint(path: Path, world_size: int) -> Optional[str]:
-    """None when ``path`` can resume ``world_size`` ranks; else why not (one phrase)."""
-    rank_files = [f"rank_{r:05d}.pt" for r in range(world_size)]
+    """None when ``path`` is complete and can resume ``world_size`` ranks; else why not (one
+    phrase; "for world size" in it when the checkpoint is intact but written for another).
+
+    A checkpoint written on another number of ranks resumes when its data position's global
+    sample order splits over ``world_size`` ranks (``infclip.data.pipeline``: the ranks must
+    divide its streams)."""
     problem = verify(path, need=("model.pt", "train.pt"))
-    if problem is None and not all((path / n).is_file() for n in rank_files):
-        written = sorted(p.name for p in path.glob("rank_*.pt"))
-        return f"has rank files {written[:4]}, not those for world size {world_size}"
-    return problem
+    if problem is not None:
+        return problem
+    written = saved_world_size(path)
+    if written == 0 or not all((path / f"rank_{r:05d}.pt").is_file() for r in range(written)):
+        names = sorted(p.name for p in path.glob("rank_*.pt"))
+        return f"has rank files {names[:4]}, not those of a complete world (rank_00000.pt onwards)"
+    if written == world_size:
+        return None
+    return _world_change_problem(path, written, world_size)
 
 
-def load(path: Path, rank: int, map_location: Any = "cpu") -> tuple[dict, dict, dict]:
+def _world_change_problem(path: Path, written: int, world_size: int) -> Optional[str]:
+    """Why the data position of a checkpoint of ``written`` ranks cannot go on with
+    ``world_size`` ranks (None when it can)."""
+    from infclip.data.pipeline import order_streams
+
+    try:
+        streams = order_streams(load_rank_states(path)[0].get("data") or {})
+    except Exception as e:  # a rank file that cannot be read: the resume itself says more
+        return f"was written on {written} rank(s) and its rank_00000.pt cannot be read for world size {world_size} ({e})"
+    if streams is None:
+        return (f"was written on {written} rank(s) and holds no data position that resumes on another number: "
+                f"not for world size {world_size}")
+    if streams % world_size:
+        fits = ", ".join(str(d) for d in range(1, streams + 1) if streams % d == 0)
+        return (f"was written on {written} rank(s) with a global sample order of {streams} streams, which "
+                f"{world_size} rank(s) cannot split (it resumes on {fits} rank(s)): not for world size {world_size}")
+    return None
+
+
+def load(path: Path, rank: int, map_location: Any = "cpu") -> tuple[dict, dict, Optional[dict]]:
     """(model_state, train_state, rank_state) of a checkpoint directory, all with
-    ``weights_only=True`` (a checkpoint from before the tensor RNG form allows numpy's arrays)."""
+    ``weights_only=True`` (a checkpoint from before the tensor RNG form allows numpy's arrays).
+    ``rank_state`` is None for a rank beyond the world that wrote it (a resume on more ranks)."""
     model_state = torch.load(path / "model.pt", map_location=map_location, weights_only=True)
     train_state = torch.load(path / "train.pt", map_location=map_location, weights_only=True)
-    with torch.serialization.safe_globals(_numpy_rng_globals()):
-        rank_state = torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
+    rank_state = _load_rank(path, rank) if rank < max(saved_world_size(path), 1) else None
     return model_state, train_state, rank_state
+
+
+def load_rank_states(path: Path) -> list[dict]:
+    """Every rank's state (RNG and data position) of a checkpoint, rank 0 first."""
+    return [_load_rank(path, r) for r in range(saved_world_size(path))]
+
+
+def _load_rank(path: Path, rank: int) -> dict:
+    with torch.serialization.safe_globals(_numpy_rng_globals()):
+        return torch.load(path / f"rank_{rank:05d}.pt", map_location="cpu", weights_only=True)
 
 
 def _numpy_rng_globals() -> list:

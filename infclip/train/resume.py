@@ -1,6 +1,12 @@
 """Which checkpoint a run starts from (``resume=auto`` / ``none`` / a path), loading it into
 the built parts and the loop state, and what a resume with a changed config does.
 
+Another number of ranks: the data position is a place in a global sample order that does not
+depend on the world size (``infclip.data.stream``), joined from every rank file of the
+checkpoint, so a run written on W ranks goes on on W' (any divisor of its ``data.streams``)
+with the same global batch in every later step and no sample of the epoch repeated or
+skipped; the startup line says so. Ranks beyond the old world start RNG streams of their own.
+
 Changed keys on resume: the optimizer hyperparameters (``optim.lr``, weight decay, betas,
 eps) and the schedule (``schedule.*``, ``steps``) apply from the resumed step on (the saved
 optimizer/scheduler state would otherwise silently keep the old ones); each change is printed
@@ -16,6 +22,8 @@ from typing import Any, Optional
 import torch
 
 from infclip.config import ConfigError
+from infclip.data.pipeline import merge_positions
+from infclip.data.stream import mix_seed
 from infclip.train import checkpoint as ckpt
 from infclip.train.distributed import DistInfo, broadcast_object, on_rank0
 from infclip.train.engine import unwrap
@@ -34,6 +42,7 @@ FIXED_ON_RESUME = {
     "task": "the saved weights belong to that task",
     "batch.global_size": "the saved data position counts steps of that many samples",
     "seed": "the data order and the random state replayed on resume follow it",
+    "data.streams": "the saved data position is a place in a global sample order of that many streams",
 }
 APPLIED_ON_RESUME = ("optim.lr", "optim.weight_decay", "optim.beta1", "optim.beta2", "optim.eps",
                      "schedule.", "steps")
@@ -62,12 +71,16 @@ def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> dict[str, 
         parts.scaler.load_state_dict(train_state["scaler"])
     state.step, state.samples = train_state["step"], train_state["samples"]
     state.nonfinite_total = train_state["nonfinite_total"]
-    parts.data.load_state_dict(rank_state["data"])
-    ckpt.set_rng_state(rank_state["rng"])
+    written = _load_data_position(path, parts)
+    if rank_state is not None:
+        ckpt.set_rng_state(rank_state["rng"])
+    else:  # a rank the checkpoint's world did not have
+        _seed_new_rank(cfg.seed, state.step, info.rank)
     parts.checkpointer.protected = path
     if path.parent.resolve() == parts.checkpointer.root.resolve():
         state.saved_step = state.step  # this run's own checkpoint: no need to write it again
     parts.logger.write(f"resumed from {path} at step {state.step}")
+    parts.logger.write(_data_line(cfg, info, parts, state, written))
     changes = config_changes(saved_cfg, parts.config, APPLIED_ON_RESUME)
     saved_lr = (train_state["scheduler"].get("base_lrs") or [cfg.optim.lr])[0]
     if "optim.lr" not in changes and saved_lr != cfg.optim.lr:  # a checkpoint without its config
@@ -122,7 +135,40 @@ def refuse_other_data(cfg: Any, run_dir: Path) -> None:
         f"to the new run.")
 
 
-def _load(path: Path, info: DistInfo) -> tuple[dict, dict, dict]:
+def _load_data_position(path: Path, parts: Any) -> int:
+    """Every rank reads every rank file's data position and continues the joined one; returns
+    the number of ranks that wrote the checkpoint."""
+    states = [r.get("data") for r in ckpt.load_rank_states(path)]
+    parts.data.load_state_dict(merge_positions(states))
+    return len(states)
+
+
+def _seed_new_rank(seed: int, step: int, rank: int) -> None:
+    """RNG of a rank beyond the checkpoint's world: its own stream, a pure function of
+    (seed, step, rank) (the data order never depends on it: its seeds are mix_seed's)."""
+    import random
+
+    import numpy as np
+
+    value = mix_seed("resume-rank", seed, step, rank)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)
+
+
+def _data_line(cfg: Any, info: DistInfo, parts: Any, state: Any, written: int) -> str:
+    """The startup line on the data position, saying what a change of world size keeps."""
+    where = parts.data.describe()
+    if written == info.world_size:
+        return f"resume: data at {where}"
+    new = "" if info.world_size <= written else f"; ranks {written}..{info.world_size - 1} start RNG streams of their own"
+    return (f"resume: written on {written} rank(s), resuming on {info.world_size}: the global sample order goes on at "
+            f"{where}; the same global batch ({cfg.batch.global_size} samples, "
+            f"{cfg.batch.global_size // info.world_size} per rank) and schedule from step {state.step + 1}, no sample "
+            f"of the epoch repeated or skipped{new}")
+
+
+def _load(path: Path, info: DistInfo) -> tuple[dict, dict, Optional[dict]]:
     try:
         return ckpt.load(path, info.rank, map_location=info.device)
     except Exception as e:
@@ -215,7 +261,7 @@ def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
         why = "; ".join(f"{name}: {reason}" for name, reason in parts.checkpointer.rejected.items())
         raise ResumeError(
             f"no checkpoint in {parts.run_dir}/checkpoints can resume {info.world_size} rank(s) ({why}). "
-            "Resume with the number of ranks they were written with, point resume= at an intact "
+            "Resume on a number of ranks named there, point resume= at an intact "
             "checkpoint elsewhere, or choose a new run_dir."
         )
     return path
@@ -263,7 +309,8 @@ def _explicit_checkpoint(path: Path, world_size: int) -> Path:
     if problem:
         raise ResumeError(
             f"resume={str(path)!r} cannot resume {world_size} rank(s): {problem}; point resume at an "
-            "intact checkpoints/step_XXXXXXXX folder written with the same number of ranks"
+            "intact checkpoints/step_XXXXXXXX folder whose data order this number of ranks can split "
+            "(or resume on a number of ranks it names)"
         )
     return path
 

@@ -12,6 +12,12 @@ mid-run, let it resume, and compare its losses with an uninterrupted run.
                the same step, checkpoints and exits 0; start the same command again.
 Several modes (--mode worker,usr1) share one reference run.
 
+--resume-nproc N (modes all and usr1) starts the resumed run on N processes instead of
+--nproc: a checkpoint of one world size going on on another (docs/launch.md, "Resuming on
+another number of GPUs"). The losses then differ by the reduction order only: give --tol.
+
+    python scripts/slurm/resume_check.py --nproc 2 --resume-nproc 1 --mode usr1 --tol 1e-3 --out /tmp/rc
+
 Prints one line per step (reference loss, resumed run's losses, difference) and a verdict.
 On CPU (gloo) the losses must be equal bit for bit; on GPU, kernels may be nondeterministic,
 so the difference is reported against --tol.
@@ -83,8 +89,8 @@ def killed_run(args: argparse.Namespace, mode: str, run_dir: Path, overrides: li
         rc = proc.wait(timeout=args.timeout)
         print(f"stopped: exit code {rc} after step {max(losses(run_dir))}", flush=True)
         if rc == 0:
-            rc = subprocess.run(torchrun(args.nproc, run_dir, overrides), stdout=log, stderr=subprocess.STDOUT,
-                                cwd=REPO, timeout=args.timeout).returncode
+            rc = subprocess.run(torchrun(args.resume_nproc or args.nproc, run_dir, overrides), stdout=log,
+                                stderr=subprocess.STDOUT, cwd=REPO, timeout=args.timeout).returncode
     elif mode == "worker":
         victim = max(children(proc.pid))
         print(f"killing worker pid {victim} after step {max(losses(run_dir))}", flush=True)
@@ -95,8 +101,8 @@ def killed_run(args: argparse.Namespace, mode: str, run_dir: Path, overrides: li
         for pid in [*children(proc.pid), proc.pid]:  # workers run in sessions of their own
             os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=60)
-        rc = subprocess.run(torchrun(args.nproc, run_dir, overrides), stdout=log, stderr=subprocess.STDOUT,
-                            cwd=REPO, timeout=args.timeout).returncode
+        rc = subprocess.run(torchrun(args.resume_nproc or args.nproc, run_dir, overrides), stdout=log,
+                            stderr=subprocess.STDOUT, cwd=REPO, timeout=args.timeout).returncode
     if rc != 0:
         raise SystemExit(f"the resumed run failed with exit code {rc}; see {log.name}")
     return time.monotonic() - t0
@@ -124,6 +130,8 @@ def compare(ref: dict[int, list[float]], got: dict[int, list[float]], tol: float
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--resume-nproc", type=int, default=None,
+                   help="modes all, usr1: resume on this many processes (default --nproc)")
     p.add_argument("--mode", default="worker", help="worker | all | usr1, or several: worker,usr1")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--ckpt-every", type=int, default=10)
@@ -154,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.mode.split(","):
         if mode not in ("worker", "all", "usr1"):
             p.error(f"unknown mode {mode!r}")
+        if mode == "worker" and args.resume_nproc not in (None, args.nproc):
+            p.error("--resume-nproc needs --mode all or usr1 (torchrun restarts mode worker on --nproc)")
         with open(args.out / f"{mode}.log", "w") as log:
             took = killed_run(args, mode, args.out / mode, common, log)
-        resumed = [line for line in (args.out / f"{mode}.log").read_text().splitlines() if "resumed from" in line]
+        text = (args.out / f"{mode}.log").read_text().splitlines()
+        resumed = [line for line in text if "resumed from" in line]
         print(f"[{mode}] recovery to the end: {took:.1f} s; {resumed[-1].strip() if resumed else 'NO RESUME LINE'}")
+        print("".join(f"[{mode}] {line.strip()}\n" for line in text if "resume: written on" in line), end="")
         ok &= compare(losses(args.out / "ref"), losses(args.out / mode), args.tol)
     return 0 if ok else 1
 

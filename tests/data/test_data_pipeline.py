@@ -24,7 +24,7 @@ def _epoch_batches(data):
     """Token batches of this rank's first epoch, read from the loader up to epoch 1's first batch."""
     out = []
     for _, tokens, info in data._loader():
-        if info["epoch"] != data.plan.epoch:
+        if info["epoch"] != data.epoch:
             return out
         out.append(tokens)
 
@@ -70,7 +70,7 @@ def test_epoch_mode_splits_disjointly_and_covers_every_sample_once(shards, tmp_p
     assert sorted(everything) == list(range(128))
     # the epoch's shard order is shuffled with the seed: epoch 1 visits samples in another order
     data = _build(spec, rank=0, world=2, workers=2, shuffle_buffer=10)
-    data.plan.epoch = 1
+    data.position.batches = data.spec.epoch_batches  # start at epoch 1
     assert _epoch_ids(data) != per_rank[0]
 
 

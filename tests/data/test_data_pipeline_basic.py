@@ -22,5 +22,5 @@ def test_synthetic_batches_with_workers(tmp_path):
         images, tokens = next(it)
         assert images.dtype == torch.uint8 and images.shape == (64, 3, 32, 32)
         assert tokens.dtype == torch.int64 and tokens.shape == (64, 77)
-    assert data.state_dict()["epoch"] == 1 and data.state_dict()["batch"] == 2
+    assert data.state_dict()["epoch"] == 1 and data.state_dict()["position"] == 10
     assert data.skip_counts() == {}

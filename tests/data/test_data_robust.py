@@ -89,7 +89,7 @@ def test_every_kind_of_corruption_is_skipped_and_counted(tmp_path):
     n_good = _corrupt_shards(tmp_path / "s")
     spec = str(tmp_path / "s" / "{00000..00004}.tar")
     # pick a seed whose epoch order reads the good shard E last, so one epoch reads everything
-    seed = next(s for s in range(200) if epoch_shards(_build(spec, s, n_good).spec, 0, 0, 1)[-1].endswith("4.tar"))
+    seed = next(s for s in range(200) if epoch_shards(_build(spec, s, n_good).spec, 0, 0)[-1].endswith("4.tar"))
     data = _build(spec, seed, n_good)
     os.remove(tmp_path / "s" / "00003.tar")  # vanishes after the start: unreadable, not fatal
     it = data.batches()
@@ -143,7 +143,7 @@ def test_a_worker_whose_shards_are_all_empty_borrows_instead_of_stopping_the_run
         write_tar(tmp_path / "h" / empty, [])
     spec = str(tmp_path / "h" / "{00000..00003}.tar")
     seed = next(s for s in range(200) if sorted(os.path.basename(u) for u in
-                                                epoch_shards(_build(spec, s, 12, workers=2).spec, 0, 0, 2))
+                                                epoch_shards(_build(spec, s, 12, workers=2).spec, 0, 0))
                 == ["00000.tar", "00001.tar"])
     data = _build(spec, seed, 12, workers=2)
     it = data.batches()
@@ -183,7 +183,7 @@ def test_failing_pipe_command_is_counted_not_fatal(tmp_path):
     os.makedirs(tmp_path / "p")
     write_tar(f"{tmp_path}/p/00000.tar", good(1) + good(2))
     spec = f"pipe:cat {tmp_path}/p/00000.tar::pipe:cat {tmp_path}/p/does-not-exist.tar"
-    seed = next(s for s in range(200) if epoch_shards(_build(spec, s, 2).spec, 0, 0, 1)[-1].endswith("00000.tar"))
+    seed = next(s for s in range(200) if epoch_shards(_build(spec, s, 2).spec, 0, 0)[-1].endswith("00000.tar"))
     data = _build(spec, seed, 2)
     it = data.batches()
     assert sorted(ids(next(it)[1])[0] for _ in range(2)) == [1, 2]

@@ -310,11 +310,11 @@ def test_the_data_position_error_names_a_way_that_exists():
     from infclip.data.stream import StreamSpec
 
     data = TrainData(StreamSpec(["a.tar", "b.tar"], [1.0, 1.0], False, 0, 0, 1, 4, 2, 0), None, None, 1, 8)
-    saved = {**data.state_dict(), "workers": 2}
+    saved = {**data.state_dict(), "seed": 1}
     with pytest.raises(DataError) as err:
         data.load_state_dict(saved)
     message = str(err.value)
-    assert "workers was 2 now 1" in message and "afresh" not in message.split("model.pretrained")[0]
+    assert "seed was 1 now 0" in message and "afresh" not in message.split("model.pretrained")[0]
     assert "model.pretrained=<checkpoint>/model.pt" in message
 
 

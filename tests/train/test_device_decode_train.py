@@ -21,7 +21,9 @@ STEPS = ["steps=4", "checkpoint.every_n_steps=2", "data.decode=device"]
 
 def _train(tmp_path, name: str, *overrides: str) -> dict[int, list[float]]:
     run_dir = tmp_path / name
-    proc = run(train_cmd(tmp_path / "data", run_dir, *STEPS, *overrides), cwd=tmp_path)
+    given = {o.split("=")[0] for o in overrides}  # a key given twice is refused: overrides replace STEPS' own
+    base = [s for s in STEPS if s.split("=")[0] not in given]
+    proc = run(train_cmd(tmp_path / "data", run_dir, *base, *overrides), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return losses_by_step(run_dir)
 

@@ -28,7 +28,8 @@ from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
 from infclip.train.guard import NonFiniteError
-from infclip.train.resume import last_finite_checkpoint, maybe_resume, refuse_other_data, resume_command
+from infclip.train.resume import (last_finite_checkpoint, maybe_resume, refuse_other_data,
+                                  refuse_other_world_early, resume_command)
 from infclip.train.profiling import mark_phase_end, profiled_step
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
 from infclip.train.signals import signals_handled
@@ -80,6 +81,7 @@ def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str], log: O
     """Build, resume, record, train. Nothing is written into ``run_dir`` until the start is
     accepted (the checkpoint loaded): a refused start leaves the folder as it was; then
     out.log gets the lines printed so far and every later one (``log``)."""
+    refuse_other_world_early(cfg, info, run_dir)  # before the model: a world the checkpoints cannot split
     torch.manual_seed(cfg.seed + info.rank)
     parts = build(cfg, info, run_dir)
     state = State()

@@ -267,6 +267,37 @@ def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
     return path
 
 
+def refuse_other_world_early(cfg: Any, info: DistInfo, run_dir: Path) -> None:
+    """Before any model is built: a world size that no checkpoint this start would resume can
+    continue (its data order cannot be split over these ranks) is refused now, with the world
+    sizes that work (rank 0 decides, every rank raises). Anything less clear-cut (damaged
+    checkpoints, a remote) is left to ``maybe_resume``."""
+    problem = broadcast_object(on_rank0(info, lambda: world_problem(cfg, run_dir, info.world_size)), info)
+    if problem:
+        raise ResumeError(problem)
+
+
+def world_problem(cfg: Any, run_dir: Path, world_size: int) -> Optional[str]:
+    """Why no checkpoint ``resume=`` names can go on on ``world_size`` ranks, when that is
+    the only reason (every candidate intact but written for a world it cannot split)."""
+    if cfg.resume == "none":
+        return None
+    if cfg.resume != "auto":
+        path = Path(cfg.resume).expanduser()
+        problem = ckpt.verify_checkpoint(path, world_size) if path.is_dir() else None
+        if problem and "for world size" in problem:
+            return f"resume={str(path)!r} cannot resume {world_size} rank(s): {problem}. Start on a number of ranks it names"
+        return None
+    found = ckpt.list_checkpoints(run_dir)
+    problems = {p.name: ckpt.verify_checkpoint(p, world_size) for p in found}
+    if not found or getattr(cfg.checkpoint, "remote", None) or not all(
+            v and "for world size" in v for v in problems.values()):
+        return None
+    name = found[-1].name
+    return (f"no checkpoint in {run_dir}/checkpoints can resume {world_size} rank(s): {name} {problems[name]}. "
+            "Start on a number of ranks named there, or choose a new run_dir")
+
+
 def _remote_names(remote: Any) -> list[str]:
     """The remote's complete checkpoints; a remote that cannot be read is refused (it may hold
     this run's checkpoints: a fresh start would mix its own with them, and prune them)."""

@@ -70,7 +70,7 @@ def test_resume_refuses_another_seed_or_dataset_size(shards, tmp_path):
     state = _build(spec).state_dict()
     with pytest.raises(DataError, match="seed was 5 now 6"):
         _build(spec, seed=6).load_state_dict(state)
-    with pytest.raises(DataError, match="epoch_batches was 18 now 16"):
+    with pytest.raises(DataError, match="num_samples was 96 now 80"):
         _build(spec, num_samples=80).load_state_dict(state)
 
 

@@ -114,6 +114,10 @@ def test_an_earlier_per_rank_position_is_read_as_the_same_order(shards, tmp_path
                "world_size": 2, "seed": 3, "resampled": False, "epoch_batches": 12, "skips": {}}
               for r, s in enumerate(states)]
     got, want = merge_positions(legacy), merge_positions(states)
+    resumed = _rank(spec, 0, 2)
+    resumed.load_state_dict(got)  # checked by its epoch length: 2 x (96 // (2 x 4)) = 24
+    with pytest.raises(DataError, match="epoch_batches was 12 now 24"):  # an earlier version's of other data
+        _rank(spec, 0, 2).load_state_dict(merge_positions([{**s, "epoch_batches": 6} for s in legacy]))
     assert [got[k] for k in ("position", "streams", "stream_world", "epoch_batches", "cursors")] == \
         [want[k] for k in ("position", "streams", "stream_world", "epoch_batches", "cursors")]
 

@@ -60,3 +60,19 @@ def test_data_streams_must_be_a_multiple_of_the_world_size():
     validate(cfg, 2)
     with pytest.raises(ConfigError, match=r"data.streams=4 is not a multiple of the world size 3"):
         validate(cfg, 3)
+
+
+def test_a_world_no_checkpoint_can_split_is_refused_before_the_model(tmp_path):
+    from types import SimpleNamespace
+
+    from infclip.train.resume import world_problem
+
+    path = _two_rank_checkpoint(tmp_path, _data(4))
+    auto = SimpleNamespace(resume="auto", checkpoint=SimpleNamespace(remote=None))
+    assert world_problem(auto, tmp_path, 1) is None and world_problem(auto, tmp_path, 4) is None
+    assert "1, 2, 4 rank(s)" in world_problem(auto, tmp_path, 3)
+    explicit = SimpleNamespace(resume=str(path), checkpoint=SimpleNamespace(remote=None))
+    assert f"resume='{path}' cannot resume 3 rank(s)" in world_problem(explicit, tmp_path / "elsewhere", 3)
+    assert world_problem(SimpleNamespace(resume="none"), tmp_path, 3) is None
+    remote = SimpleNamespace(resume="auto", checkpoint=SimpleNamespace(remote="memory://x"))
+    assert world_problem(remote, tmp_path, 3) is None  # the remote may hold others: decided later

@@ -71,3 +71,24 @@ def test_two_ranks_checkpoint_one_resumes_then_two_again_each_sample_once(tmp_pa
     assert sorted(got) == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):  # a continuous curve: only the reduction order differs with the ranks
         assert got[step] == pytest.approx(ref[step], rel=1e-4), (step, got, ref)
+
+
+def test_a_world_size_the_order_cannot_split_is_refused_before_the_model(tmp_path):
+    """One rank with in-process loading makes an order of 1 stream: 2 ranks cannot split it.
+    The start is refused with one paragraph before any model or data is built, and leaves the
+    run folder as it was."""
+    run_dir = tmp_path / "one"
+    base = [o for o in TINY if not o.startswith("data.synthetic_root")]
+    train = [sys.executable, str(ROOT / "train.py"), f"data.synthetic_root={tmp_path / 'synthetic'}", *base,
+             f"run_dir={run_dir}", "eval.tasks=[]"]
+    first = subprocess.run([*train, "steps=1"], capture_output=True, text=True, timeout=300, env=_env(tmp_path),
+                           cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *train[1:], "steps=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(tmp_path), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "error (ResumeError): no checkpoint in" in proc.stderr and "it resumes on 1 rank(s)" in proc.stderr
+    assert "data: decode=" not in proc.stdout  # nothing was built
+    after = sorted((p.relative_to(run_dir), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file())
+    assert after == before

@@ -427,7 +427,7 @@ def _load_failure(pretrained: str, name: str, e: BaseException) -> str:
             "was trained with (model=<name>), or another checkpoint if this file is damaged")
 
 
-RAW_METRICS = ("loss", "loss_batch_size", "logit_scale")  # contrastive tasks: not fractions, printed as they are
+RAW_METRICS = ("loss", "loss_batch_size", "logit_scale", "num_skipped_images")  # not fractions: printed as they are
 
 
 def format_table(metrics: dict[str, float]) -> str:
@@ -449,7 +449,8 @@ def format_table(metrics: dict[str, float]) -> str:
 
 def nonfinite_warnings(metrics: dict[str, float]) -> list[str]:
     """One warning line per task that had queries with non-finite scores (NaN/inf embeddings:
-    a collapsed or damaged model); those queries were counted as misses."""
+    a collapsed or damaged model; those queries were counted as misses), and one per task
+    with images that could not be decoded (left out)."""
     lines = []
     for key, n in metrics.items():
         if key.endswith("/num_nonfinite") and n:
@@ -457,6 +458,9 @@ def nonfinite_warnings(metrics: dict[str, float]) -> list[str]:
             total = sum(metrics.get(f"eval/{task}/{k}", 0.0) for k in ("num_samples", "num_images", "num_texts"))
             lines.append(f"warning: {task}: {int(n)} of {int(total)} queries scored non-finite similarities "
                          "(the model's embeddings are NaN/inf: collapsed or damaged weights); counted as misses")
+        if key.endswith("/num_skipped_images") and n:
+            lines.append(f"warning: {key.split('/')[1]}: {int(n)} images could not be read or decoded (damaged, "
+                         "not an image, or not a regular file); skipped: the metrics are those of the others")
     return lines
 
 

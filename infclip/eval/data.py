@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import stat
 import tarfile
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -37,8 +38,22 @@ def _where(task: EvalTaskConfig, index: Optional[int], key: str) -> str:
     return f"{at}.{key} (task {task.name!r})"
 
 
+class NotARegularFile(OSError):
+    """An image path names a FIFO, device or socket: opening it could block forever."""
+
+
+def is_regular(path: str) -> bool:
+    """True for a regular file (after links): the only kind of path an eval image is read from."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _read_image(ref: ImageRef, handles: dict) -> Image.Image:
     if isinstance(ref, str):
+        if not is_regular(ref):  # checked before open(): a FIFO's open() blocks
+            raise NotARegularFile(f"{ref!r} is not a regular file")
         with Image.open(ref) as im:
             return im.convert("RGB")
     path, offset, size = ref
@@ -51,10 +66,17 @@ def _read_image(ref: ImageRef, handles: dict) -> Image.Image:
         return im.convert("RGB")
 
 
+# What a damaged, truncated or non-image file raises from PIL (UnidentifiedImageError and
+# DecompressionBombError are OSError / ValueError subclasses; broken headers raise SyntaxError).
+UNDECODABLE = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
+
+
 class ImageList(Dataset):
     """Map-style dataset over image references; item i = (transform(image_i), label_i, i).
 
-    Labels are -1 for retrieval images. ``transform`` maps a PIL RGB image to a tensor.
+    Labels are -1 for retrieval images. ``transform`` maps a PIL RGB image to a tensor. An
+    image that cannot be read or decoded (or is not a regular file) gives ``None`` in place
+    of the tensor: the caller skips and counts it (:func:`infclip.eval.embed.encode_images`).
     """
 
     def __init__(self, refs: Sequence[ImageRef], labels: Sequence[int], transform: Callable):
@@ -66,7 +88,11 @@ class ImageList(Dataset):
         return len(self.refs)
 
     def __getitem__(self, i: int):
-        return self.transform(_read_image(self.refs[i], self._handles)), self.labels[i], i
+        try:
+            image = _read_image(self.refs[i], self._handles)
+        except UNDECODABLE:
+            return None, self.labels[i], i
+        return self.transform(image), self.labels[i], i
 
     def __getstate__(self):  # file handles do not cross process boundaries
         return {**self.__dict__, "_handles": {}}
@@ -134,9 +160,16 @@ def imagefolder_samples(task: EvalTaskConfig, index: Optional[int] = None) -> tu
 
     if not os.path.isdir(task.root):
         raise DataError(f"{_where(task, index, 'root')}={task.root!r} is not a folder of class folders")
-    tree = ImageFolder(task.root, allow_empty=True)
+    tree = ImageFolder(task.root, allow_empty=True, is_valid_file=_is_image_file)
     paths, labels = [p for p, _ in tree.samples], [y for _, y in tree.samples]
     return paths, labels, list(tree.classes)
+
+
+def _is_image_file(path: str) -> bool:
+    """torchvision's image extensions, regular files only (a FIFO named x.jpg would block)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    return path.lower().endswith(IMG_EXTENSIONS) and is_regular(path)
 
 
 def _read_lines(path: str) -> list[str]:

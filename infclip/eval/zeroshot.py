@@ -53,9 +53,10 @@ def zeroshot_counts(img: Tensor, labels: Tensor, classes: Tensor) -> Tensor:
     return out
 
 
-def summarize(counts: Tensor) -> dict[str, float]:
+def summarize(counts: Tensor, skipped: float = 0.0) -> dict[str, float]:
     """Metrics from summed per-class counts (4, C): top1, top5, mean per-class recall, chance;
-    ``num_nonfinite`` (images scored as misses for non-finite scores) only when there were any."""
+    ``num_nonfinite`` (images scored as misses for non-finite scores) and ``num_skipped_images``
+    (undecodable images, left out of every metric) only when there were any."""
     hit1, hit5, n, nonfinite = counts.sum(1).tolist()
     present = counts[2] > 0
     per_class = counts[0][present] / counts[2][present]
@@ -65,6 +66,7 @@ def summarize(counts: Tensor) -> dict[str, float]:
         "top1_chance": chance_single(num_classes, 1), "top5_chance": chance_single(num_classes, 5),
         "num_samples": n, "num_classes": float(num_classes),
         **({"num_nonfinite": nonfinite} if nonfinite else {}),
+        **({"num_skipped_images": float(skipped)} if skipped else {}),
     }
 
 
@@ -73,11 +75,16 @@ def evaluate_zeroshot(model, tokenizer: Callable, data: ZeroShotData, on_device:
     """Zero-shot metrics over all of ``data`` (sharded over the group; same result on every rank)."""
     classes = class_embeddings(model, tokenizer, data.classnames, data.templates, batch_size, rt)
     indices = shard(len(data.images), rt)
-    counts = torch.zeros(4, len(data.classnames), dtype=torch.float64, device=rt.device)
+    counts = torch.zeros(5, len(data.classnames), dtype=torch.float64, device=rt.device)  # row 4: skipped
     if len(indices):
-        img = encode_images(model, data.images, indices, on_device, batch_size, workers, rt)
+        img, ok = encode_images(model, data.images, indices, on_device, batch_size, workers, rt)
         labels = torch.tensor([data.images.labels[i] for i in indices], device=rt.device)
+        counts[4].index_add_(0, labels[~ok], torch.ones(int((~ok).sum()), dtype=torch.float64, device=rt.device))
+        img, labels = img[ok], labels[ok]
         with fp32(rt):
-            for i in range(0, len(indices), chunk_size):  # logits never exceed chunk_size x C
-                counts += zeroshot_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
-    return summarize(all_reduce_sum(counts, rt))
+            for i in range(0, len(labels), chunk_size):  # logits never exceed chunk_size x C
+                counts[:4] += zeroshot_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
+    counts = all_reduce_sum(counts, rt)
+    if not counts[2].sum():
+        raise ValueError(f"none of the {len(data.images)} images could be decoded")
+    return summarize(counts[:4], skipped=float(counts[4].sum()))

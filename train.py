@@ -27,10 +27,12 @@ def user_errors() -> tuple[type, ...]:
     from infclip.data.shards import DataError
     from infclip.eval.config import EvalConfigError
     from infclip.train.checkpoint import DiskFull
+    from infclip.train.distributed import PeersMissing
     from infclip.train.guard import NonFiniteError
     from infclip.train.rundir import RunDirBusy, RunDirUnusable
 
-    return ConfigError, DataError, EvalConfigError, RunDirBusy, RunDirUnusable, NonFiniteError, DiskFull
+    return (ConfigError, DataError, EvalConfigError, RunDirBusy, RunDirUnusable, NonFiniteError, DiskFull,
+            PeersMissing)
 
 
 def paragraph(err: BaseException) -> str:

@@ -206,7 +206,7 @@ def ignore_stop_signals(worker_id: int) -> None:
     a SIGTERM that did not come from the parent), and the trainer's SIGCHLD check would then
     abort it mid-step instead of letting it checkpoint. The trainer alone decides when to stop;
     the workers exit with it (their parent watchdog) or by SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # SIGHUP: a closed terminal's
         signal.signal(sig, signal.SIG_IGN)
 
 

@@ -36,7 +36,7 @@ def resolve_sources(cfg: DataConfig, shards: Optional[str] = None,
     elif cfg.sources:
         specs = [(s.shards, s.weight, s.num_samples) for s in cfg.sources]
     elif cfg.shards:
-        specs = [(cfg.shards, 1.0, None)]
+        specs = [(cfg.shards, 1.0, cfg.num_samples)]  # data.num_samples set: the counting files are not read
     else:
         raise DataError("no training shards: set data.shards=/path/{00000..00099}.tar or data.sources")
     sources = []

@@ -64,24 +64,59 @@ def check_exist(urls: Sequence[str], show: int = 5) -> None:
             "Fix data.shards (brace range, folder) or remove the missing shards from it.")
 
 
+_COUNT_FIX = ("rewrite it ({\"00000.tar\": <samples>, ...}, as data/build_shards.py writes it), delete it "
+              "to count from *_stats.json, or set data.num_samples")
+
+
+def _load_count_file(path: str) -> object:
+    """The parsed JSON of a counting file; DataError (naming it and the fix) when unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} cannot be read as JSON ({e}); {_COUNT_FIX}") from None
+
+
+def _count(value: object, path: str, what: str) -> int:
+    """A sample count: a non-negative integer (bools and floats are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DataError(f"{path}: {what} is {value!r}, not a sample count (an integer >= 0); {_COUNT_FIX}")
+    return value
+
+
+def _sizes(folder: str, sizes_cache: dict[str, Optional[dict]]) -> Optional[dict]:
+    """The folder's sizes.json ({shard name: count}, every count checked), None if absent."""
+    if folder not in sizes_cache:
+        path = os.path.join(folder, "sizes.json")
+        sizes = _load_count_file(path) if os.path.exists(path) else None
+        if sizes is not None:
+            if not isinstance(sizes, dict):
+                raise DataError(f"{path} holds a {type(sizes).__name__}, not a {{shard name: count}} object; "
+                                f"{_COUNT_FIX}")
+            sizes = {str(k): _count(v, path, f"the count of {k!r}") for k, v in sizes.items()}
+        sizes_cache[folder] = sizes
+    return sizes_cache[folder]
+
+
 def _shard_count(url: str, sizes_cache: dict[str, Optional[dict]]) -> Optional[int]:
     path = _local_path(url)
     folder, name = os.path.split(path)
-    if folder not in sizes_cache:
-        sizes_file = os.path.join(folder, "sizes.json")
-        sizes_cache[folder] = json.load(open(sizes_file)) if os.path.exists(sizes_file) else None
-    sizes = sizes_cache[folder]
+    sizes = _sizes(folder, sizes_cache)
     if sizes is not None and name in sizes:
-        return int(sizes[name])
+        return sizes[name]
     stats = os.path.join(folder, os.path.splitext(name)[0] + "_stats.json")
     if os.path.exists(stats):
-        with open(stats) as f:
-            return int(json.load(f)["successes"])
+        data = _load_count_file(stats)
+        if not isinstance(data, dict) or "successes" not in data:
+            raise DataError(f"{stats} has no \"successes\" count (img2dataset's stats format); {_COUNT_FIX}")
+        return _count(data["successes"], stats, '"successes"')
     return None
 
 
 def count_samples(urls: Sequence[str]) -> Optional[int]:
-    """Total samples from sizes.json / *_stats.json, or None if any shard is not covered."""
+    """Total samples from sizes.json / *_stats.json, or None if any shard is not covered.
+    Raises DataError for a malformed file, a count that is not an integer >= 0, or a total of 0
+    (the run would wait for a first batch that never comes)."""
     cache: dict[str, Optional[dict]] = {}
     total = 0
     for url in urls:
@@ -89,6 +124,10 @@ def count_samples(urls: Sequence[str]) -> Optional[int]:
         if n is None:
             return None
         total += n
+    if urls and total == 0:
+        folder = os.path.dirname(_local_path(urls[0])) or "."
+        raise DataError(f"the counting files beside the shards (sizes.json / *_stats.json in {folder}) say the "
+                        f"{len(urls)} shards hold 0 samples; {_COUNT_FIX}")
     return total
 
 

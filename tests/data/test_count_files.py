@@ -1,0 +1,63 @@
+"""sizes.json and *_stats.json are checked before they are trusted: a malformed file or an
+impossible count is one DataError naming the file and the fix, at preflight."""
+
+import io
+import json
+import tarfile
+
+import pytest
+
+from infclip.data.config import DataConfig
+from infclip.data.pipeline import resolve_sources
+from infclip.data.shards import DataError, count_samples
+
+
+def _shards(tmp_path, n=2):
+    urls = []
+    for i in range(n):
+        path = tmp_path / f"{i:05d}.tar"
+        with tarfile.open(path, "w") as tar:
+            info = tarfile.TarInfo("a.txt")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+        urls.append(str(path))
+    return urls
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json", r"sizes.json cannot be read as JSON"),
+    ("[1, 2]", r"sizes.json holds a list, not a \{shard name: count\} object"),
+    ('{"00000.tar": -3, "00001.tar": 4}', r"the count of '00000.tar' is -3, not a sample count"),
+    ('{"00000.tar": "many", "00001.tar": 4}', r"the count of '00000.tar' is 'many'"),
+    ('{"00000.tar": 2.5, "00001.tar": 4}', r"is 2.5, not a sample count"),
+    ('{"00000.tar": 0, "00001.tar": 0}', r"say the 2 shards hold 0 samples"),
+])
+def test_a_bad_sizes_json_is_refused_naming_it(tmp_path, content, match):
+    urls = _shards(tmp_path)
+    (tmp_path / "sizes.json").write_text(content)
+    with pytest.raises(DataError, match=match):
+        count_samples(urls)
+    cfg = DataConfig(kind="wds", shards=str(tmp_path / "{00000..00001}.tar"))
+    with pytest.raises(DataError, match=r"data.num_samples"):  # the preflight's path, with the fix
+        resolve_sources(cfg)
+
+
+@pytest.mark.parametrize("stats, match", [
+    ("garbage", r"00000_stats.json cannot be read as JSON"),
+    ('{"count": 5}', r'00000_stats.json has no "successes" count'),
+    ('{"successes": true}', r'"successes" is True, not a sample count'),
+])
+def test_a_bad_stats_file_is_refused_naming_it(tmp_path, stats, match):
+    urls = _shards(tmp_path, 1)
+    (tmp_path / "00000_stats.json").write_text(stats)
+    with pytest.raises(DataError, match=match):
+        count_samples(urls)
+
+
+def test_good_counts_still_add_up_and_num_samples_skips_the_files(tmp_path):
+    urls = _shards(tmp_path)
+    (tmp_path / "sizes.json").write_text(json.dumps({"00000.tar": 3, "00001.tar": 4}))
+    assert count_samples(urls) == 7
+    (tmp_path / "sizes.json").write_text("{broken")
+    cfg = DataConfig(kind="wds", shards=str(tmp_path / "{00000..00001}.tar"), num_samples=10)
+    assert resolve_sources(cfg)[0].num_samples == 10

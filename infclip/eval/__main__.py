@@ -5,6 +5,7 @@ See :mod:`infclip.eval.cli` and docs/eval.md.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -50,9 +51,13 @@ def evaluate(cfg: DictConfig) -> dict:
 
 def _evaluate(cfg: DictConfig, dist_info: cli.Dist) -> dict:
     """Plan, load, run and report on this rank (``evaluate``)."""
+    if dist_info.rank == 0 and cfg.output:
+        cli.check_output(cfg.output)  # before any work: a result that cannot be written is lost work
     tasks, suites = cli.plan_tasks(cfg)
     ecfg = cli._eval_config(cfg, tasks)
     pretrained, (model, tokenizer, preprocess) = cli.load_checkpoint(cfg, dist_info.device)
+    if dist_info.rank == 0 and not cfg.output:
+        cli.check_output(cli.default_output(pretrained))
     if dist_info.rank == 0:  # what is evaluated, before the numbers
         print(f"eval: checkpoint {pretrained or cfg.checkpoint}; tasks {[t.name for t in tasks]} "
               f"(from {cli.task_source(cfg)})", flush=True)
@@ -79,7 +84,12 @@ def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, worl
         print(format_suite(plan, summary))
         metrics.update(summary)
     output = cfg.output or cli.default_output(pretrained)
-    cli.write_results(output, cfg, pretrained, ecfg, metrics, world_size)
+    try:
+        cli.write_results(output, cfg, pretrained, ecfg, metrics, world_size)
+    except OSError as e:  # the metrics are kept: printed whole, then the one paragraph
+        print(json.dumps(metrics, indent=1, sort_keys=True), flush=True)
+        raise EvalConfigError(f"output={output} could not be written ({e.strerror or e}); the results are "
+                              "printed above as JSON. Give output= a writable path") from None
     print(f"results written to {output}")
     run, step = cli.run_folder(pretrained), cli.checkpoint_step(pretrained)
     if cfg.log_to_run and run is not None:

@@ -160,7 +160,11 @@ def imagefolder_samples(task: EvalTaskConfig, index: Optional[int] = None) -> tu
 
     if not os.path.isdir(task.root):
         raise DataError(f"{_where(task, index, 'root')}={task.root!r} is not a folder of class folders")
-    tree = ImageFolder(task.root, allow_empty=True, is_valid_file=_is_image_file)
+    try:
+        tree = ImageFolder(task.root, allow_empty=True, is_valid_file=_is_image_file)
+    except (FileNotFoundError, OSError) as e:  # "Couldn't find any class folder in <root>"
+        raise DataError(f"{_where(task, index, 'root')}={task.root!r} holds no class folder ({e}); an image-folder "
+                        "task needs root/<class name>/<image files>") from None
     paths, labels = [p for p, _ in tree.samples], [y for _, y in tree.samples]
     return paths, labels, list(tree.classes)
 
@@ -353,21 +357,49 @@ def _annotation_path(task: EvalTaskConfig, index: Optional[int]) -> str:
     return path
 
 
-def _flat_records(data: list, image_root: str) -> list[tuple[str, list[str]]]:
+def _bad_annotations(path: str, what: str) -> DataError:
+    return DataError(f"annotation file {path!r}: {what}; fix the file (flat: a list of "
+                     "{\"image\": <path>, \"caption\": <text or list>}; karpathy: {\"images\": [...]})")
+
+
+def _image_path(image_root: str, rel: str, path: str, k: int) -> str:
+    """``image_root``/``rel``; a path that leaves the image root (absolute, or ``..`` past it) is
+    refused: an annotation file must not make the evaluation read files elsewhere."""
+    norm = os.path.normpath(rel)
+    if os.path.isabs(rel) or norm == ".." or norm.startswith(".." + os.sep):
+        raise _bad_annotations(path, f"record {k}'s image {rel!r} is not a path inside the image root "
+                                     f"{image_root!r}")
+    return os.path.join(image_root, norm)
+
+
+def _flat_records(data: object, image_root: str, path: str = "") -> list[tuple[str, list[str]]]:
+    if not isinstance(data, list):
+        raise _bad_annotations(path, f"a flat annotation file holds a list of records, not a {type(data).__name__}")
     out = []
-    for rec in data:
-        caps = rec["caption"]
-        out.append((os.path.join(image_root, rec["image"]), [caps] if isinstance(caps, str) else list(caps)))
+    for k, rec in enumerate(data):
+        caps = rec.get("caption") if isinstance(rec, dict) else None
+        if not isinstance(rec, dict) or not isinstance(rec.get("image"), str) or not (
+                isinstance(caps, str) or (isinstance(caps, list) and all(isinstance(c, str) for c in caps))):
+            raise _bad_annotations(path, f"record {k} is not {{\"image\": <path>, \"caption\": <text or list>}}")
+        out.append((_image_path(image_root, rec["image"], path, k), [caps] if isinstance(caps, str) else list(caps)))
     return out
 
 
-def _karpathy_records(data: dict, image_root: str, split: str) -> list[tuple[str, list[str]]]:
+def _karpathy_records(data: object, image_root: str, split: str, path: str = "") -> list[tuple[str, list[str]]]:
+    images = data.get("images") if isinstance(data, dict) else None
+    if not isinstance(images, list):
+        raise _bad_annotations(path, "a Karpathy-style file is an object with an \"images\" list")
     out = []
-    for img in data["images"]:
-        if img.get("split") != split:
-            continue
-        path = os.path.join(image_root, img.get("filepath", ""), img["filename"])
-        out.append((path, [s["raw"].strip() for s in img["sentences"]]))
+    for k, img in enumerate(images):
+        try:
+            if img.get("split") != split:
+                continue
+            rel = os.path.join(img.get("filepath", ""), img["filename"])
+            captions = [s["raw"].strip() for s in img["sentences"]]
+        except (AttributeError, KeyError, TypeError):
+            raise _bad_annotations(path, f"image {k} lacks \"filename\" or \"sentences\" with \"raw\" "
+                                         "captions") from None
+        out.append((_image_path(image_root, rel, path, k), captions))
     return out
 
 
@@ -389,13 +421,16 @@ def load_retrieval(task: EvalTaskConfig, transform: Callable, index: Optional[in
     if task.format == "wds":
         return _retrieval_data(task, index, _wds_records(task, index)[: task.max_samples], task.root, transform)
     path = _annotation_path(task, index)
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad_annotations(path, f"not readable as JSON ({e})") from None
     image_root = task.root or os.path.dirname(os.path.abspath(path))
     if task.format == "flat":
-        records = _flat_records(data, image_root)
+        records = _flat_records(data, image_root, path)
     else:
-        records = _karpathy_records(data, image_root, task.split)
+        records = _karpathy_records(data, image_root, task.split, path)
     records = records[: task.max_samples]
     if not records:
         raise DataError(f"{_where(task, index, 'annotations')}: {path!r} holds no images "

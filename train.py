@@ -72,9 +72,12 @@ def check_command_line() -> None:
     from pathlib import Path
 
     from infclip.config import ConfigError, check_overrides
+    from infclip.presets import check_presets
 
-    groups = tuple(p.name for p in (Path(__file__).resolve().parent / "configs").iterdir() if p.is_dir())
+    configs = Path(__file__).resolve().parent / "configs"
+    groups = tuple(p.name for p in configs.iterdir() if p.is_dir())
     try:
+        check_presets(sys.argv[1:], configs)  # a broken or unknown preset: before Hydra's traceback
         check_overrides(sys.argv[1:], groups + ("optim", "eval"))
     except ConfigError as err:
         print(paragraph(err), file=sys.stderr, flush=True)

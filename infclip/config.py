@@ -300,6 +300,9 @@ def validate(cfg: Any, world_size: int) -> None:
     _validate_schedule(cfg.schedule, cfg.steps)
     _validate_loss(cfg)
     _validate_model(cfg)
+    if "/" in cfg.name or "\\" in cfg.name or cfg.name in ("", ".", ".."):  # the run folder stays in runs_root
+        raise ConfigError(f"name={cfg.name!r} must be a plain folder name (no '/', not '.' or '..'); "
+                          "use run_dir=<path> for a run folder elsewhere")
     if cfg.data.kind == "wds" and not (cfg.data.shards or cfg.data.sources):
         raise ConfigError("data.kind=wds needs data.shards=/path/{00000..00099}.tar (or data.sources)")
     if cfg.task == "simclr" and (cfg.loss.kind != "nt_xent" or cfg.model.lock_image or cfg.model.lock_text

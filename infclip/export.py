@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import json
 import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -228,7 +230,11 @@ def _run_model_config(ckpt: Path, model: Optional[str]) -> dict:
     from omegaconf import OmegaConf
 
     run_cfg = ckpt.parent.parent / "config.yaml"
-    section = dict(OmegaConf.to_container(OmegaConf.load(run_cfg).model)) if run_cfg.is_file() else {}
+    try:
+        section = dict(OmegaConf.to_container(OmegaConf.load(run_cfg).model)) if run_cfg.is_file() else {}
+    except Exception as e:  # YAML errors, a config without a model mapping
+        raise ExportError(f"{run_cfg} cannot be read as the run's configuration ({type(e).__name__}); "
+                          "name the architecture with --model NAME") from None
     if model is not None:
         section.update(name=model, config_file=None)
     if not section.get("name"):
@@ -268,6 +274,21 @@ def export(ckpt: Path, out: Path, model: Optional[str] = None) -> Path:
     return out
 
 
+def check_out(out: Path) -> Path:
+    """``out`` as a folder files can be written to (created); ExportError naming the path and
+    the fix otherwise (an existing regular file, a read-only file system, a path through a file)."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ExportError(f"--out {out} cannot be used as the output folder ({e.strerror or e}); give a "
+                          "writable folder path (created if missing)") from None
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infclip.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="run folder (newest checkpoint) or a checkpoints/step_XXXXXXXX folder")
@@ -276,9 +297,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model", default=None, help="architecture name when the run has no config.yaml")
     args = parser.parse_args(argv)
     try:
+        out = check_out(Path(args.out).expanduser())  # before any work
         ckpt = find_checkpoint(Path(args.checkpoint).expanduser(), args.step,
                                warn=lambda line: print(line, file=sys.stderr, flush=True))
-        out = export(ckpt, Path(args.out).expanduser(), args.model)
+        try:
+            out = export(ckpt, out, args.model)
+        except OSError as e:  # the folder was usable a moment ago: a full disk, a removed folder
+            raise ExportError(f"--out {out}: writing failed ({e.strerror or e}); free space or give another "
+                              "folder") from None
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

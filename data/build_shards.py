@@ -16,8 +16,8 @@ script prints the command, with the held-out set as the run's eval task when the
 from __future__ import annotations
 
 import argparse
-
 import os
+import sys
 
 from infclip.data.build import BuildOptions, build_shards, rows_from, split_holdout, summarize, write_holdout
 
@@ -31,6 +31,25 @@ def train_hint(out: str, shards: int, holdout: str | None = None) -> str:
     if holdout:
         hint += f" \"eval.tasks=[{{name: holdout, kind: retrieval, format: flat, root: '{holdout}'}}]\""
     return hint
+
+
+def check_args(a: argparse.Namespace) -> str | None:
+    """What is wrong with the numeric arguments, or None."""
+    for name, lo in (("shard_size", 1), ("workers", 1), ("max_image_mb", 1e-9), ("holdout", 0)):
+        if getattr(a, name) < lo:
+            return f"--{name.replace('_', '-')} {getattr(a, name)}: must be {'> 0' if lo else '>= 0'}"
+    for name in ("max_shard_mb", "resize"):
+        if getattr(a, name) is not None and getattr(a, name) <= 0:
+            return f"--{name.replace('_', '-')} {getattr(a, name)}: must be > 0 (or left out)"
+    if not 1 <= a.quality <= 100:
+        return f"--quality {a.quality}: must be in 1..100"
+    return None
+
+
+def fail(message: str) -> None:
+    """One paragraph on stderr, exit status 2 (bad input: no traceback)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,18 +70,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--holdout", type=int, default=0,
                    help="image-caption pairs kept out of the shards and written to OUT/holdout as a retrieval eval set")
     p.add_argument("--seed", type=int, default=0, help="which rows --holdout takes")
+    p.add_argument("--follow-links", action="store_true",
+                   help="pack the targets of symbolic links that point outside the input folder (default: skip them)")
     a = p.parse_args(argv)
+    problem = check_args(a)
+    if problem:
+        fail(problem)
     opts = BuildOptions(out_dir=a.out, shard_size=a.shard_size,
                         max_shard_bytes=int(a.max_shard_mb * 2**20) if a.max_shard_mb else None,
                         resize=a.resize, quality=a.quality, verify=not a.no_verify, workers=a.workers,
                         max_image_bytes=int(a.max_image_mb * 2**20))
-    rows = rows_from(a.input, a.image_col, a.caption_col, a.image_root)
+    try:
+        rows = rows_from(a.input, a.image_col, a.caption_col, a.image_root, a.follow_links)
+    except (OSError, KeyError, ImportError, ValueError, UnicodeDecodeError) as e:
+        fail(e.args[0] if isinstance(e, KeyError) else str(e))
     holdout = None
     if a.holdout:
         try:
             rows, held = split_holdout(rows, a.holdout, a.seed)
         except ValueError as e:
-            p.error(str(e))
+            fail(str(e))
         holdout = os.path.join(a.out, "holdout")
         os.makedirs(a.out, exist_ok=True)
         print(summarize(write_holdout(held, opts, holdout), holdout).replace(" in 0 shards", "").replace(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tarfile
 from collections import Counter
 from dataclasses import dataclass
@@ -62,6 +63,19 @@ def check_exist(urls: Sequence[str], show: int = 5) -> None:
         raise MissingShardsError(
             f"{len(missing)} of {len(urls)} local shards do not exist; first missing:\n  {first}\n"
             "Fix data.shards (brace range, folder) or remove the missing shards from it.")
+    odd = [u for u in urls if is_local(u) and not _regular(_local_path(u))]
+    if odd:
+        more = f"; {len(odd)} such shards" if len(odd) > 1 else ""
+        raise DataError(f"shard {odd[0]} is not a regular file (a FIFO, device or socket{more}): "
+                        "reading it could block for ever. Remove it from data.shards, or stream it with "
+                        "data.shards='pipe:cat <path>'")
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 _COUNT_FIX = ("rewrite it ({\"00000.tar\": <samples>, ...}, as data/build_shards.py writes it), delete it "

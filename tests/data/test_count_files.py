@@ -61,3 +61,15 @@ def test_good_counts_still_add_up_and_num_samples_skips_the_files(tmp_path):
     (tmp_path / "sizes.json").write_text("{broken")
     cfg = DataConfig(kind="wds", shards=str(tmp_path / "{00000..00001}.tar"), num_samples=10)
     assert resolve_sources(cfg)[0].num_samples == 10
+
+
+def test_a_fifo_among_the_shards_is_refused_at_preflight(tmp_path):
+    import os
+
+    from infclip.data.shards import check_exist
+
+    urls = _shards(tmp_path)
+    os.mkfifo(tmp_path / "00002.tar")
+    with pytest.raises(DataError, match=r"shard .*00002.tar is not a regular file \(a FIFO"):
+        check_exist(urls + [str(tmp_path / "00002.tar")])
+    check_exist(urls)

@@ -63,3 +63,16 @@ def test_export_falls_back_from_a_malformed_manifest(tmp_path):
     lines = []
     assert newest_intact(newest.parent, lines.append).name == "step_00000001"
     assert "malformed" in lines[0]
+
+
+def test_an_unfinished_write_that_is_a_link_is_removed_not_its_target(tmp_path):
+    c = _saver(tmp_path / "ckpt")
+    first = _save(c, 1)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("not ours")
+    (first.parent / ".step_00000002.tmp").symlink_to(target)
+    lines = []
+    assert c.latest_loadable(1, warn=lines.append) == first
+    assert not os.path.lexists(first.parent / ".step_00000002.tmp") and (target / "keep.txt").exists()
+    assert (_save(c, 2) / MANIFEST).is_file()  # the save at that step then works

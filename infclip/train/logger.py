@@ -70,17 +70,22 @@ class MetricsLogger:
         how many were dropped. Records without a step (start events) are kept."""
         if not self.enabled or not self.path.exists():
             return 0
-        kept, dropped = [], 0
-        for line in self.path.read_text().splitlines():
+        kept, dropped, damaged = [], 0, []
+        for number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 dropped += 1  # a line cut short by a kill
+                damaged.append(number)
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
                 dropped += 1
             else:
                 kept.append(line)
+        if damaged:  # said, not silently dropped: a damaged line in the middle is not a kill's cut
+            print(f"warning: {self.path}: dropped {len(damaged)} line(s) that are not JSON records (line "
+                  f"{', '.join(map(str, damaged[:5]))}{' ...' if len(damaged) > 5 else ''}; a line cut short by "
+                  "a kill is expected)", file=sys.stderr, flush=True)
         if dropped:
             self._rewrite("".join(line + "\n" for line in kept))
         return dropped

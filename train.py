@@ -47,9 +47,11 @@ def paragraph(err: BaseException) -> str:
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     from infclip import process_group
+    from infclip.train.logger import tolerate_closed_stdout
     from infclip.train.loop import train
     from infclip.train.signals import exit_zero_on_stop
 
+    tolerate_closed_stdout()  # `train.py | head`: training goes on when the reader is gone
     status = 0
     try:
         train(cfg, overrides=list(HydraConfig.get().overrides.task))

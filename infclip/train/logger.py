@@ -242,3 +242,55 @@ def gpu_memory_gb(device: torch.device) -> float:
 
 def finite(x: float) -> bool:
     return math.isfinite(x)
+
+
+class TolerantStream:
+    """A text stream (stdout) that outlives its reader: once a write or flush fails because the
+    reader is gone (``train.py | head``: BrokenPipeError, EPIPE), it drops further output
+    instead of raising, so training, checkpoints and metrics.jsonl go on; one line on stderr
+    says so."""
+
+    def __init__(self, stream: Any):
+        self._stream, self.closed_reader = stream, False
+
+    def _lost(self) -> None:
+        if not self.closed_reader:
+            self.closed_reader = True
+            try:
+                sys.stderr.write("warning: stdout was closed by its reader; training goes on, logging to "
+                                 "the run folder (metrics.jsonl) only\n")
+                sys.stderr.flush()
+            except OSError:
+                pass
+
+    def write(self, text: str) -> int:
+        if not self.closed_reader:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, ValueError):
+                self._lost()
+            except OSError as e:
+                if e.errno != errno.EPIPE:
+                    raise
+                self._lost()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_reader:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, ValueError):
+                self._lost()
+            except OSError as e:
+                if e.errno != errno.EPIPE:
+                    raise
+                self._lost()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
+def tolerate_closed_stdout() -> None:
+    """Replaces ``sys.stdout`` by a :class:`TolerantStream` over it (idempotent)."""
+    if not isinstance(sys.stdout, TolerantStream):
+        sys.stdout = TolerantStream(sys.stdout)

@@ -284,7 +284,8 @@ def check_out(out: Path) -> Path:
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as e:
-        raise ExportError(f"--out {out} cannot be used as the output folder ({e.strerror or e}); give a "
+        why = "a part of its path is a file, not a folder" if e.errno == errno.EEXIST else e.strerror
+        raise ExportError(f"--out {out} cannot be used as the output folder ({why or e}); give a "
                           "writable folder path (created if missing)") from None
     return out
 

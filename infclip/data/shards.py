@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import tarfile
 from collections import Counter
 from dataclasses import dataclass
@@ -189,6 +190,40 @@ def _check_end_marker(tar: tarfile.TarFile) -> None:
         raise tarfile.ReadError(f"archive cut short at byte {pos} (no end-of-archive block)")
 
 
+PIPE_WAIT_S = 60.0  # after its stream ended, how long a pipe: command may take to exit
+
+
+def _open(url: str) -> tuple:
+    """(binary stream, the pipe: command's process or None). A ``pipe:`` command is read to its
+    end before its exit status is looked at (webdataset's Pipe polls it after every read, so a
+    command that exits non-zero right after writing lost its last samples, or not, by timing)."""
+    if url.startswith("pipe:"):
+        proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        return proc.stdout, proc
+    return gopen(url, "rb"), None
+
+
+def _close(stream, proc, read_to_end: bool) -> bool:
+    """Closes a shard's stream; False when its pipe: command failed (a non-zero exit after the
+    stream was read to its end). A stream left early (the reader stopped) ends its command."""
+    try:
+        stream.close()
+    except Exception:  # a gopen stream of another kind that reports a failure here
+        return False
+    if proc is None:
+        return True
+    if not read_to_end:
+        proc.kill()
+        proc.wait()
+        return True
+    try:
+        return proc.wait(timeout=PIPE_WAIT_S) == 0
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+
+
 def iter_samples(url: str, counts: Counter) -> Iterator[RawSample]:
     """Samples of one shard, grouped by key; never raises for bad data.
 
@@ -198,9 +233,9 @@ def iter_samples(url: str, counts: Counter) -> Iterator[RawSample]:
     archive without a sample counts ``empty_shard``; a ``pipe:`` command that exits non-zero
     after a clean read counts ``pipe_error``.
     """
-    yielded, failed = 0, False
+    yielded, failed, finished = 0, False, False
     try:
-        stream = gopen(url, "rb")
+        stream, proc = _open(url)
     except Exception:
         counts["unreadable_shard"] += 1
         return
@@ -213,11 +248,9 @@ def iter_samples(url: str, counts: Counter) -> Iterator[RawSample]:
         failed = True
         counts["truncated_tar" if yielded else "unreadable_shard"] += 1
     else:
+        finished = True
         if not yielded:
             counts["empty_shard"] += 1
     finally:
-        try:
-            stream.close()
-        except Exception:  # a pipe: command that exited non-zero reports here
-            if not failed:
-                counts["pipe_error"] += 1
+        if not _close(stream, proc, finished or failed) and not failed:
+            counts["pipe_error"] += 1

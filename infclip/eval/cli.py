@@ -528,7 +528,8 @@ def check_output(path: str) -> None:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise EvalConfigError(f"output={path} cannot be written ({e.strerror or e}); nothing was evaluated. "
+        why = "a part of its path is a file, not a folder" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror
+        raise EvalConfigError(f"output={path} cannot be written ({why or e}); nothing was evaluated. "
                               "Give output= a writable file path (its folder is created)") from None
 
 

@@ -73,3 +73,27 @@ def test_a_fifo_among_the_shards_is_refused_at_preflight(tmp_path):
     with pytest.raises(DataError, match=r"shard .*00002.tar is not a regular file \(a FIFO"):
         check_exist(urls + [str(tmp_path / "00002.tar")])
     check_exist(urls)
+
+
+def test_a_failing_pipe_command_keeps_its_samples_and_counts_one_pipe_error(tmp_path):
+    """`cat shard; exit 3`: every sample of the stream is read, then pipe_error is counted,
+    whatever the timing of the command's exit (webdataset's Pipe raised mid-stream at times)."""
+    from collections import Counter
+
+    from infclip.data.shards import iter_samples
+
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w") as tar:
+        for i in range(20):
+            info = tarfile.TarInfo(f"{i:03d}.txt")
+            info.size = 4000
+            tar.addfile(info, io.BytesIO(b"x" * 4000))
+    for _ in range(5):
+        counts = Counter()
+        keys = [s["__key__"] for s in iter_samples(f"pipe:cat {path}; exit 3", counts)]
+        assert len(keys) == 20 and counts == Counter(pipe_error=1), (len(keys), counts)
+    counts = Counter()
+    assert len(list(iter_samples(f"pipe:cat {path}", counts))) == 20 and not counts
+    stream = iter_samples(f"pipe:cat {path}; sleep 60", Counter())
+    next(stream)
+    stream.close()  # a reader that stops early ends the command, counts nothing, does not wait

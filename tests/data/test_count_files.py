@@ -97,3 +97,30 @@ def test_a_failing_pipe_command_keeps_its_samples_and_counts_one_pipe_error(tmp_
     stream = iter_samples(f"pipe:cat {path}; sleep 60", Counter())
     next(stream)
     stream.close()  # a reader that stops early ends the command, counts nothing, does not wait
+
+
+@pytest.mark.parametrize("claimed, warned", [(2000, "epochs repeat its samples"), (40, None),
+                                             (4, "an epoch ends before most samples were read")])
+def test_a_first_pass_far_from_the_claimed_count_warns_with_both_numbers(capsys, tmp_path, claimed, warned):
+    from collections import Counter
+
+    from infclip.data.stream import StreamSpec, raw_stream
+
+    urls = _shards(tmp_path, 4)  # each holds one sample ("a")
+    with tarfile.open(urls[0], "w") as tar:
+        for i in range(37):
+            info = tarfile.TarInfo(f"{i:03d}.txt")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    spec = StreamSpec(urls, [1.0] * 4, False, 0, 0, 1, 1, claimed, 0)  # 40 samples, loader_batch 1
+    stream = raw_stream(spec, 0, 0, 1, Counter())
+    read = 0
+    while next(stream) is not None:
+        read += 1
+    err = capsys.readouterr().err
+    assert read == 40
+    if warned is None:
+        assert err == ""
+    else:
+        assert f"read 40 samples, but the sample counts (sizes.json / *_stats.json / data.num_samples) give it " \
+               f"{claimed} per epoch" in err and warned in err

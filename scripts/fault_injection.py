@@ -814,7 +814,7 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "export --out an existing file": case_export_out_is_a_file,
     "build_shards --shard-size 0": case_build_shard_size_zero,
     "SIGHUP (closed terminal) mid-run, resume": case_stop_signal(signal.SIGHUP),
-    "stdout closed by its reader (| head -1)": case_closed_stdout,
+    "stdout closed by its reader (head -1)": case_closed_stdout,
 }
 
 

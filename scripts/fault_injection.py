@@ -3,7 +3,9 @@ included), damaged checkpoints (a tampered safetensors too), a concurrent start,
 and gradients, a collapsed model in the eval command, bad values and weights, half-empty data,
 Ctrl-C, a frozen or killed loader worker, signals in the final eval, the shard builder on
 hostile folders (bad captions, a FIFO, /dev/zero), the eval command racing checkpoint pruning,
-a full disk (a tmpfs; root only). Prints a table: case -> outcome.
+a full disk (a tmpfs; root only), undecodable eval images, ranks started with different
+configurations or never joining, malformed counting files, manifests, presets and output
+paths, SIGHUP and a closed stdout. Prints a table: case -> outcome.
 
     python scripts/fault_injection.py                 # every case (~5-10 min on 2 CPU cores)
     python scripts/fault_injection.py --cases kill9 corrupt --seed 3 --keep /tmp/fi

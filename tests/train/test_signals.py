@@ -21,3 +21,17 @@ def test_stop_signal_after_a_finished_run_exits_zero(sig):
     run = lambda mode: subprocess.run([sys.executable, "-c", CHILD, mode, str(int(sig))], timeout=60)  # noqa: E731
     assert run("installed").returncode == 0
     assert run("default").returncode == -int(sig)  # without it the signal kills the process
+
+
+def test_sighup_is_a_stop_signal_like_sigterm():
+    """A closed terminal or SSH session (SIGHUP) stops after the step with a checkpoint, like
+    SIGTERM (never a requeue), instead of ending the run at once."""
+    import os
+    from types import SimpleNamespace
+
+    from infclip.train.signals import signals_handled
+
+    state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
+    with signals_handled(state):
+        os.kill(os.getpid(), signal.SIGHUP)  # the handler runs before the next line
+    assert state.signal_received == signal.SIGTERM

@@ -51,13 +51,13 @@ def evaluate(cfg: DictConfig) -> dict:
 
 def _evaluate(cfg: DictConfig, dist_info: cli.Dist) -> dict:
     """Plan, load, run and report on this rank (``evaluate``)."""
-    if dist_info.rank == 0 and cfg.output:
-        cli.check_output(cfg.output)  # before any work: a result that cannot be written is lost work
+    if cfg.output:  # before any work: a result that cannot be written is lost work
+        _rank0_check(dist_info, lambda: cli.check_output(cfg.output))
     tasks, suites = cli.plan_tasks(cfg)
     ecfg = cli._eval_config(cfg, tasks)
     pretrained, (model, tokenizer, preprocess) = cli.load_checkpoint(cfg, dist_info.device)
-    if dist_info.rank == 0 and not cfg.output:
-        cli.check_output(cli.default_output(pretrained))
+    if not cfg.output:
+        _rank0_check(dist_info, lambda: cli.check_output(cli.default_output(pretrained)))
     if dist_info.rank == 0:  # what is evaluated, before the numbers
         print(f"eval: checkpoint {pretrained or cfg.checkpoint}; tasks {[t.name for t in tasks]} "
               f"(from {cli.task_source(cfg)})", flush=True)
@@ -72,6 +72,25 @@ def _evaluate(cfg: DictConfig, dist_info: cli.Dist) -> dict:
     if dist_info.rank == 0:
         _report(cfg, pretrained, ecfg, metrics, suites, dist_info.world_size)
     return metrics
+
+
+def _rank0_check(dist_info: cli.Dist, check) -> None:
+    """Runs ``check`` on rank 0 (which writes the results); its EvalConfigError is raised on
+    every rank, so none is left waiting in a collective for rank 0."""
+    problem = None
+    if dist_info.rank == 0:
+        try:
+            check()
+        except EvalConfigError as e:
+            problem = str(e)
+    if dist_info.world_size > 1:
+        import torch.distributed as dist
+
+        box = [problem]
+        dist.broadcast_object_list(box, src=0, group=dist_info.group)
+        problem = box[0]
+    if problem:
+        raise EvalConfigError(problem)
 
 
 def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, world_size: int) -> None:

@@ -320,9 +320,9 @@ def validate(cfg: Any, world_size: int) -> None:
 
 _POSITIVE = ("steps", "optim.lr", "optim.eps", "checkpoint.keep_last", "max_nonfinite", "memory.stream_rows",
              "dist.join_timeout_s", "dist.timeout_s")
-_NON_NEGATIVE = ("dist.stop_grace_s", "optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps", "memory.prefetch_steps",
+_NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps", "memory.prefetch_steps",
                  "logging.every_n_steps", "checkpoint.every_n_steps", "logging.profile_step",
-                 "logging.decode_trace_step")
+                 "logging.decode_trace_step", "dist.stop_grace_s")
 
 
 def _validate_numbers(cfg: Any) -> None:

@@ -694,7 +694,8 @@ def case_peer_never_comes(ctx: Ctx) -> tuple[bool, str]:
     err = proc.communicate(timeout=300)[1]
     secs = time.perf_counter() - t
     said = "still waiting for the other ranks" in err and "dist.join_timeout_s" in err
-    return proc.returncode == 2 and said and "Traceback" not in err, f"exit {proc.returncode} after {secs:.0f} s; said so: {said}"
+    ok = proc.returncode == 2 and said and "Traceback" not in err
+    return ok, f"exit {proc.returncode} after {secs:.0f} s; said so: {said}"
 
 
 def case_bad_sizes_json(ctx: Ctx) -> tuple[bool, str]:
@@ -741,7 +742,8 @@ def case_broken_preset(ctx: Ctx) -> tuple[bool, str]:
 def case_export_out_is_a_file(ctx: Ctx) -> tuple[bool, str]:
     (ctx.work / "export-file").write_text("x")
     proc = run([sys.executable, "-m", "infclip.export", str(ctx.ref_dir), "--out", str(ctx.work / "export-file")])
-    ok = proc.returncode == 2 and "Traceback" not in proc.stderr and "cannot be used as the output folder" in proc.stderr
+    ok = (proc.returncode == 2 and "Traceback" not in proc.stderr
+          and "cannot be used as the output folder" in proc.stderr)
     return ok, f"exit {proc.returncode}, '{proc.stderr.strip()[:90]}'"
 
 

@@ -128,7 +128,8 @@ def scan_folder(folder: str, follow_links: bool = False) -> list[tuple[str, Capt
         for name in sorted(names):
             if not name.endswith(".txt"):
                 path = os.path.join(parent, name)
-                rows.append((path, _folder_caption(parent, name, inside) if inside(path) else Skip("link_outside_input")))
+                caption = _folder_caption(parent, name, inside) if inside(path) else Skip("link_outside_input")
+                rows.append((path, caption))
     return rows
 
 

@@ -91,3 +91,32 @@ def test_a_stop_signal_is_honoured_while_a_step_is_blocked(sig):
     assert proc.returncode == 128 + sig, (out, err)
     assert f"stop signal {signal.Signals(sig).name} received 1 s ago" in err and "dist.stop_grace_s" in err
     assert "returned" not in out
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_ends_a_rank_blocked_in_a_collective(tmp_path):
+    """Rank 1 frozen (SIGSTOP) mid-run: rank 0 waits in the step's collective; SIGTERM ends it
+    after dist.stop_grace_s instead of torch's 30-minute timeout."""
+    port = _free_port()
+    extra = ("steps=500", "logging.every_n_steps=1", "dist.stop_grace_s=3")
+    procs = [_rank(tmp_path, r, 2, port, *extra) for r in (0, 1)]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and not (metrics.exists() and '"step": 2' in metrics.read_text()):
+            time.sleep(0.5)
+        assert '"step": 2' in metrics.read_text(), procs[0].stderr.read()[-2000:] if procs[0].poll() else ""
+        procs[1].send_signal(signal.SIGSTOP)
+        time.sleep(2)  # rank 0 is now inside a collective rank 1 never joins
+        start = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        _, err = procs[0].communicate(timeout=120)
+        assert procs[0].returncode == 128 + signal.SIGTERM, err[-2000:]
+        assert "stop signal SIGTERM received 3 s ago" in err
+        assert time.monotonic() - start < 100  # 3 s of grace, far from torch's 1800 s
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()

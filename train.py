@@ -27,10 +27,12 @@ def user_errors() -> tuple[type, ...]:
     from infclip.data.shards import DataError
     from infclip.eval.config import EvalConfigError
     from infclip.train.checkpoint import DiskFull
+    from infclip.train.distributed import PeersMissing
     from infclip.train.guard import NonFiniteError
     from infclip.train.rundir import RunDirBusy, RunDirUnusable
 
-    return ConfigError, DataError, EvalConfigError, RunDirBusy, RunDirUnusable, NonFiniteError, DiskFull
+    return (ConfigError, DataError, EvalConfigError, RunDirBusy, RunDirUnusable, NonFiniteError, DiskFull,
+            PeersMissing)
 
 
 def paragraph(err: BaseException) -> str:
@@ -45,9 +47,11 @@ def paragraph(err: BaseException) -> str:
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     from infclip import process_group
+    from infclip.train.logger import tolerate_closed_stdout
     from infclip.train.loop import train
     from infclip.train.signals import exit_zero_on_stop
 
+    tolerate_closed_stdout()  # `train.py | head`: training goes on when the reader is gone
     status = 0
     try:
         train(cfg, overrides=list(HydraConfig.get().overrides.task))
@@ -73,12 +77,15 @@ def check_command_line() -> None:
 
     from infclip.cmdline import composition_problem, overridden_keys, repeated_keys, unquoted_task_roots
     from infclip.config import ConfigError, EvalTaskConfig, TrainConfig, check_overrides
+    from infclip.presets import check_presets
 
-    groups = tuple(p.name for p in (Path(__file__).resolve().parent / "configs").iterdir() if p.is_dir())
+    configs = Path(__file__).resolve().parent / "configs"
+    groups = tuple(p.name for p in configs.iterdir() if p.is_dir())
     try:
         problem = repeated_keys(sys.argv[1:]) or unquoted_task_roots(sys.argv[1:])
         if problem:
             raise ConfigError(problem)
+        check_presets(sys.argv[1:], configs)  # a broken or unknown preset: before Hydra's traceback
         check_overrides(sys.argv[1:], groups + ("optim", "eval"))
         problem = composition_problem(str(Path(__file__).resolve().parent / "configs"), "train", sys.argv[1:],
                                       TrainConfig, {"eval.tasks": EvalTaskConfig})

@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="what the shards are for, which sets the command printed at the end: train (the training "
                         "command), eval (an eval-task snippet for a held-out set), auto (eval when the input or "
                         "output name says val/test/holdout, else train)")
+    p.add_argument("--follow-links", action="store_true",
+                   help="pack the targets of symbolic links that point outside the input folder (default: skip them)")
     a = p.parse_args(argv)
     problem = bad_arguments(a)
     if problem:
@@ -169,9 +171,9 @@ def main(argv: list[str] | None = None) -> None:
                         resize=a.resize, quality=a.quality, verify=not a.no_verify, workers=a.workers,
                         max_image_bytes=int(a.max_image_mb * 2**20))
     try:
-        rows = rows_from(a.input, a.image_col, a.caption_col, a.image_root)
-    except (FileNotFoundError, KeyError, ImportError, ValueError) as e:  # the input itself
-        fail(str(e).strip("'\""))
+        rows = rows_from(a.input, a.image_col, a.caption_col, a.image_root, a.follow_links)
+    except (OSError, KeyError, ImportError, ValueError, UnicodeDecodeError) as e:  # the input itself
+        fail(e.args[0] if isinstance(e, KeyError) else str(e).strip("'\""))
     rows, held, labels = split_rows(a, rows)
     holdout = classes = None
     if held:

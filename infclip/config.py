@@ -170,6 +170,20 @@ class LoggingConfig:
 
 
 @dataclass
+class DistConfig:
+    # seconds a rank waits at the start for the others to join (torchrun / by hand: the
+    # rendezvous and the first collective, which compares the ranks' configurations); a rank
+    # that waits says so after at most 30 s. A node that never joins ends the job then, exit 2
+    join_timeout_s: float = 300.0
+    # seconds any later collective may wait (torch's process-group timeout; its default)
+    timeout_s: float = 1800.0
+    # seconds a step may still take after a stop signal (SIGTERM, SIGINT, SIGHUP, SIGUSR1) before
+    # the process exits without a checkpoint: a rank stuck in a collective whose peers are gone
+    # is stopped by the signal, not by the collective timeout; 0: wait for the step however long
+    stop_grace_s: float = 120.0
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -182,6 +196,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     steps: int = 100  # optimizer steps to train
     # alternative to steps: steps = ceil(epochs * samples per epoch / batch.global_size), from the
     # dataset's size (data.synthetic_train; data.num_samples or the shards' counts for wds)
@@ -290,6 +305,9 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"data.streams={streams} is not a multiple of the world size {world_size}: each rank reads "
                           f"whole streams of the global sample order. Run on a number of ranks that divides "
                           f"{streams}, or set data.streams to a multiple of {world_size} (or null) for a new run")
+    if "/" in cfg.name or "\\" in cfg.name or cfg.name in ("", ".", ".."):  # the run folder stays in runs_root
+        raise ConfigError(f"name={cfg.name!r} must be a plain folder name (no '/', not '.' or '..'); "
+                          "use run_dir=<path> for a run folder elsewhere")
     if cfg.data.kind == "wds" and not (cfg.data.shards or cfg.data.sources):
         raise ConfigError("data.kind=wds needs data.shards=/path/{00000..00099}.tar (or data.sources)")
     if cfg.task == "simclr" and (cfg.loss.kind != "nt_xent" or cfg.model.lock_image or cfg.model.lock_text
@@ -305,10 +323,11 @@ def validate(cfg: Any, world_size: int) -> None:
         raise ConfigError(str(e)) from None
 
 
-_POSITIVE = ("steps", "optim.lr", "optim.eps", "checkpoint.keep_last", "max_nonfinite", "memory.stream_rows")
+_POSITIVE = ("steps", "optim.lr", "optim.eps", "checkpoint.keep_last", "max_nonfinite", "memory.stream_rows",
+             "dist.join_timeout_s", "dist.timeout_s")
 _NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps", "memory.prefetch_steps",
                  "logging.every_n_steps", "checkpoint.every_n_steps", "logging.profile_step",
-                 "logging.decode_trace_step")
+                 "logging.decode_trace_step", "dist.stop_grace_s")
 
 
 def _validate_numbers(cfg: Any) -> None:

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import errno
 import json
 import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -241,7 +243,11 @@ def _run_model_config(ckpt: Path, model: Optional[str]) -> dict:
     from omegaconf import OmegaConf
 
     run_cfg = ckpt.parent.parent / "config.yaml"
-    section = dict(OmegaConf.to_container(OmegaConf.load(run_cfg).model)) if run_cfg.is_file() else {}
+    try:
+        section = dict(OmegaConf.to_container(OmegaConf.load(run_cfg).model)) if run_cfg.is_file() else {}
+    except Exception as e:  # YAML errors, a config without a model mapping
+        raise ExportError(f"{run_cfg} cannot be read as the run's configuration ({type(e).__name__}); "
+                          "name the architecture with --model NAME") from None
     if model is not None:
         section.update(name=model, config_file=None)
     if not section.get("name"):
@@ -290,6 +296,22 @@ def _check_out(out: Path, ckpt: Path) -> None:
                           "another folder (or load it as it is: open_clip's 'local-dir:' + that folder)")
 
 
+def check_out(out: Path) -> Path:
+    """``out`` as a folder files can be written to (created); ExportError naming the path and
+    the fix otherwise (an existing regular file, a read-only file system, a path through a file)."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        why = "a part of its path is a file, not a folder" if e.errno == errno.EEXIST else e.strerror
+        raise ExportError(f"--out {out} cannot be used as the output folder ({why or e}); give a "
+                          "writable folder path (created if missing)") from None
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infclip.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="run folder (newest checkpoint) or a checkpoints/step_XXXXXXXX folder")
@@ -299,14 +321,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out).expanduser()
     try:
+        out = check_out(Path(args.out).expanduser())  # before any work
         ckpt = find_checkpoint(Path(args.checkpoint).expanduser(), args.step,
                                warn=lambda line: print(line, file=sys.stderr, flush=True))
         _check_out(out, ckpt)
         try:
             out = export(ckpt, out, args.model)
-        except OSError as e:  # the folder named by --out cannot be made or written
-            raise ExportError(f"--out {out} cannot be written ({type(e).__name__}: {e.strerror or e}); choose a "
-                              "folder on a writable disk (it is created if missing)") from None
+        except OSError as e:  # the folder was usable a moment ago: a full disk, a removed folder
+            raise ExportError(f"--out {out}: writing failed ({e.strerror or e}); free space or give another "
+                              "folder") from None
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

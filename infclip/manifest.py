@@ -8,7 +8,11 @@ verify before loading, so a truncated or overwritten file is reported by name in
 an unpickling traceback.
 
 A folder without a manifest was written by an older version: it is accepted unverified
-(with one warning per process), so old runs can still resume.
+(with one warning per process), so old runs can still resume -- unless a sibling step folder
+has a manifest: then this one lost its manifest (or never completed) and is damaged. A
+manifest that is not the expected shape (an object whose ``files`` maps relative names inside
+the folder to ``{"size": int, "sha256": 64 hex digits}``), or names a path outside the folder
+(``..``, absolute, or through a link), makes its folder damaged too.
 
 A folder that fails verification is never deleted: ``set_aside`` renames it to
 ``step_N.damaged`` (the trainer's resume, the eval command and the export all do), so the
@@ -20,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -68,12 +73,17 @@ def verify(folder: Path, need: tuple[str, ...] = (), only: Optional[tuple[str, .
         missing = [n for n in need if not (folder / n).is_file()]
         if missing:
             return f"missing {', '.join(missing[:4])}"
+        if _siblings_have_manifests(folder):
+            return f"has no {MANIFEST} while other checkpoints beside it have one (removed, or never completed)"
         _warn_unverified(folder)
         return None
     try:
         files = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"{MANIFEST} is unreadable"
+    problem = _shape_problem(folder, files)
+    if problem:
+        return f"{MANIFEST} is malformed ({problem})"
     unlisted = [n for n in need if n not in files]
     if unlisted:
         added = [n for n in unlisted if (folder / n).is_file()]
@@ -87,6 +97,41 @@ def verify(folder: Path, need: tuple[str, ...] = (), only: Optional[tuple[str, .
         if problem:
             return f"{name} {problem}"
     return None
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _shape_problem(folder: Path, files: object) -> Optional[str]:
+    """None when ``files`` maps names inside ``folder`` to {size: int >= 0, sha256: hex}."""
+    if not isinstance(files, dict):
+        return f"'files' is a {type(files).__name__}, not an object"
+    root = folder.resolve()
+    for name, entry in files.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) \
+                or not _SHA256.match(entry["sha256"]) or type(entry.get("size")) is not int or entry["size"] < 0:
+            return f"the entry of {name!r} is not {{\"size\": bytes, \"sha256\": hex digest}}"
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or not _inside(folder / name, root):
+            return f"{name!r} is not a path inside the checkpoint folder"
+    return None
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """True when ``path`` (links followed) lies in ``root``."""
+    try:
+        path.resolve().relative_to(root)
+    except (ValueError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def _siblings_have_manifests(folder: Path) -> bool:
+    """Whether another step folder beside ``folder`` has a manifest (then this one should too)."""
+    try:
+        return any(p != folder and (p / MANIFEST).is_file() for p in folder.parent.glob("step_*"))
+    except OSError:
+        return False
 
 
 def vanished(problem: str) -> bool:

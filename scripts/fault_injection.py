@@ -3,7 +3,9 @@ included), damaged checkpoints (a tampered safetensors too), a concurrent start,
 and gradients, a collapsed model in the eval command, bad values and weights, half-empty data,
 Ctrl-C, a frozen or killed loader worker, signals in the final eval, the shard builder on
 hostile folders (bad captions, a FIFO, /dev/zero), the eval command racing checkpoint pruning,
-a full disk (a tmpfs; root only). Prints a table: case -> outcome.
+a full disk (a tmpfs; root only), undecodable eval images, ranks started with different
+configurations or never joining, malformed counting files, manifests, presets and output
+paths, SIGHUP and a closed stdout. Prints a table: case -> outcome.
 
     python scripts/fault_injection.py                 # every case (~5-10 min on 2 CPU cores)
     python scripts/fault_injection.py --cases kill9 corrupt --seed 3 --keep /tmp/fi
@@ -476,8 +478,9 @@ def case_double_sigint(ctx: Ctx) -> tuple[bool, str]:
 
 
 
-def _build_shards(src: Path, out: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "data" / "build_shards.py"), str(src), "--out", str(out), "--workers", "2"]
+def _build_shards(src: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "data" / "build_shards.py"), str(src), "--out", str(out), "--workers", "2",
+           *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
 
 
@@ -500,7 +503,9 @@ def case_build_bad_captions(ctx: Ctx) -> tuple[bool, str]:
 
 
 def case_build_fifo(ctx: Ctx) -> tuple[bool, str]:
-    """A FIFO image, a FIFO caption and /dev/zero behind a link: counted, never read."""
+    """A FIFO image, a FIFO caption and /dev/zero behind a link: counted, never read (with
+    --follow-links, so the link's target is looked at; without it the link is skipped as
+    leading outside the input folder)."""
     src = ctx.fresh("build-fifo")
     src.mkdir()
     _jpeg(src / "good.jpg", b"fine")
@@ -512,7 +517,7 @@ def case_build_fifo(ctx: Ctx) -> tuple[bool, str]:
     (src / "zero.txt").write_text("/dev/zero")
     t0 = time.monotonic()
     try:
-        proc = _build_shards(src, src.with_suffix(".out"))
+        proc = _build_shards(src, src.with_suffix(".out"), "--follow-links")
     except subprocess.TimeoutExpired:
         return False, "hung for 120 s"
     took = time.monotonic() - t0
@@ -628,6 +633,146 @@ def case_slurm_preemption(ctx: Ctx) -> tuple[bool, str]:
         subprocess.run([str(cluster), "stop", str(state)], capture_output=True, timeout=60)
 
 
+# -- bad input and unreachable peers ------------------------------------------------------------
+
+
+def _png(path: Path, ident: int) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (32, 32), (8 * ident, 40, 90)).save(path)
+
+
+def case_eval_bad_images(ctx: Ctx) -> tuple[bool, str]:
+    """An image-folder task with a corrupt JPEG and a FIFO, read by 2 loader workers: skipped and
+    counted, no hang (bounded here at 240 s), no worker left behind."""
+    root = ctx.work / "bad-image-folder"
+    for c in ("cat", "dog"):
+        (root / c).mkdir(parents=True)
+        for i in range(2):
+            _png(root / c / f"{i}.png", i)
+    (root / "dog" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0" + os.urandom(3000))
+    os.mkfifo(root / "cat" / "fifo.jpg")
+    task = f"tasks=[{{name: folder, kind: zeroshot, format: imagefolder, root: '{root}'}}]"
+    out = ctx.work / "bad-images.json"
+    cmd = eval_cmd(ctx, ctx.ref_dir, task, f"output={out}", "eval.workers=2")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        return False, "the eval command hung (240 s)"
+    metrics = json.loads(out.read_text())["metrics"] if out.is_file() else {}
+    skipped = metrics.get("eval/folder/num_skipped_images")
+    ok = proc.returncode == 0 and skipped == 1 and "1 images could not be read or decoded" in proc.stderr
+    return ok, f"exit {proc.returncode}; skipped {skipped}; scored {metrics.get('eval/folder/num_samples')} images"
+
+
+def _by_hand(ctx: Ctx, run_dir: Path, rank: int, world: int, port: int, *overrides: str) -> subprocess.Popen:
+    extra = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port))
+    return subprocess.Popen(ctx.cmd(run_dir, "eval.tasks=[]", *overrides), cwd=ROOT, env=env(**extra),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def case_ranks_differ(ctx: Ctx) -> tuple[bool, str]:
+    """Two ranks started by hand with steps=5 and steps=8: both refuse, naming the key."""
+    run_dir, port = ctx.fresh("ranks-differ"), _free_port()
+    procs = [_by_hand(ctx, run_dir, r, 2, port, f"steps={n}") for r, n in ((0, 5), (1, 8))]
+    outs = [p.communicate(timeout=300)[1] for p in procs]
+    named = all("differs from rank 0 in steps (5 on rank 0, 8 on rank 1)" in e for e in outs)
+    ok = named and all(p.returncode == 2 and "Traceback" not in e for p, e in zip(procs, outs))
+    return ok, f"exits {[p.returncode for p in procs]}; both named steps: {named}"
+
+
+def case_peer_never_comes(ctx: Ctx) -> tuple[bool, str]:
+    """WORLD_SIZE=2 with rank 0 alone and dist.join_timeout_s=20: says so, ends with exit 2."""
+    t = time.perf_counter()
+    proc = _by_hand(ctx, ctx.fresh("peer-never-comes"), 0, 2, _free_port(), "steps=2", "dist.join_timeout_s=20")
+    err = proc.communicate(timeout=300)[1]
+    secs = time.perf_counter() - t
+    said = "still waiting for the other ranks" in err and "dist.join_timeout_s" in err
+    ok = proc.returncode == 2 and said and "Traceback" not in err
+    return ok, f"exit {proc.returncode} after {secs:.0f} s; said so: {said}"
+
+
+def case_bad_sizes_json(ctx: Ctx) -> tuple[bool, str]:
+    """Shards whose sizes.json claims negative counts: refused at preflight, one paragraph."""
+    folder = ctx.work / "bad-sizes"
+    folder.mkdir()
+    for i in range(2):
+        shutil.copy(ctx.data / "train" / f"{i:05d}.tar", folder / f"{i:05d}.tar")
+    (folder / "sizes.json").write_text('{"00000.tar": -5, "00001.tar": 5}')
+    run_dir = ctx.fresh("bad-sizes")
+    proc = run(ctx.cmd(run_dir, "data.kind=wds", f"data.shards='{folder}/{{00000..00001}}.tar'", *COMMON))
+    ok = one_paragraph(proc) and "not a sample count" in proc.stderr and not run_dir.exists()
+    return ok, f"exit {proc.returncode}, no run folder: {not run_dir.exists()}, '{proc.stderr.splitlines()[0][:90]}'"
+
+
+def case_malformed_manifest(ctx: Ctx) -> tuple[bool, str]:
+    """The newest checkpoint's manifest.json is {"files": []}: set aside, resumed from the previous."""
+    run_dir = _copy_reference(ctx, "malformed-manifest", 9)
+    (run_dir / "checkpoints" / "step_00000009" / "manifest.json").write_text('{"files": []}')
+    second = run(ctx.cmd(run_dir, *COMMON))
+    ok, detail = compare(ctx, run_dir)
+    warned = "manifest.json is malformed" in second.stdout + second.stderr
+    return (ok and warned and second.returncode == 0 and resumed_from(second.stdout) == "step_00000006",
+            f"warned: {warned}; resumed from {resumed_from(second.stdout)}; {detail}")
+
+
+def case_eval_output_through_a_file(ctx: Ctx) -> tuple[bool, str]:
+    (ctx.work / "a-file").write_text("x")
+    proc = run(eval_cmd(ctx, ctx.ref_dir, f"output={ctx.work / 'a-file' / 'eval.json'}"))
+    ok = one_paragraph(proc) and "nothing was evaluated" in proc.stderr and "top1" not in proc.stdout
+    return ok, f"exit {proc.returncode}, table printed: {'top1' in proc.stdout}, '{proc.stderr.splitlines()[0][:90]}'"
+
+
+def case_broken_preset(ctx: Ctx) -> tuple[bool, str]:
+    presets = ctx.work / "presets"
+    (presets / "experiment").mkdir(parents=True)
+    (presets / "experiment" / "mine.yaml").write_text("steps: [1, 2\n")
+    run_dir = ctx.fresh("broken-preset")
+    proc = run(ctx.cmd(run_dir, "--config-dir", str(presets), "experiment=mine", *COMMON))
+    ok = proc.returncode == 2 and "is not valid YAML" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    return ok, f"exit {proc.returncode}, {len(proc.stderr.strip().splitlines())} line(s) on stderr"
+
+
+def case_export_out_is_a_file(ctx: Ctx) -> tuple[bool, str]:
+    (ctx.work / "export-file").write_text("x")
+    proc = run([sys.executable, "-m", "infclip.export", str(ctx.ref_dir), "--out", str(ctx.work / "export-file")])
+    ok = (proc.returncode == 2 and "Traceback" not in proc.stderr
+          and "cannot be used as the output folder" in proc.stderr)
+    return ok, f"exit {proc.returncode}, '{proc.stderr.strip()[:90]}'"
+
+
+def case_build_shard_size_zero(ctx: Ctx) -> tuple[bool, str]:
+    src = ctx.work / "build-args"
+    src.mkdir()
+    _jpeg(src / "a.jpg", b"a caption")
+    proc = run([sys.executable, str(ROOT / "data" / "build_shards.py"), str(src), "--out", str(ctx.work / "o"),
+                "--shard-size", "0"])
+    ok = proc.returncode == 2 and proc.stderr.strip() == "error: --shard-size 0: must be > 0"
+    return ok, f"exit {proc.returncode}, '{proc.stderr.strip()[:90]}'"
+
+
+def case_closed_stdout(ctx: Ctx) -> tuple[bool, str]:
+    """train.py | head -1: training goes on, checkpoints and metrics.jsonl complete."""
+    run_dir = ctx.fresh("closed-stdout")
+    proc = subprocess.Popen(ctx.cmd(run_dir, *COMMON), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    rc = proc.wait(timeout=600)
+    ok, detail = compare(ctx, run_dir)
+    return ok and rc == 0 and "BrokenPipeError" not in err, f"exit {rc}; {detail}"
+
+
 CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "kill9 at a random moment (1)": case_kill9,
     "kill9 at a random moment (2)": case_kill9,
@@ -664,6 +809,19 @@ CASES: dict[str, Callable[[Ctx], tuple[bool, str]]] = {
     "eval command while training prunes (keep_last=1)": case_eval_while_pruning,
     "disk full (tmpfs) while a checkpoint is written": case_disk_full,
     "Slurm USR1 warning on a real one-node cluster (2 ranks)": case_slurm_preemption,
+    "eval: a corrupt JPEG and a FIFO in an image folder (2 workers)": case_eval_bad_images,
+    "two ranks by hand with steps=5 and steps=8": case_ranks_differ,
+    "WORLD_SIZE=2, the second rank never comes": case_peer_never_comes,
+    "sizes.json with a negative count": case_bad_sizes_json,
+    "newest manifest.json of the wrong shape": case_malformed_manifest,
+    "eval output= through a regular file": case_eval_output_through_a_file,
+    "a --config-dir preset that is not YAML": case_broken_preset,
+    "experiment=nosuch": case_refused("no-preset", "experiment=nosuch", expect="no such preset"),
+    "name=../../x": case_refused("name-escape", "run_dir=null", "name=../../x", expect="plain folder name"),
+    "export --out an existing file": case_export_out_is_a_file,
+    "build_shards --shard-size 0": case_build_shard_size_zero,
+    "SIGHUP (closed terminal) mid-run, resume": case_stop_signal(signal.SIGHUP),
+    "stdout closed by its reader (head -1)": case_closed_stdout,
 }
 
 

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from multiprocessing import Pool
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 from PIL import Image
 
@@ -116,19 +116,31 @@ def _parquet_rows(path: str, image_col: str, caption_col: str) -> list[tuple[str
     return list(zip(map(str, table[image_col]), (c or "" for c in table[caption_col])))
 
 
-def scan_folder(folder: str) -> list[tuple[str, Caption]]:
+def scan_folder(folder: str, follow_links: bool = False) -> list[tuple[str, Caption]]:
     """(path, caption) for every file but ``.txt`` captions: an image's caption is its sidecar
-    ``.txt`` (none: ""), a file that is no sample has a ``Skip`` (counted, never dropped)."""
+    ``.txt`` (none: ""), a file that is no sample has a ``Skip`` (counted, never dropped). A
+    symbolic link (image or caption) whose target lies outside ``folder`` is skipped and
+    counted unless ``follow_links``: the shards hold only what the input folder holds."""
+    root = os.path.realpath(folder)
+    inside = (lambda path: True) if follow_links else (lambda path: _within(path, root))
     rows: list[tuple[str, Caption]] = []
     for parent, dirs, names in os.walk(folder):
         dirs.sort()
         for name in sorted(names):
             if not name.endswith(".txt"):
-                rows.append((os.path.join(parent, name), _folder_caption(parent, name)))
+                path = os.path.join(parent, name)
+                caption = _folder_caption(parent, name, inside) if inside(path) else Skip("link_outside_input")
+                rows.append((path, caption))
     return rows
 
 
-def _folder_caption(parent: str, name: str) -> Caption:
+def _within(path: str, root: str) -> bool:
+    """Whether ``path`` (links followed) lies inside the real folder ``root``."""
+    real = os.path.realpath(path)
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _folder_caption(parent: str, name: str, inside: Callable[[str], bool] = lambda path: True) -> Caption:
     """The sidecar caption of ``parent/name``, or why that file is not a sample."""
     if name.startswith("."):  # hidden: .DS_Store, ..jpg, ._x.jpg (AppleDouble, not an image)
         return Skip("hidden_file")
@@ -136,6 +148,8 @@ def _folder_caption(parent: str, name: str) -> Caption:
     if ext.lower().lstrip(".") not in IMAGE_EXTS:
         return Skip("unknown_extension")
     side = os.path.join(parent, stem + ".txt")
+    if os.path.lexists(side) and not inside(side):
+        return Skip("caption_link_outside_input")
     return read_caption(side) if os.path.lexists(side) else ""
 
 
@@ -361,10 +375,10 @@ def _write_report(out_dir: str, report: BuildReport, total: int) -> None:
 
 
 def rows_from(source: str, image_col: str = "filepath", caption_col: str = "caption",
-              image_root: Optional[str] = None) -> list[tuple[str, Caption]]:
-    """Rows from a table file or an image folder."""
+              image_root: Optional[str] = None, follow_links: bool = False) -> list[tuple[str, Caption]]:
+    """Rows from a table file or an image folder (``follow_links``: see :func:`scan_folder`)."""
     if os.path.isdir(source):
-        return scan_folder(source)
+        return scan_folder(source, follow_links)
     if not os.path.exists(source):
         raise FileNotFoundError(f"input {source!r} does not exist (expected a .csv/.tsv/.parquet or a folder)")
     return read_table(source, image_col, caption_col, image_root)

@@ -40,7 +40,8 @@ def resolve_sources(cfg: DataConfig, shards: Optional[str] = None,
         specs = [(s.shards, s.weight, s.num_samples, f"data.sources[{i}].num_samples")
                  for i, s in enumerate(cfg.sources)]
     elif cfg.shards:
-        specs = [(cfg.shards, 1.0, None, "")]
+        # data.num_samples set: the counting files are not read
+        specs = [(cfg.shards, 1.0, cfg.num_samples, "data.num_samples" if cfg.num_samples else "")]
     else:
         raise DataError("no training shards: set data.shards=/path/{00000..00099}.tar or data.sources")
     sources = []
@@ -342,7 +343,7 @@ def ignore_stop_signals(worker_id: int) -> None:
     a SIGTERM that did not come from the parent), and the trainer's SIGCHLD check would then
     abort it mid-step instead of letting it checkpoint. The trainer alone decides when to stop;
     the workers exit with it (their parent watchdog) or by SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # SIGHUP: a closed terminal's
         signal.signal(sig, signal.SIG_IGN)
 
 

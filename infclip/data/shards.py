@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import subprocess
 import tarfile
 from collections import Counter
 from dataclasses import dataclass
@@ -75,27 +77,75 @@ def check_exist(urls: Sequence[str], show: int = 5) -> None:
         raise MissingShardsError(
             f"{len(missing)} of {len(urls)} local shards do not exist; first missing:\n  {first}\n"
             "Fix data.shards (brace range, folder) or remove the missing shards from it.")
+    odd = [u for u in urls if is_local(u) and not _regular(_local_path(u))]
+    if odd:
+        more = f"; {len(odd)} such shards" if len(odd) > 1 else ""
+        raise DataError(f"shard {odd[0]} is not a regular file (a FIFO, device or socket{more}): "
+                        "reading it could block for ever. Remove it from data.shards, or stream it with "
+                        "data.shards='pipe:cat <path>'")
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+_COUNT_FIX = ("rewrite it ({\"00000.tar\": <samples>, ...}, as data/build_shards.py writes it), delete it "
+              "to count from *_stats.json, or set data.num_samples")
+
+
+def _load_count_file(path: str) -> object:
+    """The parsed JSON of a counting file; DataError (naming it and the fix) when unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} cannot be read as JSON ({e}); {_COUNT_FIX}") from None
+
+
+def _count(value: object, path: str, what: str) -> int:
+    """A sample count: a non-negative integer (bools and floats are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DataError(f"{path}: {what} is {value!r}, not a sample count (an integer >= 0); {_COUNT_FIX}")
+    return value
+
+
+def _sizes(folder: str, sizes_cache: dict[str, Optional[dict]]) -> Optional[dict]:
+    """The folder's sizes.json ({shard name: count}, every count checked), None if absent."""
+    if folder not in sizes_cache:
+        path = os.path.join(folder, "sizes.json")
+        sizes = _load_count_file(path) if os.path.exists(path) else None
+        if sizes is not None:
+            if not isinstance(sizes, dict):
+                raise DataError(f"{path} holds a {type(sizes).__name__}, not a {{shard name: count}} object; "
+                                f"{_COUNT_FIX}")
+            sizes = {str(k): _count(v, path, f"the count of {k!r}") for k, v in sizes.items()}
+        sizes_cache[folder] = sizes
+    return sizes_cache[folder]
 
 
 def _shard_count(url: str, sizes_cache: dict[str, Optional[dict]]) -> tuple[Optional[int], str]:
     path = _local_path(url)
     folder, name = os.path.split(path)
-    if folder not in sizes_cache:
-        sizes_file = os.path.join(folder, "sizes.json")
-        sizes_cache[folder] = json.load(open(sizes_file)) if os.path.exists(sizes_file) else None
-    sizes = sizes_cache[folder]
+    sizes = _sizes(folder, sizes_cache)
     if sizes is not None and name in sizes:
-        return int(sizes[name]), "sizes.json"
+        return sizes[name], "sizes.json"
     stats = os.path.join(folder, os.path.splitext(name)[0] + "_stats.json")
     if os.path.exists(stats):
-        with open(stats) as f:
-            return int(json.load(f)["successes"]), "*_stats.json"
+        data = _load_count_file(stats)
+        if not isinstance(data, dict) or "successes" not in data:
+            raise DataError(f"{stats} has no \"successes\" count (img2dataset's stats format); {_COUNT_FIX}")
+        return _count(data["successes"], stats, '"successes"'), "*_stats.json"
     return None, "unknown"
 
 
 def count_samples_from(urls: Sequence[str]) -> tuple[Optional[int], str]:
     """(total samples, the files counted: "sizes.json", "*_stats.json" or both joined), or
-    (None, "unknown") if any shard is not covered (or remote)."""
+    (None, "unknown") if any shard is not covered (or remote). Raises DataError for a malformed
+    file, a count that is not an integer >= 0, or a total of 0 (the run would wait for a first
+    batch that never comes)."""
     cache: dict[str, Optional[dict]] = {}
     total, origins = 0, set()
     for url in urls:
@@ -104,11 +154,16 @@ def count_samples_from(urls: Sequence[str]) -> tuple[Optional[int], str]:
             return None, "unknown"
         total += n
         origins.add(origin)
+    if urls and total == 0:
+        folder = os.path.dirname(_local_path(urls[0])) or "."
+        raise DataError(f"the counting files beside the shards (sizes.json / *_stats.json in {folder}) say the "
+                        f"{len(urls)} shards hold 0 samples; {_COUNT_FIX}")
     return total, " and ".join(sorted(origins, reverse=True))
 
 
 def count_samples(urls: Sequence[str]) -> Optional[int]:
-    """Total samples from sizes.json / *_stats.json, or None if any shard is not covered."""
+    """Total samples from sizes.json / *_stats.json, or None if any shard is not covered
+    (DataError as ``count_samples_from``)."""
     return count_samples_from(urls)[0]
 
 
@@ -156,6 +211,40 @@ def _check_end_marker(tar: tarfile.TarFile) -> None:
         raise tarfile.ReadError(f"archive cut short at byte {pos} (no end-of-archive block)")
 
 
+PIPE_WAIT_S = 60.0  # after its stream ended, how long a pipe: command may take to exit
+
+
+def _open(url: str) -> tuple:
+    """(binary stream, the pipe: command's process or None). A ``pipe:`` command is read to its
+    end before its exit status is looked at (webdataset's Pipe polls it after every read, so a
+    command that exits non-zero right after writing lost its last samples, or not, by timing)."""
+    if url.startswith("pipe:"):
+        proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        return proc.stdout, proc
+    return gopen(url, "rb"), None
+
+
+def _close(stream, proc, read_to_end: bool) -> bool:
+    """Closes a shard's stream; False when its pipe: command failed (a non-zero exit after the
+    stream was read to its end). A stream left early (the reader stopped) ends its command."""
+    try:
+        stream.close()
+    except Exception:  # a gopen stream of another kind that reports a failure here
+        return False
+    if proc is None:
+        return True
+    if not read_to_end:
+        proc.kill()
+        proc.wait()
+        return True
+    try:
+        return proc.wait(timeout=PIPE_WAIT_S) == 0
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+
+
 def iter_samples(url: str, counts: Counter) -> Iterator[RawSample]:
     """Samples of one shard, grouped by key; never raises for bad data.
 
@@ -165,9 +254,9 @@ def iter_samples(url: str, counts: Counter) -> Iterator[RawSample]:
     archive without a sample counts ``empty_shard``; a ``pipe:`` command that exits non-zero
     after a clean read counts ``pipe_error``.
     """
-    yielded, failed = 0, False
+    yielded, failed, finished = 0, False, False
     try:
-        stream = gopen(url, "rb")
+        stream, proc = _open(url)
     except Exception:
         counts["unreadable_shard"] += 1
         return
@@ -180,11 +269,9 @@ def iter_samples(url: str, counts: Counter) -> Iterator[RawSample]:
         failed = True
         counts["truncated_tar" if yielded else "unreadable_shard"] += 1
     else:
+        finished = True
         if not yielded:
             counts["empty_shard"] += 1
     finally:
-        try:
-            stream.close()
-        except Exception:  # a pipe: command that exited non-zero reports here
-            if not failed:
-                counts["pipe_error"] += 1
+        if not _close(stream, proc, finished or failed) and not failed:
+            counts["pipe_error"] += 1

@@ -38,6 +38,7 @@ import hashlib
 import io
 import json
 import random
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -162,18 +163,24 @@ def raw_stream(spec: StreamSpec, epoch: int, lane: int, counts: Counter) -> Iter
     share gives nothing for a whole pass switches to ``borrowed_shards``; it raises only when
     no shard of the run gives a sample (a whole pass over all of them, or MAX_EMPTY_DRAWS
     resampled draws, which already span every shard). Deterministic, so resume replays it."""
-    empty, own = 0, not spec.resampled
+    empty, own, passed = 0, not spec.resampled, 0
     limit = MAX_EMPTY_DRAWS if spec.resampled else len(epoch_shards(spec, epoch, lane))
     urls = shard_stream(spec, epoch, lane)
+    check_pass = own and lane == 0  # one line per run (stream 0), not one per stream
     while True:
         url = next(urls)
         if url is None:
+            if check_pass and own:
+                check_pass = False
+                _warn_far_from_claim(passed, len(range(lane, spec.epoch_batches, spec.streams)) * spec.loader_batch,
+                                     limit)
             yield None
             continue
         got = 0
         for sample in iter_samples(url, counts):
             got += 1
             yield sample
+        passed += got
         empty = 0 if got else empty + 1
         if empty < max(limit, 1):
             continue
@@ -185,6 +192,21 @@ def raw_stream(spec: StreamSpec, epoch: int, lane: int, counts: Counter) -> Iter
             f"no training shard gives a sample: {empty} shards in a row were empty or unreadable "
             f"(last: {url}); skipped by reason so far: {dict(counts)}. Check data.shards (paths, "
             "permissions, tar format: python data/build_shards.py writes valid shards).")
+
+
+FAR = 2.0  # a first pass this many times over or under the claimed count is worth a warning
+
+
+def _warn_far_from_claim(read: int, claimed: int, shards: int) -> None:
+    """One warning when a stream's first pass over its shards read far more or fewer samples
+    than the claimed epoch (sizes.json / *_stats.json / data.num_samples) gives it."""
+    if claimed <= 0 or claimed / FAR <= read <= claimed * FAR:
+        return
+    effect = "epochs repeat its samples" if read < claimed else "an epoch ends before most samples were read"
+    print(f"warning: data: the first pass over stream 0's {shards} shards read {read} samples, but the "
+          f"sample counts (sizes.json / *_stats.json / data.num_samples) give it {claimed} per epoch: the counts "
+          f"do not describe these shards; {effect}. Fix the counting files or data.num_samples",
+          file=sys.stderr, flush=True)
 
 
 def shuffled(samples: Iterator[Optional[RawSample]], bufsize: int, rng: random.Random

@@ -5,6 +5,7 @@ See :mod:`infclip.eval.cli` and docs/eval.md.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -52,9 +53,13 @@ def evaluate(cfg: DictConfig) -> dict:
 
 def _evaluate(cfg: DictConfig, dist_info: cli.Dist) -> dict:
     """Plan, load, run and report on this rank (``evaluate``)."""
+    if cfg.output:  # before any work: a result that cannot be written is lost work
+        _rank0_check(dist_info, lambda: cli.check_output(cfg.output))
     tasks, suites = cli.plan_tasks(cfg)
     ecfg = cli._eval_config(cfg, tasks)
     pretrained, (model, tokenizer, preprocess) = cli.load_checkpoint(cfg, dist_info.device)
+    if not cfg.output:
+        _rank0_check(dist_info, lambda: cli.check_output(cli.default_output(pretrained)))
     if dist_info.rank == 0:  # what is evaluated, before the numbers
         print(f"eval: checkpoint {pretrained or cfg.checkpoint}; tasks {[t.name for t in tasks]} "
               f"(from {cli.task_source(cfg)}); precision={cfg.precision}", flush=True)
@@ -72,6 +77,25 @@ def _evaluate(cfg: DictConfig, dist_info: cli.Dist) -> dict:
     return metrics
 
 
+def _rank0_check(dist_info: cli.Dist, check) -> None:
+    """Runs ``check`` on rank 0 (which writes the results); its EvalConfigError is raised on
+    every rank, so none is left waiting in a collective for rank 0."""
+    problem = None
+    if dist_info.rank == 0:
+        try:
+            check()
+        except EvalConfigError as e:
+            problem = str(e)
+    if dist_info.world_size > 1:
+        import torch.distributed as dist
+
+        box = [problem]
+        dist.broadcast_object_list(box, src=0, group=dist_info.group)
+        problem = box[0]
+    if problem:
+        raise EvalConfigError(problem)
+
+
 def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, world_size: int,
             details: dict) -> None:
     """Print the task table and one table per suite; write the JSON file, each zero-shot task's
@@ -85,7 +109,12 @@ def _report(cfg: DictConfig, pretrained, ecfg, metrics: dict, suites: list, worl
         print(format_suite(plan, summary))
         metrics.update(summary)
     output = cfg.output or cli.default_output(pretrained)
-    cli.write_results(output, cfg, pretrained, ecfg, metrics, world_size)
+    try:
+        cli.write_results(output, cfg, pretrained, ecfg, metrics, world_size)
+    except OSError as e:  # the metrics are kept: printed whole, then the one paragraph
+        print(json.dumps(metrics, indent=1, sort_keys=True), flush=True)
+        raise EvalConfigError(f"output={output} could not be written ({e.strerror or e}); the results are "
+                              "printed above as JSON. Give output= a writable path") from None
     print(f"results written to {output}")
     for name, task in details.items():
         per_class, _ = write_per_class(Path(output).with_name(Path(output).stem + "_per_class"), name, task)

@@ -18,11 +18,13 @@ checkpoint's own architecture. Prints a table on rank 0 and writes a JSON result
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
@@ -233,11 +235,27 @@ def _run_of(checkpoint: Optional[str]) -> Optional[Path]:
     return None
 
 
+def load_run_config(path: Path) -> DictConfig:
+    """A run's ``config.yaml`` as a mapping; EvalConfigError (naming the file) when it cannot
+    be read or is not a YAML mapping."""
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as e:  # yaml's ScannerError / ParserError, OSError, UnicodeDecodeError
+        raise EvalConfigError(f"{path} cannot be read as the run's configuration "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); restore it "
+                              "from the run's checkpoints' folder history, or give model= and tasks= on the "
+                              "command line with a checkpoint path to its step folder's model.pt") from None
+    if not isinstance(cfg, DictConfig):
+        raise EvalConfigError(f"{path} is not a YAML mapping (the run's configuration); restore it, or give "
+                              "model= and tasks= on the command line")
+    return cfg
+
+
 def _run_tasks(run: Path) -> list[Any]:
     """The run's own eval.tasks (what the trainer evaluated): ``synthetic:`` roots resolved the
     way the trainer resolved them (the run's own synthetic dataset), and left out, as the
     trainer left them out, for a run on its own data (data.kind=wds)."""
-    run_cfg = OmegaConf.load(run / "config.yaml")
+    run_cfg = load_run_config(run / "config.yaml")
     tasks = OmegaConf.to_container(run_cfg.get("eval", {}).get("tasks", []), resolve=True) or []
     if run_cfg.get("data", {}).get("kind", "synthetic") != "synthetic":  # the trainer skipped these too
         tasks = [t for t in tasks if not str(t.get("root", "")).startswith("synthetic:")]
@@ -354,7 +372,7 @@ def checkpoint_architecture(pretrained: Optional[str]) -> Architecture:
         return Architecture(saved.get("model_name"), saved.get("model_cfg"), folder)
     run_cfg = folder.parent.parent / "config.yaml"
     if folder.parent.name == "checkpoints" and run_cfg.is_file():
-        model = OmegaConf.load(run_cfg).get("model", {})
+        model = load_run_config(run_cfg).get("model", {})
         name = Path(model.config_file).stem if model.get("config_file") else model.get("name")
         return Architecture(name, image_size=model.get("image_size"))
     return Architecture()
@@ -432,7 +450,7 @@ def _load_failure(pretrained: str, name: str, e: BaseException) -> str:
             "was trained with (model=<name>), or another checkpoint if this file is damaged")
 
 
-RAW_METRICS = ("loss", "loss_batch_size", "logit_scale")  # contrastive tasks: not fractions, printed as they are
+RAW_METRICS = ("loss", "loss_batch_size", "logit_scale", "num_skipped_images")  # not fractions: printed as they are
 
 
 def format_table(metrics: dict[str, float]) -> str:
@@ -454,7 +472,8 @@ def format_table(metrics: dict[str, float]) -> str:
 
 def nonfinite_warnings(metrics: dict[str, float]) -> list[str]:
     """One warning line per task that had queries with non-finite scores (NaN/inf embeddings:
-    a collapsed or damaged model); those queries were counted as misses."""
+    a collapsed or damaged model; those queries were counted as misses), and one per task
+    with images that could not be decoded (left out)."""
     lines = []
     for key, n in metrics.items():
         if key.endswith("/num_nonfinite") and n:
@@ -462,6 +481,9 @@ def nonfinite_warnings(metrics: dict[str, float]) -> list[str]:
             total = sum(metrics.get(f"eval/{task}/{k}", 0.0) for k in ("num_samples", "num_images", "num_texts"))
             lines.append(f"warning: {task}: {int(n)} of {int(total)} queries scored non-finite similarities "
                          "(the model's embeddings are NaN/inf: collapsed or damaged weights); counted as misses")
+        if key.endswith("/num_skipped_images") and n:
+            lines.append(f"warning: {key.split('/')[1]}: {int(n)} images could not be read or decoded (damaged, "
+                         "not an image, or not a regular file); skipped: the metrics are those of the others")
     return lines
 
 
@@ -484,11 +506,36 @@ def write_results(path: str, cfg: DictConfig, pretrained: Optional[str], ecfg: E
         "step": checkpoint_step(pretrained), "precision": cfg.precision, "world_size": world_size,
         "tasks": {t.name: asdict(t) for t in ecfg.tasks}, "metrics": metrics,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: the file is whole or the previous one
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def check_output(path: str) -> None:
+    """Refuses (EvalConfigError) an ``output`` path the results could not be written to: a
+    folder, a path through a regular file, a read-only or full file system. Creates its parent
+    folder and a test file there (removed)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "is a folder")
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        why = "a part of its path is a file, not a folder" if e.errno in (errno.EEXIST, errno.ENOTDIR) else e.strerror
+        raise EvalConfigError(f"output={path} cannot be written ({why or e}); nothing was evaluated. "
+                              "Give output= a writable file path (its folder is created)") from None
 
 
 def checkpoint_step(pretrained: Optional[str]) -> Optional[int]:
@@ -524,7 +571,7 @@ def wandb_mode(cfg: DictConfig, run: Optional[Path]) -> str:
     if cfg.wandb_mode is not None:
         return cfg.wandb_mode
     if run is not None and (run / "config.yaml").is_file():
-        return str(OmegaConf.load(run / "config.yaml").get("logging", {}).get("wandb_mode", "disabled"))
+        return str(load_run_config(run / "config.yaml").get("logging", {}).get("wandb_mode", "disabled"))
     return "disabled"
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from infclip.eval.data import RetrievalData
 from infclip.eval.embed import Runtime, all_reduce_sum, fp32
-from infclip.eval.retrieval import embed_all, recall_metrics
+from infclip.eval.retrieval import embed_all, keep_decoded, recall_metrics, skipped_images
 
 LossFn = Callable[..., Tensor]  # the trainer's signature: loss_fn(img, txt, scale, bias=None)
 
@@ -69,9 +69,12 @@ def evaluate_contrastive(model, tokenizer: Callable, data: RetrievalData, on_dev
     """Loss at ``batch`` and recall over all of ``data`` (one caption per image, txt2img = identity)."""
     if len(data.images) < batch:
         raise ValueError(f"{len(data.images)} validation samples cannot fill one loss batch of {batch}")
-    img, txt = embed_all(model, tokenizer, data, on_device, batch_size, workers, rt)
+    img, txt, ok = embed_all(model, tokenizer, data, on_device, batch_size, workers, rt)
+    img, txt, txt2img = keep_decoded(img, txt, data.txt2img, ok)
+    if img.shape[0] < batch:
+        raise ValueError(f"{img.shape[0]} decodable validation samples cannot fill one loss batch of {batch}")
     scale, bias = model_logits(model)
     loss, count = batch_loss_mean(img, txt, batch, loss_fn or default_loss_fn(model), scale, bias, rt)
-    out = recall_metrics(img, txt, data, chunk_size, rt)
+    out = {**recall_metrics(img, txt, txt2img, chunk_size, rt), **skipped_images(ok)}
     out.update(loss=loss, num_loss_batches=float(count), loss_batch_size=float(batch), logit_scale=float(scale))
     return out

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import stat
 import tarfile
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
@@ -37,8 +38,22 @@ def _where(task: EvalTaskConfig, index: Optional[int], key: str) -> str:
     return f"{at}.{key} (task {task.name!r})"
 
 
+class NotARegularFile(OSError):
+    """An image path names a FIFO, device or socket: opening it could block forever."""
+
+
+def is_regular(path: str) -> bool:
+    """True for a regular file (after links): the only kind of path an eval image is read from."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _read_image(ref: ImageRef, handles: dict) -> Image.Image:
     if isinstance(ref, str):
+        if not is_regular(ref):  # checked before open(): a FIFO's open() blocks
+            raise NotARegularFile(f"{ref!r} is not a regular file")
         with Image.open(ref) as im:
             return im.convert("RGB")
     path, offset, size = ref
@@ -51,10 +66,17 @@ def _read_image(ref: ImageRef, handles: dict) -> Image.Image:
         return im.convert("RGB")
 
 
+# What a damaged, truncated or non-image file raises from PIL (UnidentifiedImageError and
+# DecompressionBombError are OSError / ValueError subclasses; broken headers raise SyntaxError).
+UNDECODABLE = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
+
+
 class ImageList(Dataset):
     """Map-style dataset over image references; item i = (transform(image_i), label_i, i).
 
-    Labels are -1 for retrieval images. ``transform`` maps a PIL RGB image to a tensor.
+    Labels are -1 for retrieval images. ``transform`` maps a PIL RGB image to a tensor. An
+    image that cannot be read or decoded (or is not a regular file) gives ``None`` in place
+    of the tensor: the caller skips and counts it (:func:`infclip.eval.embed.encode_images`).
     """
 
     def __init__(self, refs: Sequence[ImageRef], labels: Sequence[int], transform: Callable):
@@ -66,7 +88,11 @@ class ImageList(Dataset):
         return len(self.refs)
 
     def __getitem__(self, i: int):
-        return self.transform(_read_image(self.refs[i], self._handles)), self.labels[i], i
+        try:
+            image = _read_image(self.refs[i], self._handles)
+        except UNDECODABLE:
+            return None, self.labels[i], i
+        return self.transform(image), self.labels[i], i
 
     def __getstate__(self):  # file handles do not cross process boundaries
         return {**self.__dict__, "_handles": {}}
@@ -134,9 +160,20 @@ def imagefolder_samples(task: EvalTaskConfig, index: Optional[int] = None) -> tu
 
     if not os.path.isdir(task.root):
         raise DataError(f"{_where(task, index, 'root')}={task.root!r} is not a folder of class folders")
-    tree = ImageFolder(task.root, allow_empty=True)
+    try:
+        tree = ImageFolder(task.root, allow_empty=True, is_valid_file=_is_image_file)
+    except (FileNotFoundError, OSError) as e:  # "Couldn't find any class folder in <root>"
+        raise DataError(f"{_where(task, index, 'root')}={task.root!r} holds no class folder ({e}); an image-folder "
+                        "task needs root/<class name>/<image files>") from None
     paths, labels = [p for p, _ in tree.samples], [y for _, y in tree.samples]
     return paths, labels, list(tree.classes)
+
+
+def _is_image_file(path: str) -> bool:
+    """torchvision's image extensions, regular files only (a FIFO named x.jpg would block)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    return path.lower().endswith(IMG_EXTENSIONS) and is_regular(path)
 
 
 def _read_lines(path: str) -> list[str]:
@@ -320,21 +357,49 @@ def _annotation_path(task: EvalTaskConfig, index: Optional[int]) -> str:
     return path
 
 
-def _flat_records(data: list, image_root: str) -> list[tuple[str, list[str]]]:
+def _bad_annotations(path: str, what: str) -> DataError:
+    return DataError(f"annotation file {path!r}: {what}; fix the file (flat: a list of "
+                     "{\"image\": <path>, \"caption\": <text or list>}; karpathy: {\"images\": [...]})")
+
+
+def _image_path(image_root: str, rel: str, path: str, k: int) -> str:
+    """``image_root``/``rel``; a path that leaves the image root (absolute, or ``..`` past it) is
+    refused: an annotation file must not make the evaluation read files elsewhere."""
+    norm = os.path.normpath(rel)
+    if os.path.isabs(rel) or norm == ".." or norm.startswith(".." + os.sep):
+        raise _bad_annotations(path, f"record {k}'s image {rel!r} is not a path inside the image root "
+                                     f"{image_root!r}")
+    return os.path.join(image_root, norm)
+
+
+def _flat_records(data: object, image_root: str, path: str = "") -> list[tuple[str, list[str]]]:
+    if not isinstance(data, list):
+        raise _bad_annotations(path, f"a flat annotation file holds a list of records, not a {type(data).__name__}")
     out = []
-    for rec in data:
-        caps = rec["caption"]
-        out.append((os.path.join(image_root, rec["image"]), [caps] if isinstance(caps, str) else list(caps)))
+    for k, rec in enumerate(data):
+        caps = rec.get("caption") if isinstance(rec, dict) else None
+        if not isinstance(rec, dict) or not isinstance(rec.get("image"), str) or not (
+                isinstance(caps, str) or (isinstance(caps, list) and all(isinstance(c, str) for c in caps))):
+            raise _bad_annotations(path, f"record {k} is not {{\"image\": <path>, \"caption\": <text or list>}}")
+        out.append((_image_path(image_root, rec["image"], path, k), [caps] if isinstance(caps, str) else list(caps)))
     return out
 
 
-def _karpathy_records(data: dict, image_root: str, split: str) -> list[tuple[str, list[str]]]:
+def _karpathy_records(data: object, image_root: str, split: str, path: str = "") -> list[tuple[str, list[str]]]:
+    images = data.get("images") if isinstance(data, dict) else None
+    if not isinstance(images, list):
+        raise _bad_annotations(path, "a Karpathy-style file is an object with an \"images\" list")
     out = []
-    for img in data["images"]:
-        if img.get("split") != split:
-            continue
-        path = os.path.join(image_root, img.get("filepath", ""), img["filename"])
-        out.append((path, [s["raw"].strip() for s in img["sentences"]]))
+    for k, img in enumerate(images):
+        try:
+            if img.get("split") != split:
+                continue
+            rel = os.path.join(img.get("filepath", ""), img["filename"])
+            captions = [s["raw"].strip() for s in img["sentences"]]
+        except (AttributeError, KeyError, TypeError):
+            raise _bad_annotations(path, f"image {k} lacks \"filename\" or \"sentences\" with \"raw\" "
+                                         "captions") from None
+        out.append((_image_path(image_root, rel, path, k), captions))
     return out
 
 
@@ -356,13 +421,16 @@ def load_retrieval(task: EvalTaskConfig, transform: Callable, index: Optional[in
     if task.format == "wds":
         return _retrieval_data(task, index, _wds_records(task, index)[: task.max_samples], task.root, transform)
     path = _annotation_path(task, index)
-    with open(path) as f:
-        data = json.load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad_annotations(path, f"not readable as JSON ({e})") from None
     image_root = task.root or os.path.dirname(os.path.abspath(path))
     if task.format == "flat":
-        records = _flat_records(data, image_root)
+        records = _flat_records(data, image_root, path)
     else:
-        records = _karpathy_records(data, image_root, task.split)
+        records = _karpathy_records(data, image_root, task.split, path)
     records = records[: task.max_samples]
     if not records:
         raise DataError(f"{_where(task, index, 'annotations')}: {path!r} holds no images "

@@ -8,6 +8,9 @@ indices. With a gloo group tensors travel on the CPU, with NCCL on the model's d
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
@@ -69,7 +72,7 @@ def gather_strided(x: Tensor, n: int, rt: Runtime) -> Tensor:
     dist.all_reduce(width, op=dist.ReduceOp.MAX, group=rt.group)
     rows = -(-n // rt.world_size)
     buf = torch.zeros(rows, int(width), dtype=torch.float32, device=rt.comm_device)
-    if x.shape[0]:
+    if x.numel():
         buf[: x.shape[0]] = x.to(buf)
     parts = [torch.empty_like(buf) for _ in range(rt.world_size)]
     dist.all_gather(parts, buf, group=rt.group)
@@ -92,24 +95,61 @@ def split_preprocess(preprocess: Any) -> tuple[Callable, Optional[Callable]]:
     return preprocess, None
 
 
+def _worker_init(worker_id: int) -> None:
+    """Workers ignore SIGTERM/SIGUSR1 like the training loader's (a preemption signal during an
+    eval lets the trainer checkpoint), and die with their parent (Linux): a worker never
+    outlives the evaluation that started it, whatever ends that process."""
+    ignore_stop_signals(worker_id)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def collate_decoded(items: list) -> tuple[Optional[Tensor], Tensor]:
+    """(stacked images of the decoded items or None, their positions in the batch): items whose
+    image is None (undecodable, see :class:`ImageList`) are left out."""
+    good = [j for j, item in enumerate(items) if item[0] is not None]
+    images = torch.stack([items[j][0] for j in good]) if good else None
+    return images, torch.tensor(good, dtype=torch.int64)
+
+
 def encode_images(model, images: ImageList, indices: Sequence[int], on_device: Optional[Callable],
-                  batch_size: int, workers: int, rt: Runtime) -> Tensor:
-    """Normalized image embeddings of ``images[indices]`` in that order: (len(indices), d) fp32."""
+                  batch_size: int, workers: int, rt: Runtime) -> tuple[Tensor, Tensor]:
+    """(normalized image embeddings of ``images[indices]`` in that order, (len(indices), d)
+    fp32; bool mask of the images that decoded). Rows of undecodable images are zero and
+    their mask entry False: callers leave them out of every metric and count them."""
     if len(indices) == 0:
-        return torch.zeros(0, 0, device=rt.device)
-    # Own generator: the global RNG stays untouched. Workers ignore SIGTERM/SIGUSR1 like the
-    # training loader's, so a preemption signal during an eval lets the trainer checkpoint.
+        return torch.zeros(0, 0, device=rt.device), torch.zeros(0, dtype=torch.bool, device=rt.device)
+    # Own generator: the global RNG stays untouched.
     loader = DataLoader(Subset(images, list(indices)), batch_size=batch_size, num_workers=workers,
-                        shuffle=False, generator=torch.Generator(), worker_init_fn=ignore_stop_signals)
-    out = []
-    for batch, _, _ in loader:
-        batch = batch.to(rt.device, non_blocking=True)
-        with rt.autocast():
-            if on_device is not None:
-                batch = on_device(batch)
-            emb = model.encode_image(batch, normalize=True)
-        out.append(F.normalize(emb.float(), dim=-1))  # re-normalize in fp32 after low-precision autocast
-    return torch.cat(out)
+                        shuffle=False, generator=torch.Generator(), worker_init_fn=_worker_init,
+                        collate_fn=collate_decoded)
+    rows, embs, start = [], [], 0
+    for batch, good in loader:
+        if batch is not None:
+            batch = batch.to(rt.device, non_blocking=True)
+            with rt.autocast():
+                if on_device is not None:
+                    batch = on_device(batch)
+                emb = model.encode_image(batch, normalize=True)
+            embs.append(F.normalize(emb.float(), dim=-1))  # re-normalize in fp32 after low-precision autocast
+            rows.append(good + start)
+        start += batch_size
+    ok = torch.zeros(len(indices), dtype=torch.bool, device=rt.device)
+    if not embs:
+        return torch.zeros(len(indices), 0, device=rt.device), ok
+    emb = torch.cat(embs)
+    out = torch.zeros(len(indices), emb.shape[1], device=rt.device)
+    at = torch.cat(rows).to(rt.device)
+    out[at], ok[at] = emb, True
+    return out, ok
+
+
+def gather_mask(ok: Tensor, n: int, rt: Runtime) -> Tensor:
+    """The decoded-image masks of all ranks, (n,) bool in global order, on every rank."""
+    return gather_strided(ok.float()[:, None], n, rt)[:, 0] > 0.5
 
 
 def encode_texts(model, tokenizer: Callable, texts: Sequence[str], batch_size: int, rt: Runtime) -> Tensor:

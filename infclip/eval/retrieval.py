@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from infclip.eval.data import RetrievalData
-from infclip.eval.embed import Runtime, all_reduce_sum, encode_images, encode_texts, fp32, gather_strided, shard
+from infclip.eval.embed import (Runtime, all_reduce_sum, encode_images, encode_texts, fp32, gather_mask,
+                                gather_strided, shard)
 from infclip.eval.metrics import chance_multi, chance_single, finite_rows, multi_positive_hits, topk_hits
 
 RECALL_K = (1, 5, 10)
@@ -69,25 +70,46 @@ def summarize(sums: Tensor, txt2img: list[int], num_images: int) -> dict[str, fl
 def evaluate_retrieval(model, tokenizer: Callable, data: RetrievalData, on_device: Optional[Callable],
                        batch_size: int, workers: int, chunk_size: int, rt: Runtime) -> dict[str, float]:
     """Retrieval metrics over all of ``data`` (sharded over the group; same result on every rank)."""
-    img, txt = embed_all(model, tokenizer, data, on_device, batch_size, workers, rt)
-    return recall_metrics(img, txt, data, chunk_size, rt)
+    img, txt, ok = embed_all(model, tokenizer, data, on_device, batch_size, workers, rt)
+    img, txt, txt2img = keep_decoded(img, txt, data.txt2img, ok)
+    return {**recall_metrics(img, txt, txt2img, chunk_size, rt), **skipped_images(ok)}
 
 
 def embed_all(model, tokenizer: Callable, data: RetrievalData, on_device: Optional[Callable],
-              batch_size: int, workers: int, rt: Runtime) -> tuple[Tensor, Tensor]:
-    """Unit-norm fp32 embeddings of all N images and M captions, on every rank (each rank
-    encodes its strided share: one forward of each tower per sample over the group)."""
+              batch_size: int, workers: int, rt: Runtime) -> tuple[Tensor, Tensor, Tensor]:
+    """Unit-norm fp32 embeddings of all N images and M captions and the (N,) mask of images
+    that decoded, on every rank (each rank encodes its strided share: one forward of each
+    tower per sample over the group)."""
     n, m = len(data.images), len(data.captions)
     img_idx, txt_idx = shard(n, rt), shard(m, rt)
-    img = encode_images(model, data.images, img_idx, on_device, batch_size, workers, rt)
+    img, ok = encode_images(model, data.images, img_idx, on_device, batch_size, workers, rt)
     txt = encode_texts(model, tokenizer, [data.captions[j] for j in txt_idx], batch_size, rt)
-    return gather_strided(img, n, rt), gather_strided(txt, m, rt)
+    return gather_strided(img, n, rt), gather_strided(txt, m, rt), gather_mask(ok, n, rt)
 
 
-def recall_metrics(img: Tensor, txt: Tensor, data: RetrievalData, chunk_size: int, rt: Runtime) -> dict[str, float]:
-    """Recall metrics of the embeddings of ``data`` (from :func:`embed_all`)."""
-    n = len(data.images)
-    txt2img = torch.tensor(data.txt2img, dtype=torch.int64, device=img.device)
+def keep_decoded(img: Tensor, txt: Tensor, txt2img: list[int], ok: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+    """Leave out the undecodable images and their captions (the same on every rank): the
+    metrics are those of the dataset without them. Raises ValueError when no image is left."""
+    if not bool(ok.any()):
+        raise ValueError(f"none of the {len(ok)} images could be decoded")
+    if bool(ok.all()):
+        return img, txt, list(txt2img)
+    keep = ok.tolist()
+    new_index = torch.cumsum(ok.long(), 0).sub(1).tolist()
+    texts = [j for j, i in enumerate(txt2img) if keep[i]]
+    return img[ok], txt[texts], [new_index[txt2img[j]] for j in texts]
+
+
+def skipped_images(ok: Tensor) -> dict[str, float]:
+    """``num_skipped_images`` when some images could not be decoded, else nothing."""
+    skipped = int((~ok).sum())
+    return {"num_skipped_images": float(skipped)} if skipped else {}
+
+
+def recall_metrics(img: Tensor, txt: Tensor, txt2img: list[int], chunk_size: int, rt: Runtime) -> dict[str, float]:
+    """Recall metrics of the embeddings of N images and M captions; caption j shows image txt2img[j]."""
+    n = img.shape[0]
+    index = torch.tensor(txt2img, dtype=torch.int64, device=img.device)
     with fp32(rt):
-        sums = all_reduce_sum(recall_sums(img, txt, txt2img, chunk_size, rt), rt)
-    return summarize(sums.cpu(), data.txt2img, n)
+        sums = all_reduce_sum(recall_sums(img, txt, index, chunk_size, rt), rt)
+    return summarize(sums.cpu(), txt2img, n)

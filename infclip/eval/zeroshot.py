@@ -54,9 +54,10 @@ def zeroshot_counts(img: Tensor, labels: Tensor, classes: Tensor) -> Tensor:
     return out
 
 
-def summarize(counts: Tensor) -> dict[str, float]:
+def summarize(counts: Tensor, skipped: float = 0.0) -> dict[str, float]:
     """Metrics from summed per-class counts (4, C): top1, top5, mean per-class recall, chance;
-    ``num_nonfinite`` (images scored as misses for non-finite scores) only when there were any."""
+    ``num_nonfinite`` (images scored as misses for non-finite scores) and ``num_skipped_images``
+    (undecodable images, left out of every metric) only when there were any."""
     hit1, hit5, n, nonfinite = counts.sum(1).tolist()
     present = counts[2] > 0
     per_class = counts[0][present] / counts[2][present]
@@ -66,6 +67,7 @@ def summarize(counts: Tensor) -> dict[str, float]:
         "top1_chance": chance_single(num_classes, 1), "top5_chance": chance_single(num_classes, 5),
         "num_samples": n, "num_classes": float(num_classes),
         **({"num_nonfinite": nonfinite} if nonfinite else {}),
+        **({"num_skipped_images": float(skipped)} if skipped else {}),
     }
 
 
@@ -90,21 +92,25 @@ def evaluate_zeroshot(model, tokenizer: Callable, data: ZeroShotData, on_device:
     classes = class_embeddings(model, tokenizer, data.classnames, data.templates, batch_size, rt)
     indices = shard(len(data.images), rt)
     num_classes = len(data.classnames)
-    counts = torch.zeros(4, num_classes, dtype=torch.float64, device=rt.device)
+    counts = torch.zeros(5, num_classes, dtype=torch.float64, device=rt.device)  # row 4: skipped
     confusion = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=rt.device)
     if len(indices):
-        img = encode_images(model, data.images, indices, on_device, batch_size, workers, rt)
+        img, ok = encode_images(model, data.images, indices, on_device, batch_size, workers, rt)
         labels = torch.tensor([data.images.labels[i] for i in indices], device=rt.device)
+        counts[4].index_add_(0, labels[~ok], torch.ones(int((~ok).sum()), dtype=torch.float64, device=rt.device))
+        img, labels = img[ok], labels[ok]
         with fp32(rt):
-            for i in range(0, len(indices), chunk_size):  # logits never exceed chunk_size x C
-                counts += zeroshot_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
+            for i in range(0, len(labels), chunk_size):  # logits never exceed chunk_size x C
+                counts[:4] += zeroshot_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
                 if details is not None:
                     confusion += confusion_counts(img[i:i + chunk_size], labels[i:i + chunk_size], classes)
     counts = all_reduce_sum(counts, rt)
+    if not counts[2].sum():
+        raise ValueError(f"none of the {len(data.images)} images could be decoded")
     if details is not None:
-        details.update(classnames=list(data.classnames), counts=counts.cpu(),
+        details.update(classnames=list(data.classnames), counts=counts[:4].cpu(),
                        confusion=all_reduce_sum(confusion, rt).cpu())
-    return summarize(counts)
+    return summarize(counts[:4], skipped=float(counts[4].sum()))
 
 
 def write_per_class(folder: Path, name: str, details: dict) -> tuple[Path, Path]:

@@ -246,7 +246,10 @@ class Checkpointer:
             return
         left = sorted(self.root.glob(".step_*.tmp"))
         for p in left:
-            shutil.rmtree(p, ignore_errors=True)
+            if p.is_symlink() or not p.is_dir():  # the link itself, never what it points to
+                p.unlink(missing_ok=True)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
         if left:
             warn(f"removed {', '.join(p.name for p in left)} in {self.root}: unfinished checkpoint "
                  f"write(s) of an interrupted run (the complete checkpoints are untouched)")

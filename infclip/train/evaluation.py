@@ -3,6 +3,7 @@ tasks (``infclip.eval``) on the unwrapped model under the training precision."""
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -41,6 +42,11 @@ def evaluate(cfg: Any, info: DistInfo, parts: Any, step: int, final: bool) -> di
             step=step, final=final, device=info.device, rank=info.rank, world_size=info.world_size,
             group=torch.distributed.group.WORLD if info.distributed else None, loss_fn=loss_fn, details=details,
         )
+    if info.rank == 0:
+        for key, n in results.items():  # the metrics leave undecodable images out: say so
+            if key.endswith("/num_skipped_images"):
+                print(f"warning: eval {key.split('/')[1]}: {int(n)} images could not be decoded; skipped",
+                      file=sys.stderr, flush=True)
     parts.logger.log(step, results)
     if details and info.is_main:
         _write_per_class(parts, details)

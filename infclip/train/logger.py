@@ -98,17 +98,22 @@ class MetricsLogger:
         how many were dropped. Records without a step (start events) are kept."""
         if not self.enabled or not self.path.exists():
             return 0
-        kept, dropped = [], 0
-        for line in self.path.read_text().splitlines():
+        kept, dropped, damaged = [], 0, []
+        for number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 dropped += 1  # a line cut short by a kill
+                damaged.append(number)
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
                 dropped += 1
             else:
                 kept.append(line)
+        if damaged:  # said, not silently dropped: a damaged line in the middle is not a kill's cut
+            print(f"warning: {self.path}: dropped {len(damaged)} line(s) that are not JSON records (line "
+                  f"{', '.join(map(str, damaged[:5]))}{' ...' if len(damaged) > 5 else ''}; a line cut short by "
+                  "a kill is expected)", file=sys.stderr, flush=True)
         if dropped:
             self._rewrite("".join(line + "\n" for line in kept))
         return dropped
@@ -306,3 +311,55 @@ def gpu_memory_gb(device: torch.device) -> float:
 
 def finite(x: float) -> bool:
     return math.isfinite(x)
+
+
+class TolerantStream:
+    """A text stream (stdout) that outlives its reader: once a write or flush fails because the
+    reader is gone (``train.py | head``: BrokenPipeError, EPIPE), it drops further output
+    instead of raising, so training, checkpoints and metrics.jsonl go on; one line on stderr
+    says so."""
+
+    def __init__(self, stream: Any):
+        self._stream, self.closed_reader = stream, False
+
+    def _lost(self) -> None:
+        if not self.closed_reader:
+            self.closed_reader = True
+            try:
+                sys.stderr.write("warning: stdout was closed by its reader; training goes on, logging to "
+                                 "the run folder (metrics.jsonl) only\n")
+                sys.stderr.flush()
+            except OSError:
+                pass
+
+    def write(self, text: str) -> int:
+        if not self.closed_reader:
+            try:
+                return self._stream.write(text)
+            except (BrokenPipeError, ValueError):
+                self._lost()
+            except OSError as e:
+                if e.errno != errno.EPIPE:
+                    raise
+                self._lost()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_reader:
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, ValueError):
+                self._lost()
+            except OSError as e:
+                if e.errno != errno.EPIPE:
+                    raise
+                self._lost()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
+        return getattr(self._stream, name)
+
+
+def tolerate_closed_stdout() -> None:
+    """Replaces ``sys.stdout`` by a :class:`TolerantStream` over it (idempotent)."""
+    if not isinstance(sys.stdout, TolerantStream):
+        sys.stdout = TolerantStream(sys.stdout)

@@ -23,7 +23,8 @@ from infclip.data.decode_trace import format_summary, write_trace
 from infclip.model import clamp_logit_scale
 from infclip.train import checkpoint as ckpt
 from infclip.train.build import Parts, apply_epochs, build
-from infclip.train.distributed import DistInfo, init_distributed, on_rank0
+from infclip.train.agreement import check_same_config
+from infclip.train.distributed import DistInfo, init_distributed, on_rank0, set_collective_timeout
 from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
@@ -60,8 +61,10 @@ class State:
 def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
     """Runs training as configured; returns the final metrics (on every rank)."""
     slurm.export_submitit_env()  # hydra-submitit tasks: RANK/WORLD_SIZE/MASTER_* from Slurm
-    info = init_distributed(cfg.device)
+    info = init_distributed(cfg.device, cfg.dist.timeout_s, cfg.dist.join_timeout_s)
     try:
+        check_same_config(cfg, info, cfg.dist.join_timeout_s)  # the first collective, under the join timeout
+        set_collective_timeout(cfg.dist.timeout_s)
         with text_log(info.is_main) as log:  # <run_dir>/out.log from the accepted start on
             inferred = infer_data_kind(cfg, overrides or [])  # data.shards without data.kind=wds
             validate(cfg, info.world_size)  # before any model or GPU work
@@ -93,8 +96,11 @@ def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str], log: O
         log.open(run_dir)
     parts.logger.start(state.step, run_info(overrides, info), changes)
     # through the final checkpoint and eval (infclip.train.signals); the steps on the towers'
-    # stream (data.decode_reserved_sms: SMs left free for the JPEG decoders' kernels)
-    with signals_handled(state), running_on(parts.towers):
+    # stream (data.decode_reserved_sms: SMs left free for the JPEG decoders' kernels). A stop
+    # signal that a step blocked in a collective cannot act on ends the process after
+    # dist.stop_grace_s; the final checkpoint and eval (after the last step) are never cut short
+    pending = lambda: not state.stop_requested and state.step < cfg.steps  # noqa: E731
+    with signals_handled(state, cfg.dist.stop_grace_s, pending), running_on(parts.towers):
         return fit(cfg, info, parts, state)
 
 

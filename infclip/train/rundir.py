@@ -97,8 +97,12 @@ def _take(run_dir: Path) -> str:
             print(f"warning: taking over the stale lock {lock} ({why})", file=sys.stderr, flush=True)
             _replace(lock, mine)
             return mine["token"]
-        with os.fdopen(fd, "w") as f:
-            json.dump(mine, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(mine, f)
+        except OSError:  # a full disk: no empty lock left behind for the next start to puzzle over
+            lock.unlink(missing_ok=True)
+            raise
         return mine["token"]
     raise RunDirBusy(f"could not take the lock {lock}: it keeps changing (another start is racing this one)")
 
@@ -141,6 +145,11 @@ def _unreadable_stale(lock: Path) -> Optional[str]:
 
 
 def _busy_message(run_dir: Path, holder: dict) -> str:
+    if not holder.get("pid"):  # empty or unreadable: a start writing it this moment, or a broken file
+        return (f"run_dir {run_dir} has a lock file {run_dir / LOCK_NAME} that is empty or unreadable and less "
+                "than a minute old: another start may be writing it this moment. Wait a minute and start again "
+                "(an unreadable lock older than that is taken over), or, if no training uses this run_dir, "
+                "delete the lock file.")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("start", 0))))
     return (f"run_dir {run_dir} is in use by another training (pid {holder.get('pid')} on host "
             f"{holder.get('host')}, started {when}; lock file {run_dir / LOCK_NAME}). Two trainings in one "

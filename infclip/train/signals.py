@@ -22,21 +22,25 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from typing import Any, Iterator
+import socket
+import threading
+from typing import Any, Callable, Iterator, Optional
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# SIGHUP (a closed terminal or SSH session) is a user's stop like SIGTERM
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 INTERRUPTED_EXIT = 130  # a second Ctrl-C: the shell's status for "ended by SIGINT"
 RESUME_HINT = "run the same command to resume"
 
 
 def install_signal_handlers(state: Any) -> dict:
-    """Records SIGTERM / SIGUSR1 / SIGINT in ``state.signal_received`` (the largest number wins:
-    SIGTERM 15 over SIGUSR1 10; SIGINT counts as SIGTERM). A second SIGINT exits at once.
+    """Records SIGTERM / SIGUSR1 / SIGINT / SIGHUP in ``state.signal_received`` (the largest number
+    wins: SIGTERM 15 over SIGUSR1 10; SIGINT and SIGHUP count as SIGTERM). A second SIGINT exits at once.
     Returns the previous handlers, for ``restore_signal_handlers``."""
 
     def handler(signum, frame):
         if signum == signal.SIGINT:
             _interrupt(state)
+        if signum in (signal.SIGINT, signal.SIGHUP):
             signum = signal.SIGTERM
         elif not state.signal_received:
             _say(f"{signal.Signals(signum).name}: stopping after this step with a checkpoint; {RESUME_HINT}")
@@ -75,14 +79,65 @@ def restore_signal_handlers(previous: dict) -> None:
 
 
 @contextlib.contextmanager
-def signals_handled(state: Any) -> Iterator[None]:
+def signals_handled(state: Any, grace_s: float = 0.0, pending: Optional[Callable[[], bool]] = None) -> Iterator[None]:
     """Stop signals are recorded in ``state`` inside the block, restored when it exits
-    (also on an exception)."""
+    (also on an exception). With ``grace_s`` > 0, a process still ``pending()`` (default: no
+    stop agreed yet, ``not state.stop_requested``) ``grace_s`` seconds after a stop signal
+    exits with status 128 + signal and one paragraph (:class:`GraceWatch`)."""
     previous = install_signal_handlers(state)
+    watch = GraceWatch(grace_s, pending or (lambda: not state.stop_requested)) if grace_s > 0 else None
     try:
         yield
     finally:
+        if watch is not None:
+            watch.close()
         restore_signal_handlers(previous)
+
+
+class GraceWatch:
+    """Honours a stop signal when the main thread cannot: a step blocked in a collective (a
+    peer rank that died, or runs another configuration) never returns to the Python code that
+    acts on the signal, until torch's collective timeout (30 minutes).
+
+    Python's C-level handler writes every caught signal's number to the wakeup fd even while
+    the main thread is blocked; a thread reads it and, if the process is still ``pending()``
+    ``grace_s`` later, prints one paragraph and exits at once (no checkpoint: the newest
+    complete one stays; a ``.step_N.tmp`` is removed at the next start).
+    """
+
+    def __init__(self, grace_s: float, pending: Callable[[], bool]):
+        self.grace_s, self.pending = grace_s, pending
+        self._closed = threading.Event()
+        self._read, write = socket.socketpair()
+        write.setblocking(False)
+        self._write = write
+        self._previous_fd = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._run, name="stop-grace", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                data = self._read.recv(64)
+            except OSError:
+                break
+            stops = [b for b in data if b in STOP_SIGNALS]
+            if stops and not self._closed.wait(self.grace_s) and self.pending():
+                _say(f"error: stop signal {signal.Signals(stops[0]).name} received {self.grace_s:g} s ago, but the "
+                     "step has not finished: this process waits in a collective for ranks that are gone (or "
+                     "another stall). Exiting now without a checkpoint (the newest complete one stays; "
+                     "dist.stop_grace_s sets how long to wait)")
+                os._exit(128 + stops[0])
+        self._read.close()
+
+    def close(self) -> None:
+        """Stops watching and puts the previous wakeup fd back (main thread only)."""
+        self._closed.set()
+        signal.set_wakeup_fd(self._previous_fd)
+        try:
+            self._write.send(b"\0")  # wakes the thread, which then closes its end
+        except OSError:
+            pass
+        self._write.close()
 
 
 def exit_zero_on_stop() -> None:

@@ -90,9 +90,10 @@ def test_devices_are_not_read_and_images_are_capped(tmp_path, capsys):
     (src / "big.txt").write_text("a large file")
     os.symlink("good.jpg", src / "link.jpg")  # a link to a regular file is read
     (src / "link.txt").write_text("linked")
-    out, stats = _build_cli(src, tmp_path / "out", capsys, "--max-image-mb", "1")
+    # --follow-links: /dev/zero is outside the folder (skipped as such by default); it must not be read either way
+    out, stats = _build_cli(src, tmp_path / "out", capsys, "--max-image-mb", "1", "--follow-links")
     assert stats["written"] == 2
     assert stats["skipped"] == {"image_not_regular_file": 1, "image_too_large": 1}
     assert "image_not_regular_file=1" in out and "image_too_large=1" in out
-    report = build_shards(rows_from(str(src)), BuildOptions(str(tmp_path / "out2")), progress=False)
+    report = build_shards(rows_from(str(src), follow_links=True), BuildOptions(str(tmp_path / "out2")), progress=False)
     assert report.written == 3 and dict(report.skipped) == {"image_not_regular_file": 1}  # default cap: 64 MB

@@ -58,6 +58,8 @@ def test_wrong_type_is_rejected():
         (["loss.impl=triton", "device=cpu"], 1, r"loss.impl=triton needs CUDA"),
         (["loss.kind=nt_xent", "loss.temperature=0"], 1, r"loss.temperature must be > 0"),
         (["max_nonfinite=0"], 1, r"max_nonfinite must be > 0"),
+        (["dist.join_timeout_s=0"], 1, r"dist.join_timeout_s must be > 0"),
+        (["dist.stop_grace_s=-1"], 1, r"dist.stop_grace_s must be >= 0"),
         (["checkpoint.every_n_steps=-1"], 1, r"checkpoint.every_n_steps must be >= 0"),
         (["schedule.min_lr_ratio=2"], 1, r"schedule.min_lr_ratio must be in \[0, 1\]"),
         (["optim.lr=inf"], 1, r"optim.lr=inf is not a finite number"),

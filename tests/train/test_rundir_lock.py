@@ -72,3 +72,26 @@ def test_context_only_rank0_holds_it_and_a_created_folder_is_removed_when_nothin
             (tmp_path / "r2" / "config.yaml").write_text("x")
             raise RuntimeError("build failed")
     assert sorted(p.name for p in (tmp_path / "r2").iterdir()) == ["config.yaml"]  # lock released
+
+
+def test_a_fresh_empty_lock_is_reported_as_such_not_as_pid_none(tmp_path):
+    (tmp_path / LOCK_NAME).write_text("")
+    with pytest.raises(RunDirBusy) as err:
+        acquire(tmp_path)
+    text = str(err.value)
+    assert "empty or unreadable and less than a minute old" in text
+    assert "None" not in text and "1970" not in text
+
+
+def test_a_start_that_cannot_write_its_lock_leaves_none_behind(tmp_path, monkeypatch):
+    import errno
+
+    from infclip.train import rundir
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir.json, "dump", full)
+    with pytest.raises(rundir.RunDirUnusable, match="the disk is full"):
+        acquire(tmp_path / "run")
+    assert not (tmp_path / "run" / LOCK_NAME).exists()

@@ -46,3 +46,17 @@ def test_a_stop_signal_is_announced_once_by_the_main_rank_with_how_to_resume(cap
             "SIGTERM: stopping after this step with a checkpoint; run the same command to resume",
             "interrupted: stopping after this step with a checkpoint; run the same command to resume (interrupt "
             "again to exit at once)"])
+
+
+def test_sighup_is_a_stop_signal_like_sigterm():
+    """A closed terminal or SSH session (SIGHUP) stops after the step with a checkpoint, like
+    SIGTERM (never a requeue), instead of ending the run at once."""
+    import os
+    from types import SimpleNamespace
+
+    from infclip.train.signals import signals_handled
+
+    state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
+    with signals_handled(state):
+        os.kill(os.getpid(), signal.SIGHUP)  # the handler runs before the next line
+    assert state.signal_received == signal.SIGTERM

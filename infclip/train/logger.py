@@ -333,27 +333,26 @@ class TolerantStream:
                 pass
 
     def write(self, text: str) -> int:
-        if not self.closed_reader:
-            try:
-                return self._stream.write(text)
-            except (BrokenPipeError, ValueError):
-                self._lost()
-            except OSError as e:
-                if e.errno != errno.EPIPE:
-                    raise
-                self._lost()
-        return len(text)
+        written = self._guarded(self._stream.write, text)
+        return len(text) if written is None else written
 
     def flush(self) -> None:
-        if not self.closed_reader:
-            try:
-                self._stream.flush()
-            except (BrokenPipeError, ValueError):
-                self._lost()
-            except OSError as e:
-                if e.errno != errno.EPIPE:
-                    raise
-                self._lost()
+        self._guarded(self._stream.flush)
+
+    def _guarded(self, call, *args) -> Any:
+        """``call(*args)`` on the stream while its reader is there; a closed pipe (or stream)
+        marks the reader gone (``_lost``) and returns None. Other OS errors are raised."""
+        if self.closed_reader:
+            return None
+        try:
+            return call(*args)
+        except (BrokenPipeError, ValueError):
+            self._lost()
+        except OSError as e:
+            if e.errno != errno.EPIPE:
+                raise
+            self._lost()
+        return None
 
     def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, ...
         return getattr(self._stream, name)

@@ -34,9 +34,9 @@ def test_the_open_clip_weights_are_written_0644_like_every_other_checkpoint_file
 
 
 @pytest.mark.parametrize("where, match", [
-    ("file", "is a file: give a folder for the open_clip files"),
+    ("file", "cannot be used as the output folder (exists and is not a folder)"),
     ("itself", "is the checkpoint folder itself"),
-    ("under_a_file", "cannot be written (NotADirectoryError"),
+    ("under_a_file", "cannot be used as the output folder (Not a directory)"),
 ])
 def test_a_bad_out_is_one_paragraph_with_exit_2(step, tmp_path, capsys, where, match):
     (tmp_path / "f").write_text("x")

@@ -116,11 +116,17 @@ def refuse_other_data(cfg: Any, run_dir: Path) -> None:
     """``resume=auto`` into a run folder whose checkpoints were trained on other data than
     this command names is refused (it would continue that run on other data), naming both and
     the fix: this run's own ``name=`` or ``run_dir=``. Checked before any model is built,
-    against the folder's config.yaml (the accepted start's); nothing to check without one."""
+    against the folder's config.yaml (the accepted start's); nothing to check without one (nor
+    where the folder cannot be read: its creation gives that error in one paragraph)."""
     from omegaconf import OmegaConf
 
-    saved_file, existing = run_dir / "config.yaml", ckpt.list_checkpoints(run_dir)
-    if cfg.resume != "auto" or not existing or not saved_file.is_file():
+    if cfg.resume != "auto":
+        return
+    try:
+        saved_file, existing = run_dir / "config.yaml", ckpt.list_checkpoints(run_dir)
+        if not existing or not saved_file.is_file():
+            return
+    except OSError:  # a name too long, a path through a file, no permission
         return
     saved = OmegaConf.to_container(OmegaConf.load(saved_file), resolve=True).get("data") or {}
     before, asked = _trained_on(saved), _trained_on(OmegaConf.to_container(cfg.data, resolve=True))

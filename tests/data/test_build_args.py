@@ -22,8 +22,8 @@ def _cli(tmp_path, *args):
 @pytest.mark.parametrize("args, message", [
     (["missing.csv", "--out", "o"], "error: input 'missing.csv' does not exist"),
     (["t.csv", "--out", "o", "--caption-col", "text"], "error: t.csv has no column(s) ['text']"),
-    (["t.csv", "--out", "o", "--shard-size", "0"], "error: --shard-size 0: must be > 0"),
-    (["t.csv", "--out", "o", "--workers", "0"], "error: --workers 0: must be > 0"),
+    (["t.csv", "--out", "o", "--shard-size", "0"], "error: --shard-size 0 is not valid: it must be a whole number > 0"),
+    (["t.csv", "--out", "o", "--workers", "0"], "error: --workers 0 is not valid: it must be >= 1"),
 ])
 def test_argument_errors_are_one_line(tmp_path, args, message):
     (tmp_path / "t.csv").write_text("filepath,caption\na.jpg,a dog\n")

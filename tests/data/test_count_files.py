@@ -113,7 +113,7 @@ def test_a_first_pass_far_from_the_claimed_count_warns_with_both_numbers(capsys,
             info.size = 1
             tar.addfile(info, io.BytesIO(b"x"))
     spec = StreamSpec(urls, [1.0] * 4, False, 0, 0, 1, 1, claimed, 0)  # 40 samples, loader_batch 1
-    stream = raw_stream(spec, 0, 0, 1, Counter())
+    stream = raw_stream(spec, 0, 0, Counter())  # epoch 0, stream 0 (the only one)
     read = 0
     while next(stream) is not None:
         read += 1

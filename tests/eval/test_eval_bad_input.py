@@ -53,7 +53,7 @@ def test_results_that_cannot_be_written_are_printed_and_named(monkeypatch, capsy
     monkeypatch.setattr(cli, "wandb_mode", lambda cfg, run: "disabled")
     with pytest.raises(EvalConfigError, match=r"r.json could not be written \(No space left on device\); the "
                                               r"results are printed above as JSON"):
-        entry._report(cfg, None, EvalConfig(tasks=[]), {"eval/t/top1": 0.5}, [], 1)
+        entry._report(cfg, None, EvalConfig(tasks=[]), {"eval/t/top1": 0.5}, [], 1, {})
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{"):])["eval/t/top1"] == 0.5
 

@@ -111,7 +111,7 @@ def test_resume_with_a_new_lr_applies_it_and_records_it(tmp_path, data_root, ref
     common = [o for o in COMMON if not o.startswith("optim.lr=")]
     proc = run(train_cmd(data_root, run_dir, *common, "optim.lr=3e-4"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("resume: ")]
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("resume: ") and not x.startswith("resume: data at")]
     assert lines == ["resume: optim.lr changed 0.001 -> 0.0003; applied from step 5 (lr now 0.0003)"], lines
     lrs = {r["step"]: r["lr"] for r in step_records(run_dir)}
     assert [lrs[s] for s in range(1, 5)] == [1e-3] * 4 and [lrs[s] for s in range(5, 9)] == [3e-4] * 4

@@ -25,6 +25,11 @@ Kinds:
   webdataset --dataset-resampled --train-data SHARDS`` (the same shards as ours; or
   ``--openclip-data synthetic``: its synthetic data, no JPEG decoded) ``--model ViT-B-32 --precision amp_bf16 --batch-size MICRO --accum-freq G/MICRO``
   (its feature cache + re-forward; all inputs on the GPU), ``--torchcompile`` for the second;
+* ``openclipmain`` / ``openclipmain_compile``: the same with open_clip's main branch, imported
+  from ``--openclip-main DIR`` (a folder it was installed into: ``pip install --no-deps
+  --target DIR open_clip_torch-*.whl``, the wheel built from its repository); its
+  ``--torchcompile`` compiles the task's forward (``--torchcompile-strategy task``, its
+  default: the ``step`` strategy refuses ``--accum-freq`` above 1, which a 65,536 batch needs);
 * ``ours`` / ``ours_compile``: ``train.py experiment=vit_b32_laion`` on ``--shards`` (JPEG
   shards written by ``scripts/bench_data.py``'s writer if absent), gradient cache with
   micro-batch MICRO, offload, bf16, Triton loss, the step pipeline; ``model.compile=true``;
@@ -83,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval (s) in our trainer's process (GIL hand-over latency between "
                         "the training and decoding threads; Python's default is 0.005)")
+    p.add_argument("--openclip-main", default=None, metavar="DIR",
+                   help="folder holding open_clip's main branch (pip install --no-deps --target DIR "
+                        "open_clip_torch-*.whl) for the openclipmain kinds")
     p.add_argument("--openclip-data", default="wds", choices=("wds", "synthetic"),
                    help="open_clip reads the same shards through its webdataset loader, or its synthetic data")
     return p.parse_args(argv)
@@ -169,13 +177,15 @@ def launcher(gpus: int, logs: Path, body: str) -> list[str]:
 
 
 def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, overrides: list[str],
-                 gpus: int = 1) -> dict:
+                 gpus: int = 1, main_branch: bool = False) -> dict:
     accum = global_batch // (a.micro * gpus)
     model, extra = openclip_args(overrides)
     tag = _tag([o.lstrip("-") for o in overrides])
-    logs = Path(a.logs) / f"openclip_logs_{global_batch}_{int(compile_)}{tag}"
+    name = "openclipmain" if main_branch else "openclip"
+    logs = Path(a.logs) / f"{name}_logs_{global_batch}_{int(compile_)}{tag}"
     subprocess.run(["rm", "-rf", str(logs)])
-    wrapper = (_PEAKS + "from open_clip_train.main import main; main(sys.argv[1:])")
+    wrapper = (_PEAKS + "import open_clip; print('OPENCLIP_VERSION', open_clip.__version__, flush=True); "
+               "from open_clip_train.main import main; main(sys.argv[1:])")
     launch = launcher(gpus, Path(a.logs), wrapper)
     # On our shards through its own webdataset loader (resampled: any shard count works),
     # or its synthetic dataset (no JPEG decoded at all) when --openclip-data synthetic.
@@ -188,12 +198,17 @@ def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, ov
            "--warmup", "1", "--logs", str(logs), "--name", "bench"]
     if compile_:
         cmd.append("--torchcompile")
-    out = _run(cmd, a.timeout, Path(a.logs) / f"openclip_{global_batch}_{int(compile_)}_{gpus}gpu{tag}.log")
+    if gpus > 1:  # its recommended multi-GPU loss: each rank's rows against the gathered columns
+        cmd += ["--local-loss", "--gather-with-grad"]
+    out = _run(cmd, a.timeout, Path(a.logs) / f"{name}_{global_batch}_{int(compile_)}_{gpus}gpu{tag}.log",
+               path_first=a.openclip_main if main_branch else None)
+    version = re.findall(r"OPENCLIP_VERSION (\S+)", out)
     rows = [(float(d), float(b), float(s)) for d, b, s in OPENCLIP_LINE.findall(out)]
     steady = rows[1:] or rows
     return {"samples_per_s": _median(r[2] for r in steady), "step_s": _median(r[1] for r in steady),
             "data_wait_s": _median(r[0] for r in steady), "gpu_gb": _peak(out, "PEAK_GPU_GB"),
-            "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(rows)}
+            "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(rows),
+            "open_clip": version[-1] if version else "not imported"}
 
 
 def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: list[str], gpus: int = 1) -> dict:
@@ -286,13 +301,15 @@ def _tag(overrides: list[str]) -> str:
     return "_" + re.sub(r"[^\w.=-]", "-", text)[:60] + "_" + hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
-def _run(cmd: list[str], timeout: float, log: Path) -> str:
+def _run(cmd: list[str], timeout: float, log: Path, path_first: str | None = None) -> str:
     """The command's output (stdout and stderr, as written), streamed into ``log`` while it
     runs (a caller cut off meanwhile keeps what ran); a run past ``timeout`` is killed and
-    its output ends with TIMEOUT."""
-    print("$ " + " ".join(cmd), flush=True)
-    t0 = time.time()
+    its output ends with TIMEOUT. ``path_first`` goes first on the child's PYTHONPATH."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    if path_first:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path_first, env.get("PYTHONPATH")) if p)
+    print(("" if not path_first else f"PYTHONPATH={env['PYTHONPATH']} ") + "$ " + " ".join(cmd), flush=True)
+    t0 = time.time()
     with open(log, "w") as f:
         try:
             subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=str(ROOT))
@@ -330,6 +347,21 @@ def openclip_wds_problem() -> str | None:
             "supports it), or pass --openclip-data synthetic.")
 
 
+def openclip_main_problem(a: argparse.Namespace) -> str | None:
+    """Why the openclipmain runs asked for cannot run, or None: they need ``--openclip-main``
+    naming a folder that holds open_clip and open_clip_train."""
+    if not any(r.startswith("openclipmain") for r in a.runs.split(",")):
+        return None
+    d = Path(a.openclip_main) if a.openclip_main else None
+    if d is not None and (d / "open_clip").is_dir() and (d / "open_clip_train").is_dir():
+        return None
+    return (f"the openclipmain runs import open_clip's main branch from --openclip-main, "
+            f"{'which is not given' if d is None else f'but {d} holds no open_clip and open_clip_train packages'}. "
+            "Build its wheel from the repository (git archive HEAD src pyproject.toml README.md LICENSE, "
+            "then pip wheel --no-deps .), install it apart with pip install --no-deps --target DIR "
+            "open_clip_torch-*.whl, and pass --openclip-main DIR.")
+
+
 def parse_run(run: str, default_steps: int) -> tuple[str, int, int, list[str]]:
     """(kind, global batch, steps, overrides) of one ``--runs`` entry
     ``kind:batch[:steps[:override;override...]]``; an override may hold colons
@@ -346,6 +378,10 @@ def main(argv=None) -> None:
         if problem:
             print(problem, file=sys.stderr)
             raise SystemExit(2)
+    problem = openclip_main_problem(a)
+    if problem:
+        print(problem, file=sys.stderr)
+        raise SystemExit(2)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.logs).mkdir(parents=True, exist_ok=True)
     spec = ensure_shards(a)
@@ -355,7 +391,8 @@ def main(argv=None) -> None:
         kind, g, steps, overrides = parse_run(run, a.steps)
         kind, gpus = split_gpus(kind)
         if kind.startswith("openclip"):
-            res = run_openclip(a, g, steps, kind.endswith("compile"), spec, overrides, gpus)
+            res = run_openclip(a, g, steps, kind.endswith("compile"), spec, overrides, gpus,
+                               main_branch=kind.startswith("openclipmain"))
         else:
             res = run_ours(a, kind, g, steps, spec, overrides, gpus)
         model = run_model(kind, overrides)
@@ -387,7 +424,8 @@ def _table(results: list[dict]) -> str:
     for r in results:
         cells = [fmt.format(r[k]) if isinstance(r.get(k), (int, float)) and r.get(k) == r.get(k) else "—"
                  for k, _, fmt in keys]
-        lines.append(f"| {r['kind']} | {r.get('gpus', 1)} | {r['global_batch']:,} | " + " | ".join(cells) + " |")
+        kind = r["kind"] + (f" ({r['open_clip']})" if r.get("open_clip") else "")
+        lines.append(f"| {kind} | {r.get('gpus', 1)} | {r['global_batch']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -91,3 +91,29 @@ def test_a_run_kind_names_its_gpu_count_and_more_than_one_runs_under_torchrun(tm
     two = bench_trainer.launcher(2, tmp_path, "print(2)")
     assert two[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     assert Path(two[-1]).read_text() == "print(2)"
+
+
+def test_open_clip_main_runs_need_its_folder_and_are_refused_before_anything_runs(tmp_path, capsys):
+    shards = tmp_path / "never_written"
+    with pytest.raises(SystemExit) as e:
+        bench_trainer.main(["--runs", "openclipmain_compile@2:65536", "--shards", str(shards), "--out", str(tmp_path),
+                            "--openclip-data", "synthetic"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--openclip-main" in err and "not given" in err and "pip install --no-deps --target" in err
+    assert not shards.exists()
+    a = bench_trainer.parse_args(["--runs", "openclipmain:1024", "--openclip-main", str(tmp_path)])
+    assert "holds no open_clip" in bench_trainer.openclip_main_problem(a)
+    (tmp_path / "open_clip").mkdir()
+    (tmp_path / "open_clip_train").mkdir()
+    assert bench_trainer.openclip_main_problem(a) is None
+    assert bench_trainer.openclip_main_problem(bench_trainer.parse_args(["--runs", "ours:1024"])) is None
+
+
+def test_a_child_s_pythonpath_can_put_a_folder_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    code = "import os; print('PP', os.environ['PYTHONPATH'])"
+    out = bench_trainer._run([sys.executable, "-c", code], timeout=30, log=tmp_path / "a.log", path_first="/first")
+    assert f"PP /first{__import__('os').pathsep}/somewhere" in out
+    out = bench_trainer._run([sys.executable, "-c", code], timeout=30, log=tmp_path / "b.log")
+    assert "PP /somewhere" in out

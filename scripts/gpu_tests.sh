@@ -10,7 +10,7 @@
 # parameter values has run (``pytest --pairwise``, tests/tests_pairwise.py); unparametrized
 # tests all run. OUT_DIR receives junit.xml, log.txt and summary.txt (pytest's closing line
 # and the wall time). Extra arguments after the mode go to pytest (e.g. -x, -k NAME).
-# Exit status: pytest's.
+# Exit status: pytest's. INFCLIP_COMMIT names the commit in the summary where the checkout has no git history.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash scripts/gpu_tests.sh OUT_DIR [--full|--multi] [pytest args]}
@@ -56,7 +56,7 @@ python -m pytest -q -ra -p no:cacheprovider "${par[@]}" "${extra[@]}" --junitxml
     "${paths[@]}" "$@" 2>&1 | tee "$out/log.txt"
 status=${PIPESTATUS[0]}
 {
-    echo "tier: $mode  commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)  gpus: $(nvidia-smi -L 2>/dev/null | wc -l)"
+    echo "tier: $mode  commit: ${INFCLIP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  gpus: $(nvidia-smi -L 2>/dev/null | wc -l)"
     nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1
     grep -E '^(=+ )?[0-9]+ (passed|failed)|error' "$out/log.txt" | tail -n 1
     echo "wall: $(( $(date +%s) - start )) s  exit: $status"

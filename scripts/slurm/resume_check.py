@@ -140,38 +140,69 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refs", type=int, default=1,
                    help="uninterrupted reference runs; with 2 or more the allowed difference is also their "
                         "own largest spread (nondeterministic GPU kernels: within the run-to-run spread)")
+    p.add_argument("--parallel", action="store_true",
+                   help="run the reference runs beside the killed one instead of before it (a GPU "
+                        "machine: the wall time of about one run; the losses do not depend on it)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     common = [f"steps={args.steps}", f"checkpoint.every_n_steps={args.ckpt_every}", "logging.every_n_steps=1",
               "logging.progress=false", *args.overrides]
-    args.out.mkdir(parents=True, exist_ok=True)
-    for k in range(args.refs):
-        name = "ref" if k == 0 else f"ref{k}"
-        with open(args.out / ("reference.log" if k == 0 else f"reference{k}.log"), "w") as log:
-            t0 = time.monotonic()
-            subprocess.run(torchrun(args.nproc, args.out / name, common), stdout=log, stderr=subprocess.STDOUT,
-                           cwd=REPO, timeout=args.timeout, check=True)
-            print(f"reference run {k + 1}: {time.monotonic() - t0:.1f} s", flush=True)
-    if args.refs > 1:
-        spread = max(spread_of(losses(args.out / "ref"), losses(args.out / f"ref{k}")) for k in range(1, args.refs))
-        print(f"run-to-run spread of {args.refs} uninterrupted runs: {spread:.3e}", flush=True)
-        args.tol = max(args.tol, spread)
-    ok = True
     for mode in args.mode.split(","):
         if mode not in ("worker", "all", "usr1"):
             p.error(f"unknown mode {mode!r}")
         if mode == "worker" and args.resume_nproc not in (None, args.nproc):
             p.error("--resume-nproc needs --mode all or usr1 (torchrun restarts mode worker on --nproc)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    refs = reference_runs(args, common)
+    ok = True
+    for mode in args.mode.split(","):
         with open(args.out / f"{mode}.log", "w") as log:
             took = killed_run(args, mode, args.out / mode, common, log)
         text = (args.out / f"{mode}.log").read_text().splitlines()
         resumed = [line for line in text if "resumed from" in line]
         print(f"[{mode}] recovery to the end: {took:.1f} s; {resumed[-1].strip() if resumed else 'NO RESUME LINE'}")
         print("".join(f"[{mode}] {line.strip()}\n" for line in text if "resume: written on" in line), end="")
+    if args.parallel:
+        wait_references(args, refs)
+    if args.refs > 1:
+        spread = max(spread_of(losses(args.out / "ref"), losses(args.out / f"ref{k}")) for k in range(1, args.refs))
+        print(f"run-to-run spread of {args.refs} uninterrupted runs: {spread:.3e}", flush=True)
+        args.tol = max(args.tol, spread)
+    for mode in args.mode.split(","):
         ok &= compare(losses(args.out / "ref"), losses(args.out / mode), args.tol)
     return 0 if ok else 1
+
+
+def reference_runs(args: argparse.Namespace, common: list[str]) -> list[tuple[subprocess.Popen, float, object]]:
+    """Start the --refs uninterrupted runs at once when --parallel, else one after another
+    (each awaited before the next starts); (process, start time, log) of each."""
+    started = []
+    for k in range(args.refs):
+        log = open(args.out / ("reference.log" if k == 0 else f"reference{k}.log"), "w")
+        proc = subprocess.Popen(torchrun(args.nproc, args.out / ("ref" if k == 0 else f"ref{k}"), common),
+                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        started.append((proc, time.monotonic(), log))
+        if not args.parallel:
+            wait_references(args, started[-1:])
+    return started
+
+
+def wait_references(args: argparse.Namespace, refs: list[tuple[subprocess.Popen, float, object]]) -> None:
+    """Wait for the reference runs; one that fails or outlives --timeout ends the check."""
+    for k, (proc, t0, log) in enumerate(refs):
+        if proc.returncode is not None:
+            continue
+        try:
+            rc = proc.wait(timeout=max(1.0, args.timeout - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise SystemExit(f"reference run {k + 1} did not end within {args.timeout:.0f} s; see {log.name}")
+        log.close()
+        if rc != 0:
+            raise SystemExit(f"reference run {k + 1} failed with exit code {rc}; see {log.name}")
+        print(f"reference run {k + 1}: {time.monotonic() - t0:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

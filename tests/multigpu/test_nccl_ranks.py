@@ -37,7 +37,7 @@ def test_a_killed_rank_resumes_within_the_run_to_run_spread(tmp_path):
     uninterrupted runs' within their own spread (two of them)."""
     out = tmp_path / "resume"
     cmd = [sys.executable, str(REPO / "scripts/slurm/resume_check.py"), "--nproc", str(GPUS), "--mode", "worker",
-           "--steps", "12", "--ckpt-every", "4", "--kill-at", "6", "--refs", "2", "--tol", "1e-6",
+           "--steps", "12", "--ckpt-every", "4", "--kill-at", "6", "--refs", "2", "--parallel", "--tol", "1e-6",
            "--out", str(out), "--", "batch.global_size=1024", "batch.micro_size=256", "eval.tasks=[]",
            "logging.wandb_mode=disabled"]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(REPO))

@@ -53,6 +53,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -184,22 +185,24 @@ def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, ov
     name = "openclipmain" if main_branch else "openclip"
     logs = Path(a.logs) / f"{name}_logs_{global_batch}_{int(compile_)}{tag}"
     subprocess.run(["rm", "-rf", str(logs)])
-    wrapper = (_PEAKS + "import open_clip; print('OPENCLIP_VERSION', open_clip.__version__, flush=True); "
-               "from open_clip_train.main import main; main(sys.argv[1:])")
-    launch = launcher(gpus, Path(a.logs), wrapper)
     # On our shards through its own webdataset loader (resampled: any shard count works),
     # or its synthetic dataset (no JPEG decoded at all) when --openclip-data synthetic.
     data = (["--dataset-type", "synthetic"] if a.openclip_data == "synthetic" else
             ["--dataset-type", "webdataset", "--dataset-resampled", "--train-data", spec])
-    cmd = [*launch, *data, "--model", model, *extra,
-           "--precision", "amp_bf16", "--batch-size", str(a.micro), "--accum-freq", str(accum),
-           "--workers", str(workers_for(a, gpus)), "--train-num-samples", str(global_batch * steps), "--epochs", "1",
-           "--log-every-n-steps", "1", "--save-frequency", "0", "--lr", "1e-3",
-           "--warmup", "1", "--logs", str(logs), "--name", "bench"]
+    args = [*data, "--model", model, *extra,
+            "--precision", "amp_bf16", "--batch-size", str(a.micro), "--accum-freq", str(accum),
+            "--workers", str(workers_for(a, gpus)), "--train-num-samples", str(global_batch * steps), "--epochs", "1",
+            "--log-every-n-steps", "1", "--save-frequency", "0", "--lr", "1e-3",
+            "--warmup", "1", "--logs", str(logs), "--name", "bench"]
     if compile_:
-        cmd.append("--torchcompile")
+        args.append("--torchcompile")
     if gpus > 1:  # its recommended multi-GPU loss: each rank's rows against the gathered columns
-        cmd += ["--local-loss", "--gather-with-grad"]
+        args += ["--local-loss", "--gather-with-grad"]
+    # the arguments live in the launched script: torchrun's parser would read its own options'
+    # abbreviations (--logs for --logs-specs) among a script's arguments
+    wrapper = (_PEAKS + "import open_clip; print('OPENCLIP_VERSION', open_clip.__version__, flush=True); "
+               f"from open_clip_train.main import main; main({args!r})")
+    cmd = launcher(gpus, Path(a.logs), wrapper)
     out = _run(cmd, a.timeout, Path(a.logs) / f"{name}_{global_batch}_{int(compile_)}_{gpus}gpu{tag}.log",
                path_first=a.openclip_main if main_branch else None)
     version = re.findall(r"OPENCLIP_VERSION (\S+)", out)
@@ -311,9 +314,14 @@ def _run(cmd: list[str], timeout: float, log: Path, path_first: str | None = Non
     print(("" if not path_first else f"PYTHONPATH={env['PYTHONPATH']} ") + "$ " + " ".join(cmd), flush=True)
     t0 = time.time()
     with open(log, "w") as f:
+        # a session of its own: a run past its time is killed with every process it started
+        # (torchrun's ranks would otherwise outlive it and hold the GPUs)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True)
         try:
-            subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env, cwd=str(ROOT))
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             f.write("\nTIMEOUT\n")
     out = log.read_text()
     print(f"  ({time.time() - t0:.0f} s) " + out.strip().splitlines()[-1][:300] if out.strip() else "", flush=True)

@@ -117,3 +117,35 @@ def test_a_child_s_pythonpath_can_put_a_folder_first(tmp_path, monkeypatch):
     assert f"PP /first{__import__('os').pathsep}/somewhere" in out
     out = bench_trainer._run([sys.executable, "-c", code], timeout=30, log=tmp_path / "b.log")
     assert "PP /somewhere" in out
+
+
+def test_a_run_past_its_time_is_killed_with_the_processes_it_started(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(60)")
+    out = bench_trainer._run([sys.executable, "-c", code], timeout=5, log=tmp_path / "run.log")
+    assert "started" in out and out.rstrip().endswith("TIMEOUT")
+    child = int(pidfile.read_text())
+    deadline = __import__("time").monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in _state(child) and __import__("time").monotonic() < deadline:
+        __import__("time").sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "Z" in _state(child)  # gone (or a zombie awaiting its reaper)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_open_clip_s_arguments_travel_inside_the_launched_script(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench_trainer, "_run", lambda cmd, timeout, log, path_first=None: seen.update(cmd=cmd, pf=path_first) or "")
+    a = bench_trainer.parse_args(["--logs", str(tmp_path), "--openclip-main", "/oc", "--micro", "256"])
+    bench_trainer.run_openclip(a, 65536, 3, True, "/s/{0..1}.tar", [], gpus=2, main_branch=True)
+    script = Path(seen["cmd"][-1]).read_text()
+    assert seen["cmd"][-2:-1] == ["--nproc_per_node=2"] and seen["pf"] == "/oc"
+    for arg in ("'--logs'", "'--accum-freq', '128'", "'--local-loss'", "'--gather-with-grad'", "'--torchcompile'"):
+        assert arg in script

@@ -314,18 +314,40 @@ def _run(cmd: list[str], timeout: float, log: Path, path_first: str | None = Non
     print(("" if not path_first else f"PYTHONPATH={env['PYTHONPATH']} ") + "$ " + " ".join(cmd), flush=True)
     t0 = time.time()
     with open(log, "w") as f:
-        # a session of its own: a run past its time is killed with every process it started
-        # (torchrun's ranks would otherwise outlive it and hold the GPUs)
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
             f.write("\nTIMEOUT\n")
     out = log.read_text()
     print(f"  ({time.time() - t0:.0f} s) " + out.strip().splitlines()[-1][:300] if out.strip() else "", flush=True)
     return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc), children first-found order."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process it started, also those in sessions of their own
+    (torchrun's ranks, which would otherwise outlive it and hold the GPUs)."""
+    for p in [*_descendants(pid), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _median(xs) -> float:

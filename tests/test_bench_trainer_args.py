@@ -120,9 +120,10 @@ def test_a_child_s_pythonpath_can_put_a_folder_first(tmp_path, monkeypatch):
 
 
 def test_a_run_past_its_time_is_killed_with_the_processes_it_started(tmp_path):
+    """Also a process in a session of its own, as torchrun starts its ranks."""
     pidfile = tmp_path / "child.pid"
     code = ("import subprocess, sys, time; "
-            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
             f"open({str(pidfile)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(60)")
     out = bench_trainer._run([sys.executable, "-c", code], timeout=5, log=tmp_path / "run.log")
     assert "started" in out and out.rstrip().endswith("TIMEOUT")

@@ -29,7 +29,7 @@ PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
 BACKWARDS = ("auto", "onepass", "twopass")
 # backward="auto" takes the one-pass path where the two-pass one would take strips (fresh bf16
 # gradients on CUDA): H200, bf16, b = 16k-128k, c = 512-1024, forward + backward 1.14-1.33x
-# faster (docs/benchmarks.md, "One-pass backward"). Elsewhere (fp32/fp16, the CUDA-graph path
+# faster (commit de83b53; docs/changelog.md). Elsewhere (fp32/fp16, the CUDA-graph path
 # of small b, the interpreter) it stays two-pass: not measured faster there.
 AUTO_BACKWARD = "onepass"
 KERNEL_CHOICES = ("auto", "triton", "gluon")  # forward_kernel, strip_kernel

@@ -9,16 +9,22 @@
 Each sample is a random crop / flip / colour change of one photo, resized so its shorter side
 is --side, saved as a baseline JPEG at a quality drawn from [--quality-min, --quality-max];
 deterministic for --seed (the shards do not depend on --workers). Writes NNNNN.tar,
-NNNNN_stats.json, sizes.json and photo_stats.json (mean kB per image, decode rate).
+NNNNN_stats.json, sizes.json and photo_stats.json (mean kB per image, decode rate). The writer
+is scripts/bench/photos.py; this is its command line.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from infclip.data.photos import (BUNDLES, PhotoShardOptions, decode_rate, export_photos, load_photos,
-                                 shard_jpegs, summary, write_photo_shards, write_stats)
 from infclip.data.writer import ShardStats
+
+# The writer itself sits beside the benchmarks that read its shards (scripts/bench/photos.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+from photos import (BUNDLES, PhotoShardOptions, decode_rate, export_photos, load_photos,  # noqa: E402
+                    shard_jpegs, summary, write_photo_shards, write_stats)
 
 DECODE_SAMPLE = 300  # images of the output timed for the decode rate
 

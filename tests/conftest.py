@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# -- the GPU tier's cut of the parametrizations (scripts/gpu_tests.sh) --------------------
+# -- the GPU tier's cut of the parametrizations (scripts/gpu_tests/run.sh) --------------------
 
 
 def pytest_addoption(parser):

@@ -1,4 +1,4 @@
-"""scripts/bench_loss.py's anchors without a GPU: a published package that is not installed
+"""scripts/bench/bench_loss.py's anchors without a GPU: a published package that is not installed
 (inf-cl, memeff) is reported with what installs it instead of failing the run, and the rows of
 memeff, which learns no scale, say so."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
 import bench_loss  # noqa: E402
 
@@ -43,7 +43,7 @@ def test_an_unknown_impl_is_refused_before_any_gpu_work(tmp_path):
     traceback after the peak matmul)."""
     import subprocess
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_loss.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_loss.py"
     proc = subprocess.run([sys.executable, str(script), "--impls", "triton_bf16,memef", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

@@ -1,4 +1,4 @@
-"""scripts/bench_trainer.py's pieces that run without a GPU: the checks before any run (open_clip's
+"""scripts/bench/bench_trainer.py's pieces that run without a GPU: the checks before any run (open_clip's
 webdataset loader against the installed webdataset), which step records count towards a run's
 medians, how a --runs entry is read, the logs' names and how a run's output reaches its log."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
 import bench_trainer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""scripts/gpu_tests.sh names only tests that exist, and the quick tier's pairwise cut keeps
+"""scripts/gpu_tests/run.sh names only tests that exist, and the quick tier's pairwise cut keeps
 every parameter value and every pair of values of each parametrized test."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests_pairwise import case_values, pairwise_subset  # noqa: E402
 
 
 def tier_paths(*flags: str) -> list[str]:
-    out = subprocess.run(["bash", "scripts/gpu_tests.sh", "-", "--paths", *flags], cwd=REPO,
+    out = subprocess.run(["bash", "scripts/gpu_tests/run.sh", "-", "--paths", *flags], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     return out.split()
 

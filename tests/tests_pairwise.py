@@ -2,7 +2,7 @@
 such that every pair of parameter values, and every single value, appears in a kept case.
 
 Combinatorial testing's rule of thumb is that most defects need one or two parameters to
-coincide; the full grid stays the long tier (``scripts/gpu_tests.sh --full``). Cases are
+coincide; the full grid stays the long tier (``scripts/gpu_tests/run.sh --full``). Cases are
 only ever *selected* from those collected, so a grid's own skips and exclusions still hold.
 Parameters are compared by ``repr`` of their values (dtypes, tuples and strings alike).
 """

@@ -1,8 +1,8 @@
 """Data: img2dataset-layout webdataset shards, the synthetic default, transforms, writers.
 
-The names below are imported on first use (PEP 562), so that ``infclip.data.writer`` and
-``infclip.data.photos`` import with numpy and PIL alone (no webdataset, open_clip or
-torchvision): data/write_photo_shards.py runs on machines that have only those.
+The names below are imported on first use (PEP 562), so that ``infclip.data.writer`` imports
+with numpy and PIL alone (no webdataset, open_clip or torchvision): data/write_photo_shards.py
+runs on machines that have only those.
 """
 
 import importlib

@@ -127,7 +127,7 @@ class DataConfig:
     # step's last images to the next step's. Measured equal (LiT 65,536 at 512 px, H200, one
     # call: 4,903 vs 4,907 samples/s): the end-of-pass idle it fills (0.76-1.55 s in traced
     # steps) reappears at the LiT ring's end in the replay, and the step is no shorter
-    # (docs/benchmarks.md, fifth session). With it, the next step's decoding counts in this
+    # (commit fe7eba6; docs/benchmarks.md, "LiT"). With it, the next step's decoding counts in this
     # step's decode_busy_first_pct.
     decode_ahead_from: str = "replay"
     # decode=device: files above this many bytes are re-encoded smaller by the worker (a guard

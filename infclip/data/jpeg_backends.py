@@ -128,7 +128,7 @@ def _nvimgcodec_backend(kind: str, device: torch.device, fallback: bool = True, 
     with _quiet_optional_codecs():
         # enable_roi_fancy_upsampling: the engines' decoder refuses regions with fancy
         # upsampling on nvJPEG < 13.2 (possible 1-pixel edge errors; parity is measured by
-        # scripts/bench_decode.py --roi 1); whole-image decodes are unaffected.
+        # scripts/bench/bench_decode.py --roi 1); whole-image decodes are unaffected.
         # force_batch_single: the engines' per-image pipeline (nvjpegDecodeJpegHost /
         # TransferToDevice / Device on a pool of worker streams) instead of one batched call,
         # which nvImageCodec picks by default for batches without mixed chroma subsampling.

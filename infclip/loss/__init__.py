@@ -151,7 +151,7 @@ def _tiled_loss(img: Tensor, txt: Tensor, scale: Tensor, ops, group, dup=None) -
     return loss if loss.dtype == torch.float64 else loss.float()
 
 
-# Other objectives on the same tiled engine (issue 9). Imported last: they use the helpers above.
+# Other objectives on the same tiled engine (SigLIP, NT-Xent). Imported last: they use the helpers above.
 from infclip.loss.siglip import siglip_loss  # noqa: E402
 from infclip.loss.nt_xent import nt_xent_loss  # noqa: E402
 from infclip.loss.build import build_loss  # noqa: E402

@@ -1,4 +1,4 @@
-"""Duplicate-aware negatives for the CLIP loss (issue 27, item 3).
+"""Duplicate-aware negatives for the CLIP loss: pairs of one group (the same caption or image) are not negatives.
 
 Every pair i carries a group id g_i (int64; equal ids: the same caption, or caption and
 image). With x_ij = s <I_i, T_j> over the global batch and G(i) = {j : g_j = g_i} (i is in

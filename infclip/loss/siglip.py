@@ -80,7 +80,7 @@ class TorchSigmoidOps(RowTiledOps):
             dscale += (dx * dot).sum()
             dbias += dx.sum()
             # One pass: s dX of the block feeds both products, accumulated in place (no (n, c)
-            # temporaries: dtxt is the fp32 accumulator of issue 27's rule), as ``TorchTileOps``.
+            # temporaries: dtxt is the fp32 accumulator the memory rule allows), as ``TorchTileOps``.
             dx.mul_(s)
             _addmm_into(dimg[lo:hi], dx, txt32)
             _addmm_into(dtxt, dx.T, img[lo:hi].to(acc))

@@ -12,7 +12,7 @@ Backward, given upstream gradients g_row (m,) and g_col (n,) of the two LSE vect
 
 Both passes visit the b x b matrix one (tile, n) row block at a time, so extra memory is
 O(tile * n) for the block plus O(m + n) vectors; the full matrix never exists. The backward
-is one pass (issue 27): each block's dX is formed once and feeds both products, dI[block]
+is one pass: each block's dX is formed once and feeds both products, dI[block]
 += s dX T and the fp32 accumulator dT += s dX^T I[block] (``addmm_``, in place), so the
 logits are recomputed once: 8 b^2 c FLOPs for forward + backward.
 """
@@ -169,7 +169,7 @@ class TorchTileOps(RowTiledOps):
                 fold_positives(dx, lo, hi, row_lse, col_lse, g_row, g_col, g_diag.to(acc))
             dscale += (dx * dot).sum()
             # One pass: s dX of the block feeds both products, accumulated in place (no (n, c)
-            # temporaries: dtxt is the fp32 accumulator of issue 27's rule).
+            # temporaries: dtxt is the fp32 accumulator the memory rule allows).
             dx.mul_(s)
             dimg[lo:hi].addmm_(dx, txt32)
             dtxt.addmm_(dx.T, img32)

@@ -28,7 +28,7 @@ Resume: a feed carries the data position *after its last loader batch*
 (``TrainData.state_dict()`` taken by the filler between two loader batches); the trainer
 checkpoints the position of the last step it trained on, never that of a prefetched one.
 
-Stalls (issue 28): with a :class:`StallWatch`, the consumer checks about once a second while
+Stalls: with a :class:`StallWatch`, the consumer checks about once a second while
 it waits for rows how long the filler has been waiting for its current loader batch: past
 ``warn_s`` one warning names the loader worker and the shard it reads, past ``abort_s``
 :class:`LoaderStalled` is raised; a stop signal while waiting raises :class:`StoppedWaiting`

@@ -9,7 +9,7 @@ all SMs but (at least) ``reserve`` of them; the trainer runs the towers, the los
 optimizer on it, while the decoders stay on ordinary streams, which may use every SM, the
 reserved ones included, so their kernels start at once.
 
-Measured on an H200 by ``scripts/check_sm_partition.py``: the same kernels in the same order
+Measured on an H200 (commit e819e19, with a probe since deleted): the same kernels in the same order
 on one stream; the loss at b = 8,192 bit-identical, at 32,768 equal up to summation order (its
 persistent grids are sized for the partition's SMs, :func:`infclip.kernels.launching.set_sm_budget`;
 cuBLAS and Inductor size theirs for the whole device); the towers 10 % slower on 128 of 132

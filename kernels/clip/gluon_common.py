@@ -105,7 +105,7 @@ def mma_turn(a_smem, b_smem, ready, empty, turn, acc, t, C: gl.constexpr, NK: gl
     (FlashAttention-3's order: the other consumer's wgmmas queue behind it). Sound for the
     shared FIFO: the other consumer's ``ready`` waits still follow every one of this
     consumer's (all issued before the hand-off). Measured (H200, forward alone, b = 65,536,
-    sixth session): the same times as the hand-off at retirement (within 2 %), and 2 or 3
+    commits 1853948 and 0e38f7b): the same times as the hand-off at retirement (within 2 %), and 2 or 3
     wgmma groups in flight before a slot goes back instead of 1 no faster either."""
     mbarrier.wait(turn.index(C), (gl.maximum(t - 1, 0) // 2) & 1, pred=t > 0)
     g = t * NK

@@ -61,7 +61,7 @@ Design (one program = BM rows x one column range, as the Triton kernel's (pid_m,
     the flag is off (s (1.016 - o_i) > 119 for some positive o_i of unit features: at s = 100
     a positive's cosine below about -0.17) the running max as before. H200, forward alone,
     b = 65,536: 1.13x / 1.12x / 1.16x at c = 512 / 768 / 1024 over the running max
-    (``scripts/check_gluon_fwd.py``, sixth session).
+    (``scripts/tools/check_gluon_fwd.py``, commit 1853948).
   * Partials: ``row_part[2 * pid_s + consumer, rows]`` (each consumer saw half the tiles:
     twice the Triton path's row splits) and ``col_part[pid_m, cols]``; the host merges them
     with ``torch.logsumexp`` exactly as ``lse_forward`` does, column chunks bounding
@@ -141,7 +141,7 @@ def default_config(k: int) -> GluonFwdConfig:
 def tune_candidates(k: int, esize: int = 2) -> list[GluonFwdConfig]:
     """The configs the forward's tuner times (``ops.TritonTileOps``), those that fit K.
 
-    H200, bf16, forward alone (``scripts/check_gluon_fwd.py``): BM 128 x BN 64 (10 stages at
+    H200, bf16, forward alone (``scripts/tools/check_gluon_fwd.py``): BM 128 x BN 64 (10 stages at
     K = 512) 1.24-1.28x the Triton forward at c = 512, b = 8k-64k; at K = 768 it keeps only
     2 stages (0.70x) and does not fit at K = 1024, where BM 64 x BN 128 is 1.03-1.12x."""
     cands = [GluonFwdConfig(BM=128, BN=64), GluonFwdConfig(BM=64, BN=128)]

@@ -148,7 +148,7 @@ def default_config(k: int) -> GluonStripConfig:
 def tune_candidates(k: int, esize: int = 2) -> list[GluonStripConfig]:
     """The configs a strip tuner would time beside ``launch.strip_candidates`` (those that fit):
     64 x 128 (the default) and 128 x 64 (fewer column-vector registers: 4 rows x 16 columns a
-    thread instead of 2 x 32). H200, ``scripts/check_gluon_strip.py`` (commit 4221a99): on
+    thread instead of 2 x 32). H200, ``scripts/tools/check_gluon_strip.py`` (commit 4221a99): on
     4,096-row strips 64 x 128 was the faster at c = 768 / 1024, 128 x 64 at c = 512, and
     the tuner picked each somewhere. The feature dim does not change the shared memory (the
     ring holds K chunks), only the chunks per tile."""

@@ -3,7 +3,7 @@
 At b <= 16k the Triton loss is one to four milliseconds of GPU work issued through ~45
 launches (five Triton kernels at ~80 us of host time each, cuBLAS products, LSE merges, the
 autograd node): on an H200 the host needs 2.6 ms to issue a forward + backward that the GPU
-runs in 1.2 ms (b = 8k, c = 512, ``scripts/profile_loss_host.py``), so the step took 2.4 ms,
+runs in 1.2 ms (b = 8k, c = 512, profiled at commit f150e58), so the step took 2.4 ms,
 as long as vanilla's. Replayed from graphs, a step costs what the GPU needs.
 
 A graph's kernels read fixed addresses, and copying the features into static buffers would
@@ -35,7 +35,7 @@ the strip scratch, the partial LSE buffers and the O(b) vectors share the 1 KB x
 ``launch.STRIP_MIN_ROWS`` rows would remain). The static gradients and every temporary above
 1 MB are carved from one block of the pool (``arena_bytes``), so what the pool keeps does not
 depend on the tiles the tuner picked. With ``backward="onepass"`` the pool also
-holds the fp32 dtxt accumulator (4 B x b x c), which issue 27's rule allows beside the
+holds the fp32 dtxt accumulator (4 B x b x c), which the memory rule allows beside the
 1 KB x b + 64 MB (the feature gradients' fp32 accumulators). One captured problem is kept at a time and an
 eager call drops it first, so no eager call runs beside a resident pool (except a backward
 whose gradients were still held, above); ``release()`` drops it. A capture that fails (e.g.

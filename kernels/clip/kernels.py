@@ -22,7 +22,7 @@ of R rows (bounded scratch); cuBLAS then forms dA[strip] = P @ B. No register ac
 over the feature dim, so it can use 128x256 tiles. Two-pass (``TritonTileOps(backward=
 "twopass")``, today's default): dB is the same with the roles swapped, so every logits tile
 is computed twice in the backward (10 b^2 c FLOPs for forward + backward). One-pass
-(``backward="onepass"``, ``launch.grad_onepass_strips``, issue 27): the same kernels fill P
+(``backward="onepass"``, ``launch.grad_onepass_strips``): the same kernels fill P
 once per strip and cuBLAS forms both dA[strip] = P @ B and an fp32 accumulator dB += P^T @
 A[strip] (8 b^2 c FLOPs); the kernels are unchanged, d scale is summed once from the fills.
 

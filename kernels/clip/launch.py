@@ -145,8 +145,8 @@ class StripConfig:
 # only) and O(b) vectors (~40 B x b). With the positives folded into the scratch (no
 # temporary) the scratch takes those 16 MB too: 64 MB + 768 B x b (2 strips instead of 3
 # at b = 8k, where the step is bound by the host's launches).
-# The one-pass backward (``grad_onepass_strips``, issue 27) keeps this scratch and adds one
-# fp32 (n, c) accumulator for dB, which issue 27's rule allows beside it (the feature
+# The one-pass backward (``grad_onepass_strips``) keeps this scratch and adds one
+# fp32 (n, c) accumulator for dB, which the memory rule allows beside it (the feature
 # gradients' fp32 accumulators, 4 c bytes per sample each). The second accumulator's room
 # (dA needs none: each strip's rows are written once) goes to the scratch when the call owns
 # it (fresh gradients, ``ops._grad_onepass``: ``spare``): taller strips, so the dB product
@@ -174,7 +174,7 @@ def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0, temp: 
 
 
 def onepass_spare_bytes(m: int, n: int, k: int, fresh: bool, in_place: bool = True) -> int:
-    """The room issue 27's rule gives the one-pass backward's second fp32 accumulator (4 k
+    """The room the memory rule gives the one-pass backward's second fp32 accumulator (4 k
     bytes per sample of the smaller side), which it never allocates: the strip scratch may
     take it when the call's gradients are fresh and it has no group ids (``fresh``: the
     one-GPU loss). A call that sums into given buffers (the ring's tiles, whose fp32 sums are
@@ -242,7 +242,7 @@ def _ds_slots(cfg, tiles: int, device: torch.device, use_tma: bool) -> int:
     """ds partial slots one strip of ``tiles`` tiles writes: one per program of the persistent
     kernels (Gluon: ``gluon_strip.ds_slots``; TMA: ``tma_programs``), one per tile for the
     pointer kernel. Not one per tile for all: at b = 1M, c = 1024, 64-row tiles that would be
-    512 MB of slots beside the scratch (issue 27's memory rule), where the fills write ~3 MB."""
+    512 MB of slots beside the scratch (the memory rule), where the fills write ~3 MB."""
     if isinstance(cfg, gluon_strip.GluonStripConfig):
         return gluon_strip.ds_slots(tiles, gluon_strip.strip_programs(tiles, sm_count(device)))
     if use_tma:
@@ -492,7 +492,7 @@ def _time(fn, reps: int = 3, rounds: int = 3) -> float:
     """ms per call: the fastest of ``rounds`` rounds of ``reps`` calls, after one warm-up call
     (compiles). The fastest round, not one round's mean: the tuner's candidates can lie within
     10 % of each other (the Gluon strip fill's two tiles at c = 512, b = 65,536 were picked
-    differently in two processes on two machines, sixth session, the step 42.3 vs 40.3 ms), and
+    differently in two processes on two machines at commit 1853948, the step 42.3 vs 40.3 ms), and
     the minimum of several rounds is the steadier estimate of which is faster."""
     fn()  # compile + warm up
     torch.cuda.synchronize()

@@ -29,7 +29,7 @@ PRECISIONS = {"ieee": "ieee", "tf32": "tf32", "tf32x3": "tf32x3"}
 BACKWARDS = ("auto", "onepass", "twopass")
 # backward="auto" takes the one-pass path where the two-pass one would take strips (fresh bf16
 # gradients on CUDA): H200, bf16, b = 16k-128k, c = 512-1024, forward + backward 1.14-1.33x
-# faster (docs/benchmarks.md, "One-pass backward"). Elsewhere (fp32/fp16, the CUDA-graph path
+# faster (commit de83b53; docs/changelog.md). Elsewhere (fp32/fp16, the CUDA-graph path
 # of small b, the interpreter) it stays two-pass: not measured faster there.
 AUTO_BACKWARD = "onepass"
 KERNEL_CHOICES = ("auto", "triton", "gluon")  # forward_kernel, strip_kernel
@@ -38,12 +38,12 @@ KERNEL_CHOICES = ("auto", "triton", "gluon")  # forward_kernel, strip_kernel
 # inputs on sm_90 without group ids, on the positives' square block pair, from this many rows
 # on: the smallest b measured in the loss step (b <= graphs.MAX_ROWS = 16k runs on CUDA graphs
 # with the Triton kernels; 16k-32k was not measured). H200, bf16, forward alone
-# (scripts/check_gluon_fwd.py): c = 512, b = 32k-64k 1.24-1.28x the Triton kernel (BM 128 x
+# (scripts/tools/check_gluon_fwd.py): c = 512, b = 32k-64k 1.24-1.28x the Triton kernel (BM 128 x
 # BN 64); c = 768 1.03-1.05x, c = 1024 1.11-1.12x (BM 64 x BN 128); the tuner keeps the faster.
 GLUON_MIN_ROWS = 32768
 # The Gluon strip fill (``gluon_strip``: the backward's P = s dX tiles, same ping-pong) joins
 # the tuner's candidates as the forward's does ("auto", the default; "gluon" puts it first,
-# "triton" leaves it out). Checked on an H200 (commit 4221a99, ``scripts/check_gluon_strip.py``):
+# "triton" leaves it out). Checked on an H200 (commit 4221a99, ``scripts/tools/check_gluon_strip.py``):
 # P within 1 bf16 ulp of the Triton fill, d scale within 1e-7; a 4,096-row strip at b = 32k-64k
 # 1.04-1.18x the Triton fill at c = 512-768, 0.97-1.04x at 1024, slower on 1,000-row strips
 # (the tuner keeps the faster per size class). CLIP loss step, bf16, b = 32k-64k: 1.04-1.12x.
@@ -51,8 +51,8 @@ STRIP_KERNEL_DEFAULT = "auto"
 # duplicates="mask" on one process (the batch sorted by group: int32 ids and a band w, the
 # kernels' BAND): the Gluon forward and strip fill take it (``gluon_common.band_args``) when
 # forced and, since both agreed with the Triton band kernels on an H200 and ran faster
-# (scripts/check_gluon_fwd.py --band: row / column LSE within 1.4e-6, 1.02-1.27x at b >= 32k;
-# scripts/check_gluon_strip.py --band: P within 1 bf16 ulp, d scale within 1e-7; commit
+# (scripts/tools/check_gluon_fwd.py --band: row / column LSE within 1.4e-6, 1.02-1.27x at b >= 32k;
+# scripts/tools/check_gluon_strip.py --band: P within 1 bf16 ulp, d scale within 1e-7; commit
 # 640e884), under "auto" too, where the tuner times them beside the Triton band kernels.
 # Ids without a band (the ring) keep the Triton kernels.
 GLUON_BAND_AUTO = True
@@ -112,7 +112,7 @@ class TritonTileOps:
             ``strips="never"``. "auto" (default): ``AUTO_BACKWARD`` ("onepass") where the
             two-pass path would take strips (fresh bf16 gradients on CUDA, without
             ``grad_filter`` or ``strips="never"``), else "twopass" (measured:
-            ``scripts/bench_loss_kernels.py --parts onepass``).
+            ``scripts/bench/bench_loss_kernels.py --parts onepass``).
         forward_kernel: "auto" (default; the environment's ``INFCLIP_FORWARD_KERNEL`` when
             set) lets the tuner time the Gluon forward (``gluon_fwd``) beside the Triton one
             for 16-bit inputs on sm_90 without group ids, from ``GLUON_MIN_ROWS`` rows, on
@@ -286,7 +286,7 @@ class TritonTileOps:
         one compare per tile entry). Such calls run eagerly, never from the graphs: the ids
         are a new tensor every step (a graph would need a static id buffer, a copy and a
         second captured variant per problem), and graphs serve only b <= ``graphs.MAX_ROWS``,
-        where the host bounds the step, below issue 27's b >= 32k. An eager call drops a
+        where the host bounds the step, below the b >= 32k the Gluon kernels serve. An eager call drops a
         resident graph pool first (the memory rule: no eager call beside one)."""
         from . import graphs
         from .function import TritonCLIPLoss

@@ -8,7 +8,7 @@ Scale and bias stay on the device (read by the kernels through pointers: no host
 
 Paths and block configs as ``infclip.kernels.objective.ObjectiveTiles`` (strip backward for
 16-bit CUDA inputs, the fused kernel otherwise; configs timed once). ``backward="onepass"``
-(issue 27): one strip fill of P = s dX per strip of image rows feeds both gradients, dimg[strip]
+one strip fill of P = s dX per strip of image rows feeds both gradients, dimg[strip]
 = P @ txt and dtxt (fp32) += P^T @ img[strip] (``launching.addmm_f32_``), as the CLIP tiles'
 ``launch.grad_onepass_strips``; ds and dt summed once.
 """
@@ -24,7 +24,7 @@ from .kernels import _sigmoid_fwd_kernel, _sigmoid_grad_kernel, _sigmoid_strip_k
 
 
 # What backward="auto" takes on the strip path (16-bit CUDA inputs): one-pass measured 1.19-1.34x
-# faster for forward + backward at b = 16k-64k, c = 512-1024 (H200, scripts/bench_objective_backward.py);
+# faster for forward + backward at b = 16k-64k, c = 512-1024 (H200, scripts/bench/bench_objective_backward.py);
 # elsewhere (the fused kernel) "auto" is two-pass.
 AUTO_BACKWARD = "onepass"
 

@@ -1,5 +1,5 @@
 """data/build_shards.py on hostile input folders: every file is written or counted by reason,
-nothing aborts the build (issue 28, defect 8), nothing hangs or reads without bound (defect 9)."""
+nothing aborts the build, nothing hangs or reads without bound."""
 
 import json
 import os

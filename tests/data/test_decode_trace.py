@@ -173,7 +173,7 @@ def test_the_busy_time_of_a_decode_across_stats_calls_is_split_between_them(monk
 
 
 def test_the_schedule_keeps_a_slow_decoder_busy_on_the_cpu(tmp_path):
-    """scripts/simulate_decode_schedule.py: with each decode 50 ms (decoding bounds the LiT
+    """scripts/tools/simulate_decode_schedule.py: with each decode 50 ms (decoding bounds the LiT
     step), the decode-ahead and prefetch threads keep the decoder busy through the traced step,
     the LiT ring included (the 512-px GPU step's 15 % idle is not the schedule's)."""
     import re
@@ -181,7 +181,7 @@ def test_the_schedule_keeps_a_slow_decoder_busy_on_the_cpu(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "simulate_decode_schedule.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "tools" / "simulate_decode_schedule.py"
     proc = subprocess.run([sys.executable, str(script), "--run-dir", str(tmp_path), "steps=3",
                            "logging.decode_trace_step=2", "memory.stream_rows=64"],
                           capture_output=True, text=True, timeout=300)

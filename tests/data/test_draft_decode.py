@@ -3,6 +3,8 @@ use as the full decode, small pixel differences, draft only where the crop allow
 and truncated images skipped without consuming random draws, deterministic."""
 
 import io
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,11 +13,13 @@ from torchvision.transforms import RandomResizedCrop
 
 from data_helpers import IdTokenizer, ids
 from infclip.data.config import DataConfig
-from infclip.data.photos import bundled_photos, make_sample
 from infclip.data.pipeline import build_train_data
 from infclip.data.transforms import (DraftRandomResizedCrop, ImageDecodeError, draft_factor,
                                      train_transform)
 from infclip.data.writer import ShardWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
+from photos import bundled_photos, make_sample  # noqa: E402  (the benchmarks' photo writer)
 
 
 def _encode(img, fmt="JPEG", **kw):

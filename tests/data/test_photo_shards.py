@@ -1,4 +1,4 @@
-"""Benchmark shards from real photographs (infclip/data/photos.py, data/write_photo_shards.py).
+"""Benchmark shards from real photographs (scripts/bench/photos.py, data/write_photo_shards.py).
 
 The photos come from scikit-learn (a test dependency); scikit-image's bundle is not needed.
 """
@@ -15,13 +15,12 @@ import torch
 from PIL import Image
 
 from infclip.data.config import DataConfig
-from infclip.data.photos import (PhotoShardOptions, bundled_photos, export_photos, folder_photos,
-                                 write_photo_shards)
 from infclip.data.pipeline import build_train_data
 from infclip.data.transforms import train_transform
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "data"))
-import write_photo_shards as cli  # noqa: E402
+import write_photo_shards as cli  # noqa: E402  (puts scripts/bench, the writer's folder, on sys.path)
+from photos import PhotoShardOptions, bundled_photos, export_photos, folder_photos, write_photo_shards  # noqa: E402
 
 SIDE = 64
 

@@ -1,5 +1,5 @@
 """The eval command on a run folder whose training prunes checkpoints while they are read
-(``checkpoint.keep_last=1``; issue 28, defect 7): the newest remaining intact checkpoint is
+(``checkpoint.keep_last=1``): the newest remaining intact checkpoint is
 read instead, said in one line, and results never land in the current directory."""
 
 import json

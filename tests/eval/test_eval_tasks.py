@@ -83,7 +83,7 @@ def _folder_task(root, **kw):
 
 
 def test_imagenet_names_on_a_small_folder_tree_are_refused(tmp_path):
-    """The issue's case: the imagenet preset on a 10-folder tree scored 1000 names (0.00 %)."""
+    """The case that was reported: the imagenet preset on a 10-folder tree scored 1000 names (0.00 %)."""
     _folders(tmp_path, [f"item {i}" for i in range(10)])
     with pytest.raises(DataError, match=r"1000 class names.*10 class folders.*classnames=null"):
         _evaluate(_folder_task(tmp_path, classnames="imagenet"))

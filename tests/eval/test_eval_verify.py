@@ -1,5 +1,5 @@
 """Every file the eval command, the export and resume load is verified against the
-checkpoint's manifest (issue 28, defect 1): a tampered open_clip_model.safetensors (its text
+checkpoint's manifest: a tampered open_clip_model.safetensors (its text
 projection zeroed, same size) is a damaged checkpoint: warned about, set aside, fallen back from."""
 
 import pytest
@@ -108,7 +108,7 @@ def test_a_model_with_zeroed_text_projection_never_scores_100_and_is_reported(sy
 
 
 def test_the_eval_command_reports_its_errors_in_one_paragraph_with_exit_2(tmp_path):
-    """Every EvalConfigError was a traceback: the command had no handler (issue 28, defect 10)."""
+    """An EvalConfigError is one paragraph, not a traceback (the command had no handler)."""
     import subprocess
     import sys
     from pathlib import Path

@@ -1,4 +1,4 @@
-"""Issue 27 item 4: bf16 at small b, every component (loss, d image, d text, d scale) within
+"""bf16 at small b, every component (loss, d image, d text, d scale) within
 2x vanilla bf16's error (plus a small floor), over many random draws.
 
 The path is the one CUDA takes at small b (the CUDA graphs replay it): the strip backward

@@ -240,7 +240,7 @@ def test_positive_pair_gradient_folded_into_dx(strips):
 
 @pytest.mark.parametrize("c", [512, 768, 1024])
 def test_strip_path_fits_the_memory_rule_at_every_b(c):
-    """Issue 15 item 2: the bf16 strip backward (the fast path) gets >= STRIP_MIN_ROWS rows
+    """The bf16 strip backward (the fast path) gets >= STRIP_MIN_ROWS rows
     at every b, and its scratch + fp32 fixup temporary + O(b) vectors stay within the
     loss's rule of 1 KB x b + 64 MB beyond the two feature gradients."""
     for b in (1024, 8192, 16384, 65536, 131072, 262144, 1 << 20, 4 << 20):
@@ -272,7 +272,7 @@ def _filter_case(b: int, c: int, eps: float):
 
 
 def test_triton_grad_filter_off_at_eps_zero_is_exact():
-    """Issue 15 item 5: eps = 0 keeps every tile; the gradients equal the unfiltered ones bit for bit."""
+    """Gradient filtering with eps = 0 keeps every tile; the gradients equal the unfiltered ones bit for bit."""
     (exact, got), ops, _ = _filter_case(96, 16, 0.0)
     assert all(torch.equal(a, b) for a, b in zip(exact, got))
     kept, total = int(ops.kept[0]), ops.kept[1]
@@ -305,7 +305,7 @@ def test_triton_grad_filter_skips_tiles_within_the_bound(monkeypatch):
 @pytest.mark.parametrize("ws", [False, True])
 @pytest.mark.parametrize("positives", ["fixup", "fold"])
 def test_strip_tma_kernel_matches_pointer_kernel(monkeypatch, ws, positives):
-    """The persistent TMA strip kernel (issue 15 item 3 variant; ragged 37-row strips, 3
+    """The persistent TMA strip kernel (ragged 37-row strips, 3
     programs striding over the tiles off CUDA) gives the pointer kernel's gradients and
     d scale, bf16, positives folded in; fp32 inputs are refused."""
     from infclip.kernels.clip.launch import StripConfig

@@ -1,4 +1,4 @@
-"""The one-pass backward of the Triton CLIP tiles (issue 27 item 1) against the two-pass
+"""The one-pass backward of the Triton CLIP tiles against the two-pass
 backward and float64 (interpreter on CPU, real kernels on GPU).
 
 ``TritonTileOps(backward="onepass")`` fills each strip's P = s dX once and forms both feature
@@ -128,8 +128,8 @@ def test_onepass_block_pair_without_positives_accumulates(strips16, m, n, c, dty
 @pytest.mark.parametrize("b,c,scale", [(130, 200, 30.0), (67, 40, 100.0)])
 def test_onepass_loss_bf16_no_worse_than_vanilla(monkeypatch, b, c, scale, seed):
     """The whole CLIP loss (``clip_loss_triton``) in bf16 with the one-pass backward: loss,
-    d image, d text and d scale no further from float64 than vanilla bf16's (issue 27 item 4's
-    bar is 2x; the kernels' tests hold 1.25x); 48-row strips."""
+    d image, d text and d scale no further from float64 than vanilla bf16's (the loss's bar
+    is 2x; the kernels' tests hold 1.25x); 48-row strips."""
     monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 48)
     img64, txt64 = _pair(b, c, seed=seed + 10 * b, peaked=scale >= 100)
     s64 = torch.tensor(scale, device=DEV, dtype=torch.float64)
@@ -201,10 +201,10 @@ def test_onepass_loss_through_function_and_ring(strips16):
         assert _rel(got, want) < 1e-5
 
 
-# -- memory: issue 27's rule --------------------------------------------------------------------
+# -- memory: the loss's extra-memory rule -----------------------------------------------------
 
 def rule_bytes(b: int, c: int, esize: int) -> int:
-    """Issue 27's extra-memory rule: the two feature gradients + fp32 accumulators of both
+    """The extra-memory rule: the two feature gradients + fp32 accumulators of both
     (4 c bytes per sample each) + 1 KB x b + 64 MB."""
     return 2 * b * c * esize + 2 * 4 * b * c + 1024 * b + (64 << 20)
 

@@ -5,7 +5,7 @@ arithmetic is right: ring depth within shared memory, column chunks as ``lse_for
 cuts them (col_part <= 32 MB, each chunk a multiple of BN but the last). On a CUDA machine
 (the H200) one test compares it with the Triton forward at small shapes, or checks that it
 refuses where it does not apply (not sm_90, no Gluon). The full grid and timings:
-``scripts/check_gluon_fwd.py``.
+``scripts/tools/check_gluon_fwd.py``.
 """
 
 import pytest

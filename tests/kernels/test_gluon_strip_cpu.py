@@ -8,7 +8,7 @@ turn-taking consumers) is checked on a model of its code: random interleavings o
 two consumers and out-of-order TMA completions never deadlock, never read a slot before its
 chunk landed and never overwrite one before it was released. On a CUDA machine one test
 compares it with the Triton fill at a small shape (or checks that it refuses where it does not
-apply). The full grid and timings: ``scripts/check_gluon_strip.py``.
+apply). The full grid and timings: ``scripts/tools/check_gluon_strip.py``.
 """
 
 import random
@@ -224,7 +224,7 @@ def test_gluon_matches_triton_on_the_gpu(diag):
 def test_strip_kernel_option(monkeypatch):
     from infclip.kernels.clip.ops import GLUON_MIN_ROWS, STRIP_KERNEL_DEFAULT, TritonTileOps
 
-    assert STRIP_KERNEL_DEFAULT == "auto"  # scripts/check_gluon_strip.py passed on an H200 (commit 4221a99)
+    assert STRIP_KERNEL_DEFAULT == "auto"  # scripts/tools/check_gluon_strip.py passed on an H200 (commit 4221a99)
     with pytest.raises(ValueError, match="strip_kernel"):
         TritonTileOps(strip_kernel="cutlass")
     monkeypatch.setenv("INFCLIP_STRIP_KERNEL", "triton")

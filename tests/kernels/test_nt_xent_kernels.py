@@ -201,7 +201,7 @@ def test_nt_xent_loss_own_pass_equals_torch_tiles_bf16():
         assert rel(x, w.double().cpu()) < 2**-7
 
 
-# -- one-pass block-pair backward (issue 27 item 1) ---------------------------------------------
+# -- one-pass block-pair backward ---------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("m,n,c,mask", [(37, 50, 33, False), (50, 37, 20, False), (37, 37, 16, True)])

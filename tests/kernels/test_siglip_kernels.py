@@ -120,7 +120,7 @@ def test_backend_options_are_checked_and_auto_uses_strips_only_for_16bit_cuda():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("m,n,c", [(37, 37, 16), (37, 50, 33), (1, 1, 16)])
 def test_onepass_backward_matches_twopass_and_float64(m, n, c, dtype, small_strips):
-    """Issue 27 item 1 for SigLIP: one strip fill per strip of rows feeds both gradients
+    """The one-pass backward for SigLIP: one strip fill per strip of rows feeds both gradients
     (dimg = P @ txt, fp32 dtxt += P^T @ img); ds and dt summed once; fresh and accumulated
     outputs; the two-pass strip backward beside it (16-row strips, poisoned buffers)."""
     a, b = feats(m, c, 11, dtype), feats(n, c, 12, dtype, near=None)

@@ -129,7 +129,7 @@ def test_sigterm_checkpoints_and_exits_0_without_requeue(tmp_path, data_root, re
 
 def test_ctrl_c_checkpoints_the_last_step_exits_0_and_resumes_exactly(tmp_path, data_root, reference):
     """SIGINT to the process group (a terminal's Ctrl-C) is a stop signal like SIGTERM: it
-    was a KeyboardInterrupt traceback, exit 130, no checkpoint (issue 28, defect 5)."""
+    was a KeyboardInterrupt traceback, exit 130, no checkpoint."""
     rc, out, last = _signal_mid_run(tmp_path, data_root, signal.SIGINT, child_env())
     assert rc == 0 and "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert "interrupted: stopping after this step with a checkpoint" in out

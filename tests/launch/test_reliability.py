@@ -1,4 +1,4 @@
-"""A run is never lost or poisoned (issue 17), on the real train.py: a damaged newest
+"""A run is never lost or poisoned, on the real train.py: a damaged newest
 checkpoint falls back to the previous intact one with identical losses after; a NaN put into
 the weights by an update is caught before any save and the printed resume command works; a
 resume with a new lr applies it; a refused resume leaves the run folder untouched; a second
@@ -198,7 +198,7 @@ def _freeze_loader(tmp_path, data_root, *overrides):
 
 
 def test_a_frozen_loader_worker_is_named_then_the_run_stops_with_a_checkpoint(tmp_path, data_root, reference):
-    """Issue 28, defect 4: it printed nothing for minutes. Now: a warning naming the worker and
+    """A stalled loader worker printed nothing for minutes. Now: a warning naming the worker and
     its shard after data.stall_warn_s, a checkpoint of the last completed step and one
     paragraph (exit 2) after data.stall_abort_s; resume=auto then matches the reference."""
     proc, run_dir, log = _freeze_loader(tmp_path, data_root, "data.stall_warn_s=1", "data.stall_abort_s=4")
@@ -273,8 +273,7 @@ def test_a_stall_warning_names_the_shard_file_or_the_pipe_command_a_worker_waits
 @pytest.mark.parametrize("bad", ["image_pretrained", "pretrained"])
 def test_weights_that_do_not_load_refuse_the_start_in_one_paragraph(tmp_path, data_root, bad):
     """model.image_pretrained whose keys match nothing trained a random tower with exit 0, and
-    a model.pretrained that is neither a tag nor a file ended in a traceback (issue 28, defects 3
-    and 10): now one paragraph, exit 2, no run folder."""
+    a model.pretrained that is neither a tag nor a file ended in a traceback: now one paragraph, exit 2, no run folder."""
     path = tmp_path / "unrelated.pt"
     torch.save({"encoder.weight": torch.ones(2, 2)}, path)
     override = f"model.image_pretrained={path}" if bad == "image_pretrained" else "model.pretrained=no-such-tag"
@@ -286,7 +285,7 @@ def test_weights_that_do_not_load_refuse_the_start_in_one_paragraph(tmp_path, da
 
 
 def test_a_run_dir_that_cannot_be_created_is_one_paragraph(tmp_path, data_root):
-    """A run name too long for the file system was a traceback (issue 28, defect 10)."""
+    """A run name too long for the file system is one paragraph, not a traceback."""
     from infclip.train.rundir import RunDirUnusable, acquire
 
     proc = run(train_cmd(data_root, tmp_path / ("x" * 300), *COMMON), cwd=tmp_path)

@@ -183,13 +183,13 @@ def test_only_some_inputs_require_grad(mode):
 
 
 def test_bench_duplicates_dry_run_prints_the_table(tmp_path):
-    """scripts/bench_loss.py --duplicates: its CPU-side handling (arguments, group ids, the
+    """scripts/bench/bench_loss.py --duplicates: its CPU-side handling (arguments, group ids, the
     three modes, the table and CSV) on the PyTorch tiles, tiny shapes."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_loss.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_loss.py"
     cmd = [sys.executable, str(script), "--duplicates", "--dry-run", "--dup-batches", "40", "--dup-dims", "8",
            "--dup-frac", "0.1", "--reps", "1", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

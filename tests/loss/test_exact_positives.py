@@ -1,4 +1,4 @@
-"""Issue 15, item 1: the positive pairs are exact (CLIP on one process and on a ring, all backends).
+"""The positive pairs are exact (CLIP on one process and on a ring, all backends).
 
 Every case draws fresh random inputs and compares the loss and all three gradients
 (d image, d text, d scale) with float64 open_clip. fp32: within 1e-5 relative; the peaked

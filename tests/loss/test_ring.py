@@ -75,7 +75,7 @@ def test_one_pass_tiles_sum_into_the_rings_fp32_buffers(monkeypatch, world):
 
 
 def rule_bytes(m: int, c: int, esize: int) -> int:
-    """Issue 27's extra-memory rule for m rows: the two feature gradients + fp32 accumulators of
+    """The extra-memory rule for m rows: the two feature gradients + fp32 accumulators of
     both (4 c bytes per sample each) + 1 KB x m + 64 MB."""
     return 2 * m * c * esize + 2 * 4 * m * c + 1024 * m + (64 << 20)
 

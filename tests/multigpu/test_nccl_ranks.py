@@ -1,6 +1,6 @@
 """Multi-GPU checks under NCCL, on every visible GPU (2 or more): the ring against the one-GPU
 loss, the DDP engine's steps against one process, and a killed rank's resume against
-uninterrupted runs. Run by ``scripts/gpu_tests.sh OUT --multi``."""
+uninterrupted runs. Run by ``scripts/gpu_tests/run.sh OUT --multi``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (scripts/gpu_tests.sh --multi)")
+pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs (scripts/gpu_tests/run.sh --multi)")
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 

@@ -275,7 +275,7 @@ def test_no_resumable_checkpoint_names_each_one_and_why(tmp_path):
 
 def test_an_unfinished_save_is_removed_at_the_next_start_with_one_line(tmp_path):
     """A .step_N.tmp left by an interrupted save (kill, second Ctrl-C) goes at the next
-    resume=auto start, named in one line; the complete checkpoints stay (issue 28, defect 5)."""
+    resume=auto start, named in one line; the complete checkpoints stay."""
     c = _saver(tmp_path, keep=3)
     _save(c, 1)
     tmp = tmp_path / "checkpoints" / ".step_00000002.tmp"
@@ -289,7 +289,7 @@ def test_an_unfinished_save_is_removed_at_the_next_start_with_one_line(tmp_path)
 
 def test_a_verified_checkpoint_that_does_not_load_is_not_said_to_lack_a_manifest(tmp_path):
     """Resume said "has no manifest to verify it by" when the manifest verified and the load
-    failed for another reason (issue 28, defect 11)."""
+    failed for another reason; now it names that reason."""
     from types import SimpleNamespace
 
     from infclip.train.resume import ResumeError, _load

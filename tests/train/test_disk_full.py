@@ -1,4 +1,4 @@
-"""A full disk while a checkpoint is written (issue 28, defect 6): one paragraph naming the
+"""A full disk while a checkpoint is written: one paragraph naming the
 disk and the room needed (DiskFull, exit 2 in train.py), the temporary folder removed, the
 previous checkpoints intact; a free-space check before a save; metrics.jsonl rewritten in
 place when the disk has no room for a copy."""

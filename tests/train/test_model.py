@@ -76,7 +76,7 @@ def test_image_pretrained_loads_the_tower_strictly_from_its_own_or_a_whole_clip_
     ("other-shapes", "have other shapes (e.g. "),
 ])
 def test_image_pretrained_that_does_not_fit_is_refused_in_one_paragraph(tmp_path, content, expect):
-    """Issue 28, defect 3: open_clip caught the error (or loaded nothing with strict=False) and
+    """A pretrained image tower whose keys match nothing: open_clip caught the error (or loaded nothing with strict=False) and
     a random image tower was trained with exit 0."""
     path = tmp_path / "tower.pt"
     if isinstance(content, bytes):

@@ -236,7 +236,7 @@ def test_host_budget_shrinks_prefetch_but_never_below_one_step(capsys):
         assert pipe.pools["images"].n == LOCAL // 4
     finally:
         pipe.close()
-    # raised to one step, and said so (issue 28, defect 11: it was raised silently)
+    # raised to one step, and said so (it used to be raised silently)
     assert "memory.host_buffer_gb=9.31e-10 is below one step's host buffers" in capsys.readouterr().out
 
 

@@ -3,7 +3,7 @@
 CPU: the SM arithmetic, the driver call sequence (against a stand-in for cuda-bindings'
 driver module), the fallbacks and what the startup line says, the loss's grid budget. CUDA: a
 step on the partitioned stream gives bit-identical results and leaves the caller's stream as
-it was (the speed: scripts/check_sm_partition.py and scripts/bench_decode.py)."""
+it was (the speed: scripts/bench/bench_decode.py)."""
 
 from __future__ import annotations
 

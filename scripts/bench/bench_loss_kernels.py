@@ -1,4 +1,4 @@
-"""Per-kernel timings of the Triton CLIP loss and the kernel variants of issue 15, one GPU run.
+"""Per-kernel timings of the Triton CLIP loss and its kernel variants, one GPU run.
 
 For each (c, b) of ``--shapes`` (bf16, L2-normalized random features, scale 1/0.07):
 
@@ -10,19 +10,19 @@ For each (c, b) of ``--shapes`` (bf16, L2-normalized random features, scale 1/0.
 3. ``variants``: the forward kernel alone (``lse_forward``) and one backward direction
    alone (``grad_rows_strips``) for each config of the sweep (tile shapes, stages, warps,
    ``ws`` = warp-specialized loops, ``tma`` = persistent TMA strip kernel), each checked
-   against the default config's output; strip heights R for the strip path (item 2).
+   against the default config's output; strip heights R for the strip path.
 4. ``sass``: for every compiled variant, registers, spills, wgmma in the PTX and HGMMA in
    the SASS (cuobjdump through triton's ``asm['sass']``).
-5. ``onepass`` (issue 27 item 1, opt in): the backward alone (``loss_backward`` on the
+5. ``onepass`` (opt in): the backward alone (``loss_backward`` on the
    forward's outputs) and the whole step (``clip_loss_triton``), with
    ``TritonTileOps(backward="twopass")`` and ``backward="onepass"``, ms and % of peak
    (8 b^2 c FLOPs for the step, 6 b^2 c for the backward), the one-pass gradients checked
    against the two-pass ones; a table at the end. ``--onepass-shapes`` (default c in
    {512, 768, 1024} x b in {16k, 32k, 64k, 128k}):
 
-    python3 -u scripts/bench_loss_kernels.py --parts onepass --reps 3 --out $OUT
+    python3 -u scripts/bench/bench_loss_kernels.py --parts onepass --reps 3 --out $OUT
 
-    python3 -u scripts/bench_loss_kernels.py --shapes 512x65536,1024x16384 --out $OUT
+    python3 -u scripts/bench/bench_loss_kernels.py --shapes 512x65536,1024x16384 --out $OUT
 
 Every number is measured in the run (median of ``--reps`` CUDA-event timings after a
 warm-up); a variant that does not compile or disagrees with the default is reported as such.
@@ -51,7 +51,7 @@ from infclip.kernels.clip.function import loss_backward, loss_forward  # noqa: E
 from infclip.kernels.clip.reference import row_dot  # noqa: E402
 from infclip.loss.reference import vanilla_loss  # noqa: E402
 
-from bench_loss import time_ms  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from bench_loss import time_ms  # noqa: E402  (this folder is on sys.path when run as a script)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"

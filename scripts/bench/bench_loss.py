@@ -14,9 +14,9 @@ held (so it includes the feature gradients), as in ../shared/ANCHORS.md.
 Useful work is counted as 8 b^2 c FLOPs (forward 2, backward 6); "% peak" divides the
 effective rate by this GPU's dense bf16 matmul rate, measured here on 8192^3 products.
 
-    python scripts/bench_loss.py --out bench_out        # CSV + PNG in bench_out/
+    python scripts/bench/bench_loss.py --out bench_out        # CSV + PNG in bench_out/
 
-Duplicate-aware negatives (issue 27 item 3; ``clip_loss(..., group_ids=, duplicates=)``):
+Duplicate-aware negatives (``clip_loss(..., group_ids=, duplicates=)``):
 ``--duplicates`` times duplicates off / mask / positive (Triton bf16, forward + backward) at
 ``--dup-batches`` x ``--dup-dims`` with ``--dup-frac`` of the samples duplicating another
 sample's group (~1 % duplicate pairs), and prints a table with the overhead over off
@@ -26,9 +26,9 @@ sample's group (~1 % duplicate pairs), and prints a table with the overhead over
 (``duplicates.sort_groups`` for mask, ``duplicates.prepare`` for positive), so the run shows
 where any overhead is; ``--dup-backward`` picks the Triton backward (default: ``AUTO_BACKWARD`` of ``kernels/clip/ops.py``).
 
-    python scripts/bench_loss.py --duplicates --out bench_out   # b 32k, 64k; c 512, 1024
-    python scripts/bench_loss.py --duplicates --breakdown --dup-backward onepass --out bench_out
-    python scripts/bench_loss.py --duplicates --dry-run --dup-batches 48 --dup-dims 16
+    python scripts/bench/bench_loss.py --duplicates --out bench_out   # b 32k, 64k; c 512, 1024
+    python scripts/bench/bench_loss.py --duplicates --breakdown --dup-backward onepass --out bench_out
+    python scripts/bench/bench_loss.py --duplicates --dry-run --dup-batches 48 --dup-dims 16
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ IMPLS = {
     "triton_fp32_tf32": (torch.float32, 65536, (512,)),
     "torch_bf16": (torch.bfloat16, 16384, (512,)),
 }
-# Other objectives (issue 9), opt in with --impls: SigLIP (ours vs open_clip's SigLipLoss,
+# Other objectives, opt in with --impls: SigLIP (ours vs open_clip's SigLipLoss,
 # bias -10) and NT-Xent on b rows (cat of the first b/2 image and text rows, T = 0.1; ours vs
 # the naive full matrix). Both do the same 8 b^2 c useful FLOPs as the CLIP loss.
 OBJECTIVE_IMPLS = {

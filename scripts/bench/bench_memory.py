@@ -8,8 +8,8 @@ autotuned), then time one full step = engine.step (cache pass, loss across ranks
 the step. Inputs are synthetic uint8 images / random tokens held in host memory (pinned),
 so data loading is not measured. One measured step per row (they take seconds to minutes).
 
-    python scripts/bench_memory.py --model ViT-B-16 --configs ours:off:32768,vanilla:off:32768
-    torchrun --nproc_per_node 4 scripts/bench_memory.py --configs ours:on:1048576
+    python scripts/bench/bench_memory.py --model ViT-B-16 --configs ours:off:32768,vanilla:off:32768
+    torchrun --nproc_per_node 4 scripts/bench/bench_memory.py --configs ours:on:1048576
 
 A config is LOSS:OFFLOAD:GLOBAL with LOSS in ours (tiled, impl auto: Triton on CUDA) |
 vanilla (full b x b logits per rank; on several ranks the all-gather baseline) | local
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from infclip.config import TrainConfig  # noqa: E402
 from infclip.loss import clip_loss  # noqa: E402

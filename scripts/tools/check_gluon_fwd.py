@@ -9,12 +9,12 @@ times both (CUDA events, median of 5 after warm-up) and prints ms, TFLOP/s (2 b^
 speed ratio. Every case runs in its own try/except: one call reports as much as it can.
 Then the compiled kernels' registers, spills, shared memory and wgmma counts.
 
-    python scripts/check_gluon_fwd.py            # the full grid (< 3 minutes on an H200)
-    python scripts/check_gluon_fwd.py --quick    # c = 512, b in {1000, 8192}
-    python scripts/check_gluon_fwd.py --band     # duplicates "mask": the BAND variants (below)
+    python scripts/tools/check_gluon_fwd.py            # the full grid (< 3 minutes on an H200)
+    python scripts/tools/check_gluon_fwd.py --quick    # c = 512, b in {1000, 8192}
+    python scripts/tools/check_gluon_fwd.py --band     # duplicates "mask": the BAND variants (below)
 
 --band: the same grid with group ids (duplicates "mask" on one process): ids as
-``scripts/bench_loss.py --duplicates`` draws them (1 % of the samples take another's id:
+``scripts/bench/bench_loss.py --duplicates`` draws them (1 % of the samples take another's id:
 groups of 2-3, small w), and the same plus one group of 300 (w = 299: the band spans several
 tiles), sorted by group (``infclip.loss.duplicates.sort_groups``: int32 ids and the band w).
 Compares the Gluon forward's BAND variant with the Triton forward's (HAS_GID + BAND) and, at
@@ -27,14 +27,17 @@ import argparse
 import math
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
 import triton
-from bench_loss import time_ms  # this folder's sibling script
-from infclip.kernels.clip import gluon_fwd
-from infclip.kernels.clip.ops import TritonTileOps
-from infclip.loss.function import positive_dots
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench_loss's timer
+from bench_loss import time_ms  # noqa: E402
+from infclip.kernels.clip import gluon_fwd  # noqa: E402
+from infclip.kernels.clip.ops import TritonTileOps  # noqa: E402
+from infclip.loss.function import positive_dots  # noqa: E402
 
 REPS = 5  # timed calls per case (median), after one warm-up
 FIXED_MODES = ("auto", "off")  # the fixed-reference epilogue where its flag holds, and the running max
@@ -186,8 +189,8 @@ def print_versions() -> None:
 
     if not torch.cuda.is_available():
         print("error: this check runs the Gluon kernels against the Triton ones on an sm_90 GPU (H100 / H200), "
-              "and no CUDA device is visible here. Run it on the GPU machine (scripts/gpu_gluon_checks.sh); "
-              "on a CPU machine scripts/compile_gluon_sm90.py compiles the kernels without running them.",
+              "and no CUDA device is visible here. Run it on a machine with a Hopper GPU; "
+              "on a CPU machine scripts/tools/compile_gluon_sm90.py compiles the kernels without running them.",
               file=sys.stderr)
         raise SystemExit(2)
 
@@ -216,11 +219,18 @@ def print_compiled(kernels: dict) -> None:
                 except Exception:  # noqa: BLE001
                     traceback.print_exc()
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="c = 512, b in {1000, 8192} only")
+
+def check_parser(doc: str, quick: str) -> argparse.ArgumentParser:
+    """The options both Gluon checks take (also check_gluon_strip.py): --quick, --no-time, --band."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=quick)
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--band", action="store_true", help="the BAND variants (duplicates 'mask', sorted ids)")
+    return ap
+
+
+def main() -> None:
+    ap = check_parser(__doc__, "c = 512, b in {1000, 8192} only")
     ap.add_argument("--scale", type=float, default=1 / 0.07, help="the logit scale s (default 1/0.07)")
     ap.add_argument("--flip", type=count, default=0, help="anti-align that many pairs (the fixed flag off at s = 100)")
     ap.add_argument("--sizes", type=parse_list, default=None, help="comma-separated b list (default by --quick)")

@@ -1,11 +1,11 @@
 """Overlay the per-step training loss of runs (their ``metrics.jsonl``) and tabulate them.
 
-Issue 15 item 6: the same training with ``loss.impl=vanilla`` and ``loss.impl=triton``
+The same training with ``loss.impl=vanilla`` and ``loss.impl=triton``
 (same seed, same data order) must give overlapping curves. Writes a PNG (the curves and
 their difference to the first run) and prints a Markdown table of the loss at a few
 steps, the max |difference| over all common steps and the mean over the last 50.
 
-    python scripts/plot_loss_curves.py runs/v/metrics.jsonl runs/t/metrics.jsonl \
+    python scripts/bench/plot_loss_curves.py runs/v/metrics.jsonl runs/t/metrics.jsonl \
         --labels vanilla,triton --out docs/loss_curves.png
 """
 

@@ -1,8 +1,8 @@
 """Data pipeline throughput: samples/s of decode + RandomResizedCrop + tokenize with N workers.
 
-    python scripts/bench_data.py --workers 0,1,2                 # this machine
-    python scripts/bench_data.py --workers 4,8,16 --images 8192  # a 16-core GPU host
-    python scripts/bench_data.py --workers 14 --side 128,256,512 --decode cpu,device --gpu-decode
+    python scripts/bench/bench_data.py --workers 0,1,2                 # this machine
+    python scripts/bench/bench_data.py --workers 4,8,16 --images 8192  # a 16-core GPU host
+    python scripts/bench/bench_data.py --workers 14 --side 128,256,512 --decode cpu,device --gpu-decode
 
 ``--decode device`` times the loader of ``data.decode=device`` (workers parse the JPEG header,
 draw the crop and pack the bytes; infclip/data/jpeg.py); ``--gpu-decode`` adds the trainer-side

@@ -1,13 +1,13 @@
 """End-to-end training throughput, side by side in one run: open_clip's own trainer (v3.3,
 eager and ``--torchcompile``) and ours (train.py, from shards decoded by the real pipeline).
 
-    python scripts/bench_trainer.py --out $OUT \\
+    python scripts/bench/bench_trainer.py --out $OUT \\
         --runs openclip:32768,openclip_compile:32768,ours:32768,ours_compile:32768,lit:65536
 
 A run is ``kind[@gpus]:global_batch[:steps[:override;override...]]``; ``@N`` runs it on N GPUs of
 this machine under torchrun (default 1), e.g. the scaling rows and open_clip beside ours on 2 GPUs:
 
-    python scripts/bench_trainer.py --shards '/tmp/photos256/{00000..00031}.tar' \
+    python scripts/bench/bench_trainer.py --shards '/tmp/photos256/{00000..00031}.tar' \
         --runs ours_compile:65536,ours_compile@2:65536,ours_compile@4:65536,openclip_compile@2:65536
 
 Hydra overrides of ours (e.g.
@@ -17,7 +17,7 @@ A run's model is ``model.name=`` / ``--model=`` there (default ViT-B/32; LiT: Vi
 its FLOPs per sample are counted with its patch dropout (``model.patch_dropout`` /
 ``--force-patch-dropout``: the kept patches only). The FLIP comparison (ViT-B/16, 32k):
 
-    python scripts/bench_trainer.py --runs 'openclip_compile:32768:3:--model=ViT-B-16,ours_compile:32768:3:model.name=ViT-B-16,openclip_compile:32768:3:--model=ViT-B-16;--force-patch-dropout=0.5,ours_compile:32768:3:model.name=ViT-B-16;model.patch_dropout=0.5'
+    python scripts/bench/bench_trainer.py --runs 'openclip_compile:32768:3:--model=ViT-B-16,ours_compile:32768:3:model.name=ViT-B-16,openclip_compile:32768:3:--model=ViT-B-16;--force-patch-dropout=0.5,ours_compile:32768:3:model.name=ViT-B-16;model.patch_dropout=0.5'
 
 Kinds:
 
@@ -31,7 +31,7 @@ Kinds:
   ``--torchcompile`` compiles the task's forward (``--torchcompile-strategy task``, its
   default: the ``step`` strategy refuses ``--accum-freq`` above 1, which a 65,536 batch needs);
 * ``ours`` / ``ours_compile``: ``train.py experiment=vit_b32_laion`` on ``--shards`` (JPEG
-  shards written by ``scripts/bench_data.py``'s writer if absent), gradient cache with
+  shards written by ``scripts/bench/bench_data.py``'s writer if absent), gradient cache with
   micro-batch MICRO, offload, bf16, Triton loss, the step pipeline; ``model.compile=true``;
 * ``lit`` / ``lit_compile``: ``experiment=lit_b16_cc12m`` (ViT-B/16, image tower locked,
   images streamed through the locked tower).
@@ -60,8 +60,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 
 OPENCLIP_LINE = re.compile(r"Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), ([\d.]+)/s")
 

@@ -7,11 +7,11 @@ for the GPU (target ``cuda:90``), compiles every shipped variant through the whe
 ``ptxas`` and prints, per variant: registers, spilled bytes, shared memory, wgmma in the PTX
 and HGMMA in the SASS (and setmaxnreg in the PTX), the BAND variants (group ids of a batch
 sorted by group) beside the plain ones. It runs nothing: correctness and speed need the GPU
-(``scripts/check_gluon_fwd.py``, ``scripts/check_gluon_strip.py``). What it catches first: API
+(``scripts/tools/check_gluon_fwd.py``, ``scripts/tools/check_gluon_strip.py``). What it catches first: API
 names a triton version lacks, layouts that do not lower, spills and shared memory over budget.
 
     pip install --no-deps --target /tmp/triton36 triton==3.6.0
-    python scripts/compile_gluon_sm90.py --triton /tmp/triton36
+    python scripts/tools/compile_gluon_sm90.py --triton /tmp/triton36
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_triton(site: str) -> None:

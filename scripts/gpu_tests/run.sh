@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The CUDA test tiers, on a GPU machine (CI's machines have no GPU, so nothing else runs these).
 #
-#   bash scripts/gpu_tests.sh OUT_DIR            # one GPU: the quick tier (pairwise cut), <= 8 min
-#   bash scripts/gpu_tests.sh OUT_DIR --full     # one GPU: every parametrized case (about an hour)
-#   bash scripts/gpu_tests.sh OUT_DIR --multi    # two or more GPUs: the NCCL tier, <= 8 min
-#   bash scripts/gpu_tests.sh - --paths [--multi] # print the test paths of a tier, run nothing
+#   bash scripts/gpu_tests/run.sh OUT_DIR            # one GPU: the quick tier (pairwise cut), <= 8 min
+#   bash scripts/gpu_tests/run.sh OUT_DIR --full     # one GPU: every parametrized case (about an hour)
+#   bash scripts/gpu_tests/run.sh OUT_DIR --multi    # two or more GPUs: the NCCL tier, <= 8 min
+#   bash scripts/gpu_tests/run.sh - --paths [--multi] # print the test paths of a tier, run nothing
 #
 # The quick tier keeps, of each parametrized test, the fewest cases in which every pair of
 # parameter values has run (``pytest --pairwise``, tests/tests_pairwise.py); unparametrized
@@ -12,8 +12,8 @@
 # and the wall time). Extra arguments after the mode go to pytest (e.g. -x, -k NAME).
 # Exit status: pytest's. INFCLIP_COMMIT names the commit in the summary where the checkout has no git history.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${1:?usage: bash scripts/gpu_tests.sh OUT_DIR [--full|--multi] [pytest args]}
+cd "$(dirname "$0")/../.."
+out=${1:?usage: bash scripts/gpu_tests/run.sh OUT_DIR [--full|--multi] [pytest args]}
 shift
 mode=quick list=0
 if [[ "${1:-}" == --paths ]]; then list=1; shift; fi

@@ -7,8 +7,8 @@ a full disk (a tmpfs; root only), undecodable eval images, ranks started with di
 configurations or never joining, malformed counting files, manifests, presets and output
 paths, SIGHUP and a closed stdout. Prints a table: case -> outcome.
 
-    python scripts/fault_injection.py                 # every case (~5-10 min on 2 CPU cores)
-    python scripts/fault_injection.py --cases kill9 corrupt --seed 3 --keep /tmp/fi
+    python scripts/tools/fault_injection.py                 # every case (~5-10 min on 2 CPU cores)
+    python scripts/tools/fault_injection.py --cases kill9 corrupt --seed 3 --keep /tmp/fi
 
 Each case runs ``train.py`` on a micro model and the bundled synthetic data and checks the
 outcome the trainer promises (docs/reliability.md): a resumed run's losses equal an
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 STEPS = 12

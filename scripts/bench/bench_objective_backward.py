@@ -13,8 +13,8 @@ ratio. ``AUTO_BACKWARD`` of ``kernels/siglip/ops.py`` and ``kernels/nt_xent/ops.
   this row times what the choice changes, a ring's off-diagonal block pair (b rows of view
   features against b rows of another rank's): ``forward`` + ``backward(..., mask_diag=False)``.
 
-    python3 -u scripts/bench_objective_backward.py --out $OUT
-    python3 -u scripts/bench_objective_backward.py --shapes 512x32768,1024x65536 --reps 5
+    python3 -u scripts/bench/bench_objective_backward.py --out $OUT
+    python3 -u scripts/bench/bench_objective_backward.py --shapes 512x32768,1024x65536 --reps 5
 
 Without CUDA it runs the same code on tiny shapes under TRITON_INTERPRET (a dry run of the
 script: wall-clock timings, not a benchmark).
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench_loss import times_ms  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from bench_loss import times_ms  # noqa: E402  (this folder is on sys.path when run as a script)
 
 CUDA = torch.cuda.is_available()
 if not CUDA:

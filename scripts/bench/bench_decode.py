@@ -1,6 +1,6 @@
 """Device JPEG decoders side by side: throughput, cost to the SMs, and pixel parity.
 
-    python scripts/bench_decode.py --shards '/data/photos256/{00000..00031}.tar' \
+    python scripts/bench/bench_decode.py --shards '/data/photos256/{00000..00031}.tar' \
         [--backends hardware,cuda,nvjpeg] [--micro 1024] [--image-size 224] [--threads 2 --roi 0,1]
 
 For each backend of ``data.device_decoder`` (infclip/data/jpeg_backends.py) it times

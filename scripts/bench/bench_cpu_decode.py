@@ -1,9 +1,9 @@
 """CPU loader throughput: full JPEG decode vs draft (DCT-scaled) decode, plus simplejpeg and
 PyTurboJPEG decoding at the same DCT scale, on photo shards written to a temporary folder.
 
-    python scripts/bench_cpu_decode.py --sides 128,256,512 --size 224 --num-samples 2000 --workers 16
+    python scripts/bench/bench_cpu_decode.py --sides 128,256,512 --size 224 --num-samples 2000 --workers 16
 
-For each stored shorter side: photo shards (infclip/data/photos.py), then for each decoder the
+For each stored shorter side: photo shards (photos.py in this folder), then for each decoder the
 loader alone (build_train_data: tar reading, shuffle, decode, crop, resize, uint8; a
 zero-cost tokenizer) at data.workers=0 (one core) and data.workers=N, in images/s after the
 first batch; and the transform alone on --compare images in memory (one core). Speedups
@@ -26,11 +26,11 @@ from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
 from infclip.data.config import DataConfig
-from infclip.data.photos import PhotoShardOptions, load_photos, shard_jpegs, write_photo_shards
 from infclip.data.pipeline import build_train_data
 from infclip.data.transforms import (DraftRandomResizedCrop, ImageDecodeError, crop_resize, draft_factor,
                                      train_transform)
 from infclip.data.writer import ShardStats
+from photos import PhotoShardOptions, load_photos, shard_jpegs, write_photo_shards  # this folder's writer
 
 
 class ZeroTokenizer:

@@ -1,7 +1,7 @@
 """SigLIP / NT-Xent / gradient filtering on one process (CPU or one GPU): time, memory, error.
 
-    python scripts/bench_objectives.py losses --device cpu --sizes 1024 4096 8192
-    python scripts/bench_objectives.py filter --device cpu --b 4096
+    python scripts/bench/bench_objectives.py losses --device cpu --sizes 1024 4096 8192
+    python scripts/bench/bench_objectives.py filter --device cpu --b 4096
 
 ``losses``: forward + backward of SigLIP (ours tiled vs open_clip ``SigLipLoss``, bias -10,
 s = 10) and NT-Xent (ours tiled on b rows vs the naive (b, b) matrix, T = 0.1), c = 512,

@@ -9,9 +9,9 @@ the threads (decode-ahead during the replay, the prefetch one micro-batch ahead,
 keep the decoder busy. What it leaves out: the GIL held by the towers' host work, the GPU, the
 engines.
 
-    python scripts/simulate_decode_schedule.py                      # LiT, no ring
-    python scripts/simulate_decode_schedule.py memory.stream_rows=64  # LiT with a 4-micro-batch ring
-    python scripts/simulate_decode_schedule.py --decode-s 0.02 model.lock_image=false
+    python scripts/tools/simulate_decode_schedule.py                      # LiT, no ring
+    python scripts/tools/simulate_decode_schedule.py memory.stream_rows=64  # LiT with a 4-micro-batch ring
+    python scripts/tools/simulate_decode_schedule.py --decode-s 0.02 model.lock_image=false
 
 Extra arguments are train.py overrides, after the defaults below.
 """
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = ["model.name=infclip-micro", "data.synthetic_train=1024", "data.synthetic_image_size=32",
             "data.workers=1", "data.loader_batch=16", "batch.global_size=256", "batch.micro_size=16", "steps=4",
             "data.decode=device", "model.lock_image=true", "memory.offload=true", "logging.decode_trace_step=3",

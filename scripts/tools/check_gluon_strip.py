@@ -15,9 +15,9 @@ median of 5 after warm-up; TFLOP/s = 2 R N c / time). Every case runs in its own
 one call reports as much as it can. Then the compiled kernels' registers, spills, shared
 memory and wgmma / HGMMA counts.
 
-    python scripts/check_gluon_strip.py            # the full grid (< 2 minutes on an H200)
-    python scripts/check_gluon_strip.py --quick    # c = 512, (R, N) in {(1000, 1000), (1000, 32768)}
-    python scripts/check_gluon_strip.py --band     # duplicates "mask": the BAND variants (below)
+    python scripts/tools/check_gluon_strip.py            # the full grid (< 2 minutes on an H200)
+    python scripts/tools/check_gluon_strip.py --quick    # c = 512, (R, N) in {(1000, 1000), (1000, 32768)}
+    python scripts/tools/check_gluon_strip.py --band     # duplicates "mask": the BAND variants (below)
 
 --band: the square (diagonal) cases with group ids, sorted by group as duplicates "mask" on one
 process sorts them (``check_gluon_fwd.band_ids``: 1 % duplicates as ``bench_loss.py
@@ -28,15 +28,14 @@ with the Triton TMA fill's (HAS_GID + BAND) as above and times both.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import traceback
 
 import torch
 
-from bench_loss import time_ms  # this folder's sibling scripts
-from check_gluon_fwd import band_ids, print_compiled, print_versions
+from check_gluon_fwd import band_ids, check_parser, print_compiled, print_versions  # puts scripts/bench on sys.path
+from bench_loss import time_ms  # noqa: I001  (scripts/bench, after the line above)
 from infclip.kernels.clip import gluon_strip, launch
 from infclip.kernels.clip.kernels import _dx_strip_tma_kernel
 from infclip.kernels.clip.ops import TritonTileOps
@@ -165,11 +164,8 @@ def run_case(c: int, r: int, n: int, diag: bool, cfgs: list, time_it: bool, big:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="c = 512, R = 1000, N in {1000, 32768}")
-    ap.add_argument("--no-time", action="store_true", help="correctness only")
+    ap = check_parser(__doc__, "c = 512, R = 1000, N in {1000, 32768}")
     ap.add_argument("--default-only", action="store_true", help="only the default Gluon config (64 x 128)")
-    ap.add_argument("--band", action="store_true", help="the BAND variants (duplicates 'mask', sorted ids)")
     args = ap.parse_args()
     print_versions()
     cs = [512] if args.quick else [512, 768, 1024]

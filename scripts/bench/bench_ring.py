@@ -1,8 +1,8 @@
 """Benchmark the CLIP loss across W GPUs: our ring vs open_clip local vs inf-cl 1.2.1.
 
-    torchrun --nproc_per_node 4 scripts/bench_ring.py --sizes 65536 262144 1048576
+    torchrun --nproc_per_node 4 scripts/bench/bench_ring.py --sizes 65536 262144 1048576
     # CPU dry run (gloo, TorchTileOps, no inf_cl):
-    torchrun --nproc_per_node 2 scripts/bench_ring.py --device cpu --dtype fp32 --sizes 512 2048
+    torchrun --nproc_per_node 2 scripts/bench/bench_ring.py --device cpu --dtype fp32 --sizes 512 2048
 
 Per global batch b (each rank holds b/W rows, c = 512, L2-normalized random features, the
 logit scale a learnable log-parameter as in open_clip), forward + backward of:
@@ -136,7 +136,7 @@ def method_fn(name: str, dev: torch.device):
     raise ValueError(f"unknown method {name!r}; choose from {METHODS + OBJECTIVE_METHODS}")
 
 
-# -- other objectives on the same ring (issue 9); opt in with --methods ... -----------------
+# -- other objectives on the same ring (SigLIP, NT-Xent); opt in with --methods ... -------
 # siglip_ring       ``siglip_loss(impl="auto", group=WORLD)``: texts travel, O(b/W) memory
 #                   (``*_triton``: the same ring with the fused Triton tiles)
 # siglip_open_clip  open_clip ``SigLipLoss(dist_impl="bidir")``: keeps every block's logits

@@ -167,6 +167,9 @@ class LoggingConfig:
     # device or auto on the GPU): when it worked and idled per phase, printed to the log and
     # written to <run_dir>/decode_trace/ (cheap: the step runs at full speed)
     decode_trace_step: int = 0
+    # a step running longer than this prints, every this many seconds, a line with its phase,
+    # micro-batches done and the time left at its rate so far (main rank; 0: never)
+    heartbeat_s: float = 60.0
 
 
 @dataclass

@@ -140,6 +140,7 @@ class StepEngine:
         self.stager = InputStager(self.device, settings.offload, host_fields=host, host_reader=normalizer)
         self.measure_timings = True  # synchronize CUDA at phase boundaries to time them
         self.next_feed: Optional[Callable[[], Any]] = None  # the pipeline's next feed (decode ahead)
+        self.on_micro: Optional[Callable[[str, int, int], None]] = None  # (phase, done, total) after each micro-batch
         self._ahead_queued = False  # this step's images were handed to the decode-ahead last step
         self.measure_memory = False  # CUDA: peak bytes per phase into last_phase_peaks (resets peak stats)
         self.last_phase_peaks: dict[str, int] = {}
@@ -205,7 +206,7 @@ class StepEngine:
         batches = self.stager.stream(inputs, self.s.micro, self._schedule())
         micros, rngs, img_c, txt_c, dropped, ids = [], [], [], [], [], []
         early, self._ahead_queued = self._ahead_early(), False
-        for _ in range(k_n):  # pass 1: cache embeddings + RNG states, no graph
+        for k in range(k_n):  # pass 1: cache embeddings + RNG states, no graph
             if early and not self._ahead_queued:
                 self._ahead_queued = self._decode_next_step_ahead()
             with torch.no_grad():
@@ -219,6 +220,7 @@ class StepEngine:
             micros.append(self._keep_for_replay(m))
             img_c.append(_cache(img, m.img_emb, self.s.cache_dtype))
             txt_c.append(_cache(txt, m.txt_emb, self.s.cache_dtype))
+            self._done_micro("cache pass", k, k_n)
         clock.lap("cache_pass")
         mark = getattr(self.normalizer, "mark_first_pass_end", None)  # a decoding normalizer's busy share
         if mark is not None:
@@ -234,11 +236,16 @@ class StepEngine:
         for k in range(k_n):  # pass 2: replay with grad, back-propagate the cached gradients
             self._replay(k, next(batches), micros[k], rngs[k], g_img, g_txt, g_extras)
             micros[k] = None  # release cached trunk features as we go
+            self._done_micro("replay", k, k_n)
         _drain(batches)
         clock.lap("replay")
         return loss, clock.laps
 
     # ------------------------------------------------------------------------- pieces
+    def _done_micro(self, phase: str, k: int, k_n: int) -> None:
+        if self.on_micro is not None:
+            self.on_micro(phase, k + 1, k_n)
+
     def _schedule(self) -> list:
         """Which inputs each stage needs: pass 1 all; pass 2 only the towers re-run from raw input."""
         again = [n for n, t in (("images", self.plan.image), ("tokens", self.plan.text)) if t.mode == "train"]

@@ -29,6 +29,7 @@ from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
 from infclip.train.guard import NonFiniteError
+from infclip.train.heartbeat import StepHeartbeat
 from infclip.train.resume import (last_finite_checkpoint, maybe_resume, refuse_other_data,
                                   refuse_other_world_early, resume_command)
 from infclip.train.profiling import mark_phase_end, profiled_step
@@ -115,10 +116,13 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
     parts.engine.next_feed = pipeline.peek  # a decoding normalizer starts on the next step during the replay
     parts.logger.set_start(state.step)
     _warn_unreached_diagnostics(cfg, info, parts, state)
+    beat = _heartbeat(cfg, info, parts)
     t_run = time.perf_counter()
     try:
         while state.step < cfg.steps:
             try:
+                if beat is not None:
+                    beat.begin(state.step + 1, cfg.steps)
                 with profiled_step(parts.run_dir, state.step + 1, info.rank, _profiled(cfg, state)) as profile, \
                         _decode_traced(cfg, info, parts, state):
                     metrics = train_step(cfg, info, parts, state, pipeline)
@@ -129,6 +133,8 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
                 _abandon_step(state)
                 state.stop_requested, state.stop_signal = True, state.signal_received
                 break
+            if beat is not None:
+                beat.end()
             state.step_rng = None  # the step completed: nothing to rewind from here on
             state.step += 1
             state.samples += cfg.batch.global_size
@@ -146,7 +152,20 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
                           "data.loader_batch") from None
     finally:  # stop the loader workers now, also when a step raised (they ignore SIGTERM)
         pipeline.close()
+        if beat is not None:
+            beat.close()
+            parts.engine.on_micro = None
     return _finish(cfg, info, parts, state, time.perf_counter() - t_run)
+
+
+def _heartbeat(cfg: Any, info: DistInfo, parts: Parts) -> Optional[StepHeartbeat]:
+    """The main rank's line every logging.heartbeat_s while a step runs longer (None: off)."""
+    every = float(getattr(cfg.logging, "heartbeat_s", 0) or 0)
+    if every <= 0 or not info.is_main:
+        return None
+    beat = StepHeartbeat(every, lambda line: print(line, flush=True))
+    parts.engine.on_micro = beat.micro
+    return beat.start()
 
 
 def _profiled(cfg: Any, state: State) -> bool:

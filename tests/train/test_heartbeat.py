@@ -1,0 +1,113 @@
+"""A long step's heartbeat (``logging.heartbeat_s``): when its line is due, what it says, the
+engine's micro-batch callback it reads, and the trainer printing it while a step runs long."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from infclip.train.heartbeat import StepHeartbeat, clock_text
+from engine_testutils import batch, config, engine_for, grads_of, tiny_clip
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_nothing_is_said_for_a_step_shorter_than_the_interval_then_one_line_per_interval():
+    clock = Clock()
+    hb = StepHeartbeat(60, say=print, clock=clock)
+    assert hb.beat() is None  # no step running
+    hb.begin(4, 10)
+    clock.t += 59.9
+    assert hb.beat() is None
+    clock.t += 0.2
+    assert hb.beat() == "step 4/10 running 1m00s: waiting for its first micro-batch"
+    assert hb.beat() is None  # said once for this interval
+    clock.t += 30
+    assert hb.beat() is None
+    hb.end()
+    clock.t += 600
+    assert hb.beat() is None  # the step ended: silent again
+
+
+def test_the_line_names_the_phase_and_the_time_left_at_the_rate_so_far():
+    clock = Clock()
+    hb = StepHeartbeat(60, say=print, clock=clock)
+    hb.begin(1, 3)
+    hb.micro("cache pass", 1024, 4096)  # a quarter of the cache pass in 60 s: 240 s for it ...
+    clock.t += 60
+    # ... and 3 x 240 s for the replay: 960 s in all, 900 s left
+    assert hb.beat() == "step 1/3 running 1m00s: cache pass 1,024 of 4,096 micro-batches; about 15m00s left"
+    hb.micro("replay", 2048, 4096)  # work done: 4096 + 3 * 2048 of 4 * 4096 cache-pass units
+    clock.t += 60
+    line = hb.beat()
+    assert line.startswith("step 1/3 running 2m00s: replay 2,048 of 4,096 micro-batches; about ")
+    assert line.endswith(f"{clock_text(120 * (4 * 4096 - 10240) / 10240)} left")
+
+
+def test_clock_text():
+    assert [clock_text(s) for s in (0, 42.9, 60, 125, 3599, 3600, 3780)] == [
+        "0s", "42s", "1m00s", "2m05s", "59m59s", "1h00m", "1h03m"]
+
+
+def test_a_heartbeat_needs_a_positive_interval():
+    with pytest.raises(ValueError, match="heartbeat_s"):
+        StepHeartbeat(0, say=print)
+
+
+def test_the_engine_reports_each_micro_batch_of_both_passes_and_computes_the_same_gradients():
+    model = tiny_clip(dropout=0.0, patch_dropout=0.0).train()
+    ref = copy.deepcopy(model)
+    images, tokens = batch(8)
+    seen = []
+    engine = engine_for(config(8, 2), model)
+    engine.on_micro = lambda phase, done, total: seen.append((phase, done, total))
+    engine.step(images, tokens)
+    assert seen == [("cache pass", k, 4) for k in (1, 2, 3, 4)] + [("replay", k, 4) for k in (1, 2, 3, 4)]
+    engine_for(config(8, 2), ref).step(images, tokens)
+    for name, g in grads_of(ref).items():
+        assert (grads_of(model)[name] == g).all(), name
+
+
+def test_the_thread_says_the_due_line_while_a_step_runs_and_stops_on_close():
+    import threading
+
+    said, got = [], threading.Event()
+    hb = StepHeartbeat(0.05, say=lambda line: (said.append(line), got.set()))
+    hb.start()
+    try:
+        hb.begin(2, 5)
+        hb.micro("replay", 1, 8)
+        assert got.wait(timeout=30), "no heartbeat line while the step ran"
+    finally:
+        hb.end()
+        hb.close()
+    assert said[0].startswith("step 2/5 running 0s: replay 1 of 8 micro-batches; about ")
+    assert not hb._thread.is_alive()
+
+
+def test_the_trainer_wires_the_heartbeat_on_the_main_rank_only_and_off_at_zero():
+    from types import SimpleNamespace
+
+    from infclip.config import TrainConfig
+    from infclip.train.loop import _heartbeat
+
+    cfg = TrainConfig()
+    assert cfg.logging.heartbeat_s == 60.0  # on by default
+    engine = SimpleNamespace(on_micro=None)
+    parts = SimpleNamespace(engine=engine)
+    assert _heartbeat(cfg, SimpleNamespace(is_main=False), parts) is None and engine.on_micro is None
+    cfg.logging.heartbeat_s = 0
+    assert _heartbeat(cfg, SimpleNamespace(is_main=True), parts) is None and engine.on_micro is None
+    cfg.logging.heartbeat_s = 30
+    hb = _heartbeat(cfg, SimpleNamespace(is_main=True), parts)
+    try:
+        assert engine.on_micro == hb.micro and hb.every_s == 30
+    finally:
+        hb.close()

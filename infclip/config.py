@@ -37,6 +37,10 @@ class ModelConfig:
     # a ViT's patchify convolution as one GEMM on the GPU in bf16/fp16 (cuDNN's bf16 kernel for it runs at
     # ~30 TFLOP/s on Hopper; infclip/patch_embed.py). Same weights and state-dict keys.
     patch_embed_matmul: bool = True
+    # the towers' self-attention in training through F.scaled_dot_product_attention on (N, H, L, d), the text
+    # tower's causal mask as is_causal=True (no mask tensor: flash / cuDNN attention eligible; infclip/attention.py).
+    # Same weights and state-dict keys; outputs equal nn.MultiheadAttention's up to summation order
+    sdpa_attention: bool = True
     compile: bool = False  # torch.compile the towers in place (state-dict keys unchanged), as open_clip's --torchcompile
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
     init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)

@@ -111,6 +111,10 @@ class PrecisionConfig:
     # still computed in fp32 from the bf16 embeddings)
     amp: str = "fp32"
     tf32: bool = False  # allow TF32 matmuls in the towers (CUDA)
+    # "off" | "tensorwise" | "rowwise": the trained linear layers of the towers' transformer blocks (MLP, attention
+    # in/out projections) run torchao's float8 training with that scaling recipe (CUDA, compute capability >= 8.9);
+    # embeddings, norms, final projections, logit scale and loss stay bf16/fp32 (infclip/fp8.py). Off: no change
+    fp8: str = "off"
 
 
 @dataclass
@@ -235,6 +239,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "loss.duplicate_key": ("caption", "caption+image"),
     "schedule.kind": ("cosine", "constant", "const-cooldown"),
     "precision.amp": ("fp32", "bf16", "fp16", "pure_bf16"),
+    "precision.fp8": ("off", "tensorwise", "rowwise"),
     "memory.grad_cache": ("auto", "on", "off"),
     "memory.cache_dtype": ("fp32", "bf16"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
@@ -304,6 +309,7 @@ def validate(cfg: Any, world_size: int) -> None:
     _validate_schedule(cfg.schedule, cfg.steps)
     _validate_loss(cfg)
     _validate_model(cfg)
+    _validate_fp8(cfg)
     streams = cfg.data.streams
     if isinstance(streams, int) and streams >= 1 and streams % world_size:
         raise ConfigError(f"data.streams={streams} is not a multiple of the world size {world_size}: each rank reads "
@@ -563,6 +569,28 @@ def _validate_loss(cfg: Any) -> None:
     no_cuda = cfg.device == "cpu" or (cfg.device == "auto" and not _cuda_available())
     if loss.impl == "triton" and no_cuda and not os.environ.get("TRITON_INTERPRET"):
         raise ConfigError("loss.impl=triton needs CUDA; use loss.impl=auto (Triton on CUDA, PyTorch tiles elsewhere)")
+
+
+def _validate_fp8(cfg: Any) -> None:
+    """precision.fp8 on: a CUDA device of compute capability >= 8.9 (this process's), torchao's
+    float8 module importable, no fp16 autocast (its GradScaler and FP8's own scaling); checked
+    before any model is built."""
+    if cfg.precision.fp8 == "off":
+        return
+    if cfg.precision.amp == "fp16":
+        raise ConfigError(f"precision.fp8={cfg.precision.fp8} with precision.amp=fp16: FP8 layers scale their own "
+                          "casts and write the autocast precision; use precision.amp=bf16 (or pure_bf16), or "
+                          "precision.fp8=off")
+    import torch
+
+    from infclip.fp8 import check_fp8
+
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and _cuda_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda and _cuda_available() else \
+        torch.device("cuda" if cuda else "cpu")
+    problem = check_fp8(cfg.precision.fp8, device)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _cuda_available() -> bool:

@@ -1,6 +1,6 @@
 """Where the towers' time goes under the gradient cache, per model and per ``precision.fp8`` recipe.
 
-The command (one H100, about 200 s with the defaults; eager towers)::
+The command (one H100; the defaults stop starting variants after 170 s; eager towers)::
 
     python scripts/bench_towers.py --out bench_towers
 
@@ -10,7 +10,8 @@ eager FP8 runs torchao's casts as separate kernels, so FP8's speed is the compil
     python scripts/bench_towers.py --compile --models ViT-L-14 --out bench_towers_compile
 
 For each model (ViT-B/32, ViT-B/16, ViT-L/14 by default) and each ``--fp8`` variant (off,
-tensorwise, rowwise), on synthetic inputs (random uint8 images, random tokens, on the GPU: no
+tensorwise, rowwise; plus fp8 off with open_clip's ``nn.MultiheadAttention``, the A/B of
+``model.sdpa_attention``), on synthetic inputs (random uint8 images, random tokens, on the GPU: no
 data loading, no download), the trainer's own step engine (``infclip.train.engine``: gradient
 cache with ``--micro-batches`` micro-batches of ``--micro`` samples, bf16 autocast, the
 trainer's loss) runs ``--warmup`` steps and then ``--steps`` timed steps. Per variant:
@@ -34,7 +35,9 @@ trainer's loss) runs ``--warmup`` steps and then ``--steps`` timed steps. Per va
 
 A variant that fails (out of memory, torchao missing, a compile error) prints its error in
 the table and the run goes on; a variant that would start after ``--budget-s`` is skipped
-and says so. Prints a markdown table and writes ``towers.json`` and ``towers.md`` into ``--out``.
+and says so (``--budget-s``, 170 s by default, leaves room for the variant in flight). Prints
+the markdown tables and writes ``towers.json`` and ``towers.md`` into ``--out`` after every row,
+so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -67,11 +70,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"samples per micro-batch (default per model: {MICRO}; others 256)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (gradient cache: >= 2)")
     p.add_argument("--fp8", default="off,tensorwise,rowwise", help="comma-separated precision.fp8 variants")
+    p.add_argument("--attention", default="sdpa,native",
+                   help="sdpa: model.sdpa_attention=true in every --fp8 variant; native: one more fp8=off row with "
+                        "open_clip's nn.MultiheadAttention (model.sdpa_attention=false), the A/B of the attention path")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile happens here)")
     p.add_argument("--compile", action="store_true", help="model.compile=true (torch.compile of each tower)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no kernel-class split)")
-    p.add_argument("--budget-s", type=float, default=200.0, help="no variant starts after this many seconds")
+    p.add_argument("--budget-s", type=float, default=170.0, help="no variant starts after this many seconds")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak (H100/H200 measured: 790)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--amp", default="bf16", choices=["bf16", "fp32"], help="precision.amp of the towers")
@@ -82,12 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- one variant
 
 
-def train_config(model: str, micro: int, k: int, fp8: str, compile_: bool, amp: str, device: str) -> Any:
+def train_config(model: str, micro: int, k: int, fp8: str, compile_: bool, amp: str, device: str,
+                 sdpa: bool = True) -> Any:
     """The TrainConfig of the trainer for one variant (gradient cache on, no offload)."""
     from infclip.config import TrainConfig
 
     cfg = TrainConfig()
-    cfg.model.name, cfg.model.compile = model, compile_
+    cfg.model.name, cfg.model.compile, cfg.model.sdpa_attention = model, compile_, sdpa
     cfg.batch.global_size, cfg.batch.micro_size = micro * k, micro
     cfg.memory.grad_cache, cfg.memory.offload = "on", False
     cfg.precision.amp, cfg.precision.fp8 = amp, fp8
@@ -260,14 +267,27 @@ def profile_classes(engine: Any, built: Any, images, tokens, out: Path, tag: str
     return phase_classes(events)
 
 
-def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: dict) -> dict:
-    """Build, warm up, time, profile one (model, fp8) variant; returns its row."""
+def variants(a: argparse.Namespace) -> list[tuple[str, bool]]:
+    """(precision.fp8, model.sdpa_attention) of each row per model, in order."""
+    kinds = a.attention.split(",")
+    rows = [(fp8, True) for fp8 in a.fp8.split(",")] if "sdpa" in kinds else []
+    return rows + ([("off", False)] if "native" in kinds else [])
+
+
+def label(row: dict) -> str:
+    """The variant column: the fp8 recipe, and the attention path where it is open_clip's own."""
+    return row["fp8"] + ("" if row.get("sdpa_attention", True) else ", nn.MHA attention")
+
+
+def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: dict, sdpa: bool = True) -> dict:
+    """Build, warm up, time, profile one (model, fp8, attention path) variant; returns its row."""
     from infclip.attention import sdpa_backends
 
     device = torch.device(a.device)
     micro = a.micro or MICRO.get(model, 256)
-    cfg = train_config(model, micro, a.micro_batches, fp8, a.compile, a.amp, a.device)
-    row: dict = {"model": model, "fp8": fp8, "micro": micro, "global": micro * a.micro_batches, "compile": a.compile}
+    cfg = train_config(model, micro, a.micro_batches, fp8, a.compile, a.amp, a.device, sdpa)
+    row: dict = {"model": model, "fp8": fp8, "sdpa_attention": sdpa, "micro": micro, "global": micro * a.micro_batches,
+                 "compile": a.compile}
     amp = torch.bfloat16 if a.amp == "bf16" else None
 
     def small(built: Any) -> tuple:
@@ -302,7 +322,7 @@ def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: d
     if device.type == "cuda":
         row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if not a.no_profile:
-        row["profile"] = profile_classes(engine, built, images, tokens, out, f"{model}_fp8-{fp8}")
+        row["profile"] = profile_classes(engine, built, images, tokens, out, f"{model}_fp8-{fp8}" + ("" if sdpa else "_mha"))
     del engine, built, images, tokens
     return row
 
@@ -317,34 +337,42 @@ def _ms(x: Optional[float]) -> str:
 def table(rows: list[dict]) -> str:
     """The markdown tables: times, throughput and MFU per variant; the kernel classes per phase;
     the SDPA backends."""
-    lines = ["| model | fp8 | micro x K | cache ms | loss ms | replay fwd ms | replay bwd ms | step ms | samples/s "
+    lines = ["| model | variant | micro x K | cache ms | loss ms | replay fwd ms | replay bwd ms | step ms | samples/s "
              "| MFU % | towers MFU % | peak GB | note |", "|" + "---|" * 13]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['fp8']} | | | | | | | | | | | {r['error'][:160]} |")
+            lines.append(f"| {r['model']} | {label(r)} | | | | | | | | | | | {r['error'][:160]} |")
             continue
         lines.append(
-            f"| {r['model']} | {r['fp8']} | {r['micro']} x {r['global'] // r['micro']} | {_ms(r['cache_pass_s'])} | "
+            f"| {r['model']} | {label(r)} | {r['micro']} x {r['global'] // r['micro']} | {_ms(r['cache_pass_s'])} | "
             f"{_ms(r['loss_s'])} | {_ms(r['replay_fwd_s'])} | {_ms(r['replay_bwd_s'])} | {_ms(r['step_s'])} | "
             f"{r['samples_per_s']:,.0f} | {r.get('mfu_pct', float('nan')):.1f} | "
             f"{r.get('towers_mfu_pct', float('nan')):.1f} | {r.get('peak_gb', 0):.1f} | "
             f"{'compiled' if r['compile'] else 'eager'} |")
     prof = [r for r in rows if r.get("profile")]
     if prof:
-        lines += ["", "| model | fp8 | phase | wall ms | GEMM ms | attention ms | norm+elementwise ms | other ms "
+        lines += ["", "| model | variant | phase | wall ms | GEMM ms | attention ms | norm+elementwise ms | other ms "
                   "| launch gaps ms | GEMM % of wall |", "|" + "---|" * 10]
         for r in prof:
             for phase, p in r["profile"].items():
-                lines.append(f"| {r['model']} | {r['fp8']} | {phase} | {_ms(p['wall'])} | {_ms(p['gemm'])} | "
+                lines.append(f"| {r['model']} | {label(r)} | {phase} | {_ms(p['wall'])} | {_ms(p['gemm'])} | "
                              f"{_ms(p['attention'])} | {_ms(p['norm_elementwise'])} | {_ms(p['other'])} | "
                              f"{_ms(p['gaps'])} | {100 * p['gemm'] / max(p['wall'], 1e-12):.0f} |")
     sdpa = [r for r in rows if r.get("sdpa")]
     if sdpa:
-        lines += ["", "| model | fp8 | tower | cache pass | replay fwd | replay bwd |", "|" + "---|" * 6]
+        lines += ["", "| model | variant | tower | cache pass | replay fwd | replay bwd |", "|" + "---|" * 6]
         for r in sdpa:
             for tower, p in r["sdpa"].items():
-                lines.append(f"| {r['model']} | {r['fp8']} | {tower} | {p['cache']} | {p['replay']} | {p['backward']} |")
+                lines.append(f"| {r['model']} | {label(r)} | {tower} | {p['cache']} | {p['replay']} | {p['backward']} |")
     return "\n".join(lines) + "\n"
+
+
+def save(out: Path, a: argparse.Namespace, flops: dict, rows: list[dict]) -> str:
+    """Write towers.md (the tables) and towers.json (args, FLOP counts, rows); returns the tables."""
+    text = table(rows)
+    (out / "towers.md").write_text(text)
+    (out / "towers.json").write_text(json.dumps({"args": vars(a), "flops_gflop_fwd": flops, "rows": rows}, indent=1))
+    return text
 
 
 def main(argv=None) -> list[dict]:
@@ -357,27 +385,28 @@ def main(argv=None) -> list[dict]:
     if a.device == "cuda":
         print(f"device: {torch.cuda.get_device_name()} (torch {torch.__version__})", flush=True)
     for model in a.models.split(","):
-        for fp8 in a.fp8.split(","):
+        for fp8, sdpa in variants(a):
+            head = {"model": model, "fp8": fp8, "sdpa_attention": sdpa}
             if time.perf_counter() - t0 > a.budget_s:
-                rows.append({"model": model, "fp8": fp8, "error": f"skipped: --budget-s {a.budget_s:g} s spent"})
+                rows.append({**head, "error": f"skipped: --budget-s {a.budget_s:g} s spent"})
                 continue
             try:
-                row = run_variant(a, model, fp8, out, flops)
+                row = run_variant(a, model, fp8, out, flops, sdpa)
             except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table
                 traceback.print_exc()
-                row = {"model": model, "fp8": fp8, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+                text = str(e).strip()
+                row = {**head, "error": f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"}
             row["elapsed_s"] = time.perf_counter() - t0
             rows.append(row)
+            save(out, a, flops, rows)  # after every row: a run cut short keeps what it measured
             print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
             gc.collect()
             if a.device == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             torch._dynamo.reset()
-    text = table(rows)
+    text = save(out, a, flops, rows)
     print(text, flush=True)
-    (out / "towers.md").write_text(text)
-    (out / "towers.json").write_text(json.dumps({"args": vars(a), "flops_gflop_fwd": flops, "rows": rows}, indent=1))
     print(f"done in {time.perf_counter() - t0:.0f} s; {out / 'towers.json'}", flush=True)
     return rows
 

@@ -17,7 +17,8 @@ def test_smoke_run_on_a_tiny_model_writes_rows_and_goes_on_after_a_failing_varia
     rows = bench_towers.main(["--models", "infclip-micro", "--micro", "4", "--fp8", "tensorwise,off",
                               "--steps", "1", "--warmup", "1", "--amp", "fp32", "--device", "cpu",
                               "--out", str(tmp_path)])
-    failed, ok = rows
+    failed, ok, native = rows
+    assert native["fp8"] == "off" and native["sdpa_attention"] is False and native["step_s"] > 0
     assert failed["fp8"] == "tensorwise" and "precision.fp8=tensorwise" in failed["error"]  # refused on the CPU
     assert ok["fp8"] == "off" and "error" not in ok
     assert ok["micro"] == 4 and ok["global"] == 8
@@ -28,16 +29,18 @@ def test_smoke_run_on_a_tiny_model_writes_rows_and_goes_on_after_a_failing_varia
     assert set(ok["profile"]) >= {"cache_pass", "loss", "replay"}
     assert (tmp_path / "infclip-micro_fp8-off" / "profile" / "step_1_rank_0.md").is_file()  # the trainer's summary
     saved = json.loads((tmp_path / "towers.json").read_text())
-    assert [r["fp8"] for r in saved["rows"]] == ["tensorwise", "off"]
+    assert [r["fp8"] for r in saved["rows"]] == ["tensorwise", "off", "off"]
     table = (tmp_path / "towers.md").read_text()
     assert "| infclip-micro | off | 4 x 2 |" in table and "ConfigError" in table
+    assert "| infclip-micro | off, nn.MHA attention | 4 x 2 |" in table
     assert table in capsys.readouterr().out
 
 
 def test_a_variant_past_the_budget_is_skipped_and_says_so(tmp_path):
     rows = bench_towers.main(["--models", "infclip-micro", "--fp8", "off", "--budget-s", "-1", "--device", "cpu",
                               "--out", str(tmp_path)])
-    assert rows[0]["error"].startswith("skipped: --budget-s")
+    assert len(rows) == 2 and all(r["error"].startswith("skipped: --budget-s") for r in rows)
+    assert json.loads((tmp_path / "towers.json").read_text())["rows"] == rows
 
 
 @pytest.mark.parametrize("name, want", [

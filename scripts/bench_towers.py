@@ -97,7 +97,8 @@ def train_config(model: str, micro: int, k: int, fp8: str, compile_: bool, amp: 
     cfg.model.name, cfg.model.compile, cfg.model.sdpa_attention = model, compile_, sdpa
     cfg.batch.global_size, cfg.batch.micro_size = micro * k, micro
     cfg.memory.grad_cache, cfg.memory.offload = "on", False
-    cfg.precision.amp, cfg.precision.fp8 = amp, fp8
+    cfg.memory.cache_dtype = "bf16" if amp == "bf16" else "fp32"  # as the vit_b32_laion preset
+    cfg.precision.amp, cfg.precision.fp8, cfg.precision.tf32 = amp, fp8, True
     cfg.device = device
     return cfg
 
@@ -115,6 +116,9 @@ def build_variant(cfg: Any, device: torch.device, count=None, probe=None) -> tup
     from infclip.train.lit import apply_locks
 
     validate(cfg, 1)  # precision.fp8 on a GPU below sm_89 / without torchao: its one paragraph
+    if cfg.precision.tf32 and device.type == "cuda":  # as infclip.train.build
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     built = build_model(cfg.model, device=device)
     apply_locks(built.model, cfg.model)
     if count is not None:

@@ -246,3 +246,24 @@ def test_compiled_fp8_towers_match_eager():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
     assert_grads_close(grads_of(model), grads_of(eager), atol=1e-4, rtol=1e-2)
     torch._dynamo.reset()
+
+
+def test_lit_split_with_fp8_trains_the_unlocked_block_in_fp8_and_matches_the_reference():
+    """LiT with the last ViT block unlocked (a split plan: the locked trunk runs once, in bf16/fp32):
+    only the unlocked block and the text tower are FP8, and the cached step equals the full-batch step."""
+    model = tiny_clip(dropout=0.0, patch_dropout=0.0)
+    sdpa_attention(model)
+    cfg = config(8, 2, lock_image=True, lock_image_unlocked_groups=2)
+    plan = apply_locks(model, cfg.model)
+    assert plan.image.mode == "split"
+    convert_towers(model, "rowwise")
+    visual = {n for n in fp8_modules(model) if n.startswith("visual.")}
+    assert visual == {f"visual.transformer.resblocks.1.{n}" for n in BLOCK_LAYERS}
+    model.train()
+    ref = copy.deepcopy(model)
+    images, tokens = batch(8)
+    torch.manual_seed(11)
+    _, want = reference_grads(ref, images, tokens, 2)
+    torch.manual_seed(11)
+    engine_for(cfg, model).step(images, tokens)
+    assert_grads_close(grads_of(model), want, atol=1e-5, rtol=1e-4)

@@ -31,7 +31,9 @@ trainer's loss) runs ``--warmup`` steps and then ``--steps`` timed steps. Per va
   phase split into kernel classes: GEMM, attention, norm + elementwise, other, and the
   launch gaps (phase wall - GPU busy);
 * the SDPA backend each tower reaches in the cache pass, replay and backward
-  (``infclip.attention.sdpa_backends``).
+  (``infclip.attention.sdpa_backends``), and once per model the time of each SDPA backend
+  (flash, cuDNN, memory-efficient, math) on the towers' attention shapes at the micro-batch
+  (bf16; the text tower causal), forward and forward + backward.
 
 A variant that fails (out of memory, torchao missing, a compile error) prints its error in
 the table and the run goes on; a variant that would start after ``--budget-s`` is skipped
@@ -77,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile happens here)")
     p.add_argument("--compile", action="store_true", help="model.compile=true (torch.compile of each tower)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no kernel-class split)")
+    p.add_argument("--no-attention-kernels", action="store_true",
+                   help="skip timing each SDPA backend on the towers' attention shapes")
     p.add_argument("--budget-s", type=float, default=170.0, help="no variant starts after this many seconds")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="bf16 dense peak (H100/H200 measured: 790)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -209,6 +213,88 @@ def forward_gflops(model: torch.nn.Module, images: torch.Tensor, tokens: torch.T
     return res[0], res[1]
 
 
+# ----------------------------------------------------------------------------- attention kernels
+
+
+def attention_shapes(model: torch.nn.Module, micro: int, image_size: int) -> list[tuple[str, tuple, bool]]:
+    """(tower, (N, H, L, d), causal) of each tower's self-attention at ``micro`` samples: the ViT's
+    patches + class token, the text tower's context with its causal mask."""
+    shapes = []
+    visual = getattr(model, "visual", None)
+    blocks = getattr(getattr(visual, "transformer", None), "resblocks", None)
+    if blocks is not None:
+        attn = blocks[0].attn
+        grid = visual.grid_size if hasattr(visual, "grid_size") else (image_size // 16, image_size // 16)
+        tokens = grid[0] * grid[1] + 1
+        shapes.append(("image", (micro, attn.num_heads, tokens, attn.embed_dim // attn.num_heads), False))
+    text = getattr(getattr(model, "transformer", None), "resblocks", None)
+    if text is not None and hasattr(model, "token_embedding"):
+        attn = text[0].attn
+        shapes.append(("text", (micro, attn.num_heads, int(model.context_length), attn.embed_dim // attn.num_heads),
+                       True))
+    return shapes
+
+
+def _time(fn, reps: int, cuda: bool) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls (CUDA events on the GPU)."""
+    times = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def attention_kernels(shapes: list, device: torch.device, reps: int = 10) -> list[dict]:
+    """Forward and forward + backward time of each SDPA backend (flash, cuDNN, memory-efficient,
+    math) on each tower's attention shape, bf16, q/k/v as the towers lay them out (views of one
+    packed (N, L, 3, H, d) projection); a backend that refuses the shape gets its error."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)]
+    cuda, rows = device.type == "cuda", []
+    dtype = torch.bfloat16 if cuda else torch.float32
+    for tower, (n, h, seq, d), causal in shapes:
+        packed = torch.randn(n, seq, 3, h, d, device=device, dtype=dtype, requires_grad=True)
+        q, k, v = packed.permute(2, 0, 3, 1, 4).unbind(0)
+        grad = torch.randn(n, h, seq, d, device=device, dtype=dtype)
+        # open_clip's nn.MultiheadAttention path: the causal mask as a float (L, L) tensor
+        mask = torch.full((seq, seq), float("-inf"), device=device, dtype=dtype).triu(1) if causal else None
+        extra = [(f"{name}, float mask", backend, mask) for name, backend in backends[1:3]] if causal else []
+        for name, backend, bias in [(n_, b_, None) for n_, b_ in backends] + extra:
+            row = {"tower": tower, "shape": [n, h, seq, d], "causal": causal, "backend": name}
+            try:
+                with sdpa_kernel([backend]):
+                    fwd = lambda: F_sdpa(q, k, v, causal, bias)  # noqa: E731
+                    step = lambda: torch.autograd.backward(F_sdpa(q, k, v, causal, bias), grad)  # noqa: E731
+                    fwd(), step()  # warm-up (and the backend's refusal, if any)
+                    row["fwd_ms"] = 1e3 * _time(fwd, reps, cuda)
+                    row["fwd_bwd_ms"] = 1e3 * _time(step, reps, cuda)
+                flops = 4 * n * h * seq * seq * d * (0.5 if causal else 1.0)
+                row["fwd_tflops"] = flops / (row["fwd_ms"] / 1e3) / 1e12
+            except Exception as e:  # noqa: BLE001 - the backend does not take this shape / dtype / device
+                row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+            packed.grad = None
+            rows.append(row)
+    return rows
+
+
+def F_sdpa(q, k, v, causal: bool, mask=None):
+    """SDPA with ``is_causal`` or (``mask`` given) the equivalent additive mask."""
+    if mask is not None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 # ----------------------------------------------------------------------------- kernel classes
 
 
@@ -303,6 +389,8 @@ def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: d
             flops[model] = forward_gflops(built.model, *small(built))
 
     def probe(built: Any) -> dict:
+        if fp8 == "off" and sdpa and not a.no_attention_kernels:  # once per model: the kernels on its shapes
+            row["attention_kernels"] = attention_kernels(attention_shapes(built.model, micro, built.image_size), device)
         return sdpa_backends(built.model, *small(built), amp)
 
     built, engine, line, row["sdpa"] = build_variant(cfg, device, count, probe)
@@ -362,6 +450,18 @@ def table(rows: list[dict]) -> str:
                 lines.append(f"| {r['model']} | {label(r)} | {phase} | {_ms(p['wall'])} | {_ms(p['gemm'])} | "
                              f"{_ms(p['attention'])} | {_ms(p['norm_elementwise'])} | {_ms(p['other'])} | "
                              f"{_ms(p['gaps'])} | {100 * p['gemm'] / max(p['wall'], 1e-12):.0f} |")
+    kern = [(r, k) for r in rows for k in r.get("attention_kernels", [])]
+    if kern:
+        lines += ["", "| model | tower | N, H, L, d | causal | backend | fwd ms | fwd+bwd ms | fwd TFLOP/s |",
+                  "|" + "---|" * 8]
+        for r, k in kern:
+            shape = ", ".join(map(str, k["shape"]))
+            if "error" in k:
+                lines.append(f"| {r['model']} | {k['tower']} | {shape} | {k['causal']} | {k['backend']} | "
+                             f"{k['error'][:80]} | | |")
+            else:
+                lines.append(f"| {r['model']} | {k['tower']} | {shape} | {k['causal']} | {k['backend']} | "
+                             f"{k['fwd_ms']:.3f} | {k['fwd_bwd_ms']:.3f} | {k['fwd_tflops']:.0f} |")
     sdpa = [r for r in rows if r.get("sdpa")]
     if sdpa:
         lines += ["", "| model | variant | tower | cache pass | replay fwd | replay bwd |", "|" + "---|" * 6]

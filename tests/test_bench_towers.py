@@ -27,6 +27,10 @@ def test_smoke_run_on_a_tiny_model_writes_rows_and_goes_on_after_a_failing_varia
     assert ok["step_s"] >= ok["cache_pass_s"] + ok["replay_fwd_s"]
     assert set(ok["sdpa"]) == {"image", "text"} and ok["sdpa"]["text"]["replay"] != "none"
     assert set(ok["profile"]) >= {"cache_pass", "loss", "replay"}
+    kernels = {(k["tower"], k["backend"]): k for k in ok["attention_kernels"]}
+    assert kernels[("image", "math")]["shape"] == [4, 2, 17, 16]  # 4 x 4 patches + class token, 2 heads of 16
+    assert kernels[("text", "math")]["causal"] and kernels[("text", "math")]["fwd_bwd_ms"] > 0
+    assert ("text", "efficient, float mask") in kernels and "attention_kernels" not in native
     assert (tmp_path / "infclip-micro_fp8-off" / "profile" / "step_1_rank_0.md").is_file()  # the trainer's summary
     saved = json.loads((tmp_path / "towers.json").read_text())
     assert [r["fp8"] for r in saved["rows"]] == ["tensorwise", "off", "off"]

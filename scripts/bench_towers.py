@@ -76,7 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sdpa: model.sdpa_attention=true in every --fp8 variant; native: one more fp8=off row with "
                         "open_clip's nn.MultiheadAttention (model.sdpa_attention=false), the A/B of the attention path")
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compile happens here)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps first (default 1 eager, 2 with --compile: compiling happens here)")
     p.add_argument("--compile", action="store_true", help="model.compile=true (torch.compile of each tower)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no kernel-class split)")
     p.add_argument("--no-attention-kernels", action="store_true",
@@ -481,6 +482,8 @@ def save(out: Path, a: argparse.Namespace, flops: dict, rows: list[dict]) -> str
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
+    if a.warmup is None:
+        a.warmup = 2 if a.compile else 1
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

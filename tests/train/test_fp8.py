@@ -267,3 +267,29 @@ def test_lit_split_with_fp8_trains_the_unlocked_block_in_fp8_and_matches_the_ref
     torch.manual_seed(11)
     engine_for(cfg, model).step(images, tokens)
     assert_grads_close(grads_of(model), want, atol=1e-5, rtol=1e-4)
+
+
+def test_train_py_with_fp8_says_which_layers_trains_and_writes_plain_checkpoints(tmp_path):
+    """The real train.py with the capability check faked (FP8 GEMMs run on the CPU here): the
+    startup line names the 8 FP8 layers of infclip-micro (one block per tower), the loss is
+    finite, and the checkpoint loads into a model built without FP8."""
+    import json
+
+    from test_train_cli import TINY, _env
+
+    run = tmp_path / "run"
+    args = [str(ROOT / "train.py"), f"data.synthetic_root={tmp_path / 'synthetic'}", *TINY, f"run_dir={run}",
+            "steps=2", "eval.tasks=[]", "precision.fp8=tensorwise", "device=cpu"]
+    code = ("import runpy, sys; import infclip.fp8 as f; f.check_fp8 = lambda recipe, device: None; "
+            f"sys.argv = {args!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env=_env(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("precision: fp8=tensorwise"))
+    assert "in 8 linear layers" in line and "visual.transformer.resblocks.N.attn.in_proj" in line
+    losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    state = torch.load(next((run / "checkpoints").glob("step_*")) / "model.pt", weights_only=True)
+    state = state.get("model", state)
+    plain = build_model(ModelConfig(name="infclip-micro")).model
+    plain.load_state_dict(state, strict=True)

@@ -112,7 +112,8 @@ class PrecisionConfig:
     amp: str = "fp32"
     tf32: bool = False  # allow TF32 matmuls in the towers (CUDA)
     # "off" | "tensorwise" | "rowwise": the trained linear layers of the towers' transformer blocks (MLP, attention
-    # in/out projections) run torchao's float8 training with that scaling recipe (CUDA, compute capability >= 8.9);
+    # in/out projections) run torchao's float8 training with that scaling recipe (CUDA, compute capability >= 8.9,
+    # precision.amp=bf16 or pure_bf16);
     # embeddings, norms, final projections, logit scale and loss stay bf16/fp32 (infclip/fp8.py). Off: no change
     fp8: str = "off"
 
@@ -572,15 +573,11 @@ def _validate_loss(cfg: Any) -> None:
 
 
 def _validate_fp8(cfg: Any) -> None:
-    """precision.fp8 on: a CUDA device of compute capability >= 8.9 (this process's), torchao's
-    float8 module importable, no fp16 autocast (its GradScaler and FP8's own scaling); checked
-    before any model is built."""
+    """precision.fp8 on: a CUDA device of compute capability >= 8.9 (this process's) and torchao's
+    float8 module importable, then bf16 towers (precision.amp=bf16 or pure_bf16: the FP8 GEMMs
+    write bf16, and rowwise scaling takes no other output type); checked before any model is built."""
     if cfg.precision.fp8 == "off":
         return
-    if cfg.precision.amp == "fp16":
-        raise ConfigError(f"precision.fp8={cfg.precision.fp8} with precision.amp=fp16: FP8 layers scale their own "
-                          "casts and write the autocast precision; use precision.amp=bf16 (or pure_bf16), or "
-                          "precision.fp8=off")
     import torch
 
     from infclip.fp8 import check_fp8
@@ -591,6 +588,10 @@ def _validate_fp8(cfg: Any) -> None:
     problem = check_fp8(cfg.precision.fp8, device)
     if problem:
         raise ConfigError(problem)
+    if cfg.precision.amp not in ("bf16", "pure_bf16"):
+        raise ConfigError(f"precision.fp8={cfg.precision.fp8} with precision.amp={cfg.precision.amp}: the FP8 layers "
+                          "write bf16 (rowwise scaling takes no other output type) and the rest of the towers should "
+                          "match; set precision.amp=bf16 (or pure_bf16), or precision.fp8=off")
 
 
 def _cuda_available() -> bool:

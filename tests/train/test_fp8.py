@@ -102,14 +102,19 @@ def test_refusal_names_the_problem_and_the_fix(device, cap, err, fragment):
     assert fp8_problem("tensorwise", "cuda", (8, 9), None) is None
 
 
-def test_validate_refuses_fp8_on_cpu_and_with_fp16(monkeypatch):
+def test_validate_refuses_fp8_on_cpu_and_outside_bf16(monkeypatch):
+    import infclip.fp8 as fp8_mod
+
     cfg = TrainConfig()
-    cfg.device, cfg.precision.fp8 = "cpu", "tensorwise"
+    cfg.device, cfg.precision.fp8, cfg.precision.amp = "cpu", "tensorwise", "bf16"
     with pytest.raises(ConfigError, match="this run trains on cpu"):
         validate(cfg, 1)
-    cfg.precision.amp = "fp16"
-    with pytest.raises(ConfigError, match="precision.amp=fp16"):
-        validate(cfg, 1)
+    monkeypatch.setattr(fp8_mod, "check_fp8", lambda recipe, device: None)  # a capable GPU
+    validate(cfg, 1)
+    for amp in ("fp16", "fp32"):
+        cfg.precision.amp = amp
+        with pytest.raises(ConfigError, match=f"precision.amp={amp}: .* set precision.amp=bf16"):
+            validate(cfg, 1)
     cfg.precision.fp8 = "off"
     validate(cfg, 1)
 
@@ -279,7 +284,7 @@ def test_train_py_with_fp8_says_which_layers_trains_and_writes_plain_checkpoints
 
     run = tmp_path / "run"
     args = [str(ROOT / "train.py"), f"data.synthetic_root={tmp_path / 'synthetic'}", *TINY, f"run_dir={run}",
-            "steps=2", "eval.tasks=[]", "precision.fp8=tensorwise", "device=cpu"]
+            "steps=2", "eval.tasks=[]", "precision.fp8=tensorwise", "precision.amp=bf16", "device=cpu"]
     code = ("import runpy, sys; import infclip.fp8 as f; f.check_fp8 = lambda recipe, device: None; "
             f"sys.argv = {args!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,

@@ -415,7 +415,8 @@ def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: d
     if device.type == "cuda":
         row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if not a.no_profile:
-        row["profile"] = profile_classes(engine, built, images, tokens, out, f"{model}_fp8-{fp8}" + ("" if sdpa else "_mha"))
+        tag = f"{model}_fp8-{fp8}" + ("" if sdpa else "_mha")
+        row["profile"] = profile_classes(engine, built, images, tokens, out, tag)
     del engine, built, images, tokens
     return row
 
@@ -468,7 +469,8 @@ def table(rows: list[dict]) -> str:
         lines += ["", "| model | variant | tower | cache pass | replay fwd | replay bwd |", "|" + "---|" * 6]
         for r in sdpa:
             for tower, p in r["sdpa"].items():
-                lines.append(f"| {r['model']} | {label(r)} | {tower} | {p['cache']} | {p['replay']} | {p['backward']} |")
+                lines.append(f"| {r['model']} | {label(r)} | {tower} | {p['cache']} | {p['replay']} | "
+                             f"{p['backward']} |")
     return "\n".join(lines) + "\n"
 
 

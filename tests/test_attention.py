@@ -13,9 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
-from engine_testutils import assert_grads_close, batch, config, engine_for, grads_of, normalize, reference_grads, tiny_clip  # noqa: E402
+from engine_testutils import (  # noqa: E402
+    assert_grads_close, batch, config, engine_for, grads_of, normalize, reference_grads, tiny_clip,
+)
 
-from infclip.attention import SdpaSelfAttention, backends_in, is_causal_mask, sdpa_attention, sdpa_backends  # noqa: E402
+from infclip.attention import (  # noqa: E402
+    SdpaSelfAttention, backends_in, is_causal_mask, sdpa_attention, sdpa_backends,
+)
 
 
 def _pair(**kw):

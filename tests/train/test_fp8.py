@@ -4,6 +4,7 @@ model is built, nothing changed when off, FP8 numerics on the CPU, and the gradi
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 import subprocess
 import sys
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_testutils import assert_grads_close, batch, config, engine_for, grads_of, normalize, reference_grads, tiny_clip
+from engine_testutils import (
+    assert_grads_close, batch, config, engine_for, grads_of, normalize, reference_grads, tiny_clip,
+)
 
 from infclip.attention import sdpa_attention
 from infclip.config import ConfigError, ModelConfig, TrainConfig, validate
@@ -19,7 +22,8 @@ from infclip.fp8 import convert_towers, fp8_layer, fp8_modules, fp8_problem
 from infclip.model import build_model
 from infclip.train.lit import apply_locks
 
-torchao = pytest.importorskip("torchao.float8")
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None,
+                                   reason="torchao not installed (pip install torchao)")
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_LAYERS = {"attn.in_proj", "attn.out_proj", "mlp.c_fc", "mlp.c_proj"}
 
@@ -32,6 +36,7 @@ def _pattern(names):
     return {re.sub(r"\.\d+\.", ".N.", n) for n in names}
 
 
+@needs_torchao
 def test_the_block_linears_and_in_projections_are_converted_and_nothing_else():
     model = _tiny()
     blocks_v, blocks_t = len(model.visual.transformer.resblocks), len(model.transformer.resblocks)
@@ -60,6 +65,7 @@ def test_the_filter_on_a_built_tower():
     assert not fp8_layer(frozen, "visual.transformer.resblocks.0.mlp.c_fc")
 
 
+@needs_torchao
 def test_nn_multihead_attention_keeps_its_out_projection_in_bf16():
     """With model.sdpa_attention=false the attention's own forward reads out_proj.weight: only
     the MLP layers are converted (a swapped out_proj would never run)."""
@@ -69,18 +75,29 @@ def test_nn_multihead_attention_keeps_its_out_projection_in_bf16():
                                             for n in ("c_fc", "c_proj")}
 
 
-def test_parameters_and_state_dict_keys_are_unchanged_by_fp8_and_by_off():
-    for recipe in ("off", "tensorwise"):
-        model = _tiny()
-        keys, params = list(model.state_dict()), list(model.named_parameters())
-        kinds = [type(m) for m in model.modules()]
-        convert_towers(model, recipe)
-        assert list(model.state_dict()) == keys
-        assert [(n, id(p)) for n, p in model.named_parameters()] == [(n, id(p)) for n, p in params]
-        if recipe == "off":
-            assert [type(m) for m in model.modules()] == kinds and fp8_modules(model) == []
+def test_fp8_off_changes_nothing():
+    """precision.fp8=off: the same modules, Parameters and state-dict keys (no torchao needed)."""
+    model = _tiny()
+    keys, params, kinds = list(model.state_dict()), list(model.named_parameters()), [type(m) for m in model.modules()]
+    assert convert_towers(model, "off").layers == []
+    assert list(model.state_dict()) == keys and [type(m) for m in model.modules()] == kinds
+    assert [(n, id(p)) for n, p in model.named_parameters()] == [(n, id(p)) for n, p in params]
+    assert fp8_modules(model) == [] and "fp8=off" in convert_towers(model, "off").line()
 
 
+@needs_torchao
+def test_fp8_keeps_parameters_and_state_dict_keys():
+    """Float8Linear takes over the layers' own Parameters: names, objects and keys unchanged, so
+    an optimizer built afterwards and every checkpoint see the same tensors."""
+    model = _tiny()
+    keys, params = list(model.state_dict()), list(model.named_parameters())
+    convert_towers(model, "tensorwise")
+    assert fp8_modules(model)
+    assert list(model.state_dict()) == keys
+    assert [(n, id(p)) for n, p in model.named_parameters()] == [(n, id(p)) for n, p in params]
+
+
+@needs_torchao
 def test_lit_locked_image_tower_is_not_converted():
     model = _tiny()
     apply_locks(model, ModelConfig(name="infclip-tiny", lock_image=True))
@@ -138,7 +155,8 @@ def test_validate_on_a_faked_gpu_below_sm89(monkeypatch):
 
 def test_train_py_refuses_fp8_on_cpu_with_one_paragraph_and_status_2(tmp_path):
     cmd = [sys.executable, str(ROOT / "train.py"), "device=cpu", "precision.fp8=tensorwise", "model.name=infclip-micro",
-           f"data.synthetic_root={tmp_path / 'synthetic'}", f"run_dir={tmp_path / 'run'}", "logging.wandb_mode=disabled"]
+           f"data.synthetic_root={tmp_path / 'synthetic'}", f"run_dir={tmp_path / 'run'}",
+           "logging.wandb_mode=disabled"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip()
@@ -146,6 +164,7 @@ def test_train_py_refuses_fp8_on_cpu_with_one_paragraph_and_status_2(tmp_path):
     assert not (tmp_path / "synthetic").exists() and not (tmp_path / "run").exists()  # nothing built or written
 
 
+@needs_torchao
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_fp8_embeddings_and_gradients_within_fp8_error_of_float64(recipe):
     """torchao's Float8Linear runs on the CPU: the converted tiny CLIP's embeddings stay within
@@ -176,6 +195,7 @@ def test_fp8_embeddings_and_gradients_within_fp8_error_of_float64(recipe):
         assert ((p.grad.double() - g).norm() / g.norm()).item() < 0.3, name
 
 
+@needs_torchao
 def test_gradient_cache_with_fp8_replays_exactly_and_equals_the_full_batch_step():
     """Dynamic FP8 scaling keeps no state: the replay's embeddings equal the cache pass's bit
     for bit, and the cached step's gradients the full-batch step's."""
@@ -218,6 +238,7 @@ def _ddp_worker(images, tokens) -> dict:
     return {"grads": grads_of(model), "loss": out.global_loss}
 
 
+@needs_torchao
 def test_fp8_under_ddp_equals_one_process_on_the_global_batch(tmp_path):
     """2 gloo ranks x 6 rows == one process on the 12 rows, micro-batches of 2 in both: each
     micro-batch is cast with its own dynamic FP8 scales wherever it runs."""
@@ -231,6 +252,7 @@ def test_fp8_under_ddp_equals_one_process_on_the_global_batch(tmp_path):
     assert_grads_close(got["grads"], want, atol=1e-5, rtol=1e-4)
 
 
+@needs_torchao
 def test_compiled_fp8_towers_match_eager():
     """model.compile on FP8 towers (the hidden FP8 in-projection included): no graph break,
     embeddings and gradients as in eager mode."""
@@ -253,6 +275,7 @@ def test_compiled_fp8_towers_match_eager():
     torch._dynamo.reset()
 
 
+@needs_torchao
 def test_lit_split_with_fp8_trains_the_unlocked_block_in_fp8_and_matches_the_reference():
     """LiT with the last ViT block unlocked (a split plan: the locked trunk runs once, in bf16/fp32):
     only the unlocked block and the text tower are FP8, and the cached step equals the full-batch step."""
@@ -274,6 +297,7 @@ def test_lit_split_with_fp8_trains_the_unlocked_block_in_fp8_and_matches_the_ref
     assert_grads_close(grads_of(model), want, atol=1e-5, rtol=1e-4)
 
 
+@needs_torchao
 def test_train_py_with_fp8_says_which_layers_trains_and_writes_plain_checkpoints(tmp_path):
     """The real train.py with the capability check faked (FP8 GEMMs run on the CPU here): the
     startup line names the 8 FP8 layers of infclip-micro (one block per tower), the loss is

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import torch
@@ -173,7 +174,7 @@ def sdpa_backends(model: nn.Module, images: Tensor, tokens: Tensor, amp: Optiona
     was = model.training
     model.train()
     device = images.device
-    cast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else _nothing
+    cast = (lambda: torch.autocast(device.type, dtype=amp)) if amp is not None else nullcontext
     out: dict[str, dict[str, str]] = {}
     try:
         for tower, fn, x in (("image", model.encode_image, images), ("text", model.encode_text, tokens)):
@@ -191,14 +192,6 @@ def sdpa_backends(model: nn.Module, images: Tensor, tokens: Tensor, amp: Optiona
         model.zero_grad(set_to_none=True)
         model.train(was)
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -29,7 +29,8 @@ trainer's loss) runs ``--warmup`` steps and then ``--steps`` timed steps. Per va
   peak, so their MFU is the bf16-equivalent rate); ``towers MFU`` divides by the cache pass +
   replay time only (without the loss);
 * one more step under the PyTorch profiler, through the trainer's ``logging.profile_step``
-  code (``infclip.train.profiling``: trace and summary under ``--out``), its GPU time per
+  code (``infclip.train.profiling``: its summary under ``--out``, the trace too with
+  ``--keep-traces``), its GPU time per
   phase split into kernel classes: GEMM, attention, norm + elementwise, other, and the
   launch gaps (phase wall - GPU busy);
 * the SDPA backend each tower reaches in the cache pass, replay and backward
@@ -82,6 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="untimed steps first (default 1 eager, 2 with --compile: compiling happens here)")
     p.add_argument("--compile", action="store_true", help="model.compile=true (torch.compile of each tower)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no kernel-class split)")
+    p.add_argument("--keep-traces", action="store_true", help="keep each profiled step's Chrome trace (.json.gz)")
     p.add_argument("--no-attention-kernels", action="store_true",
                    help="skip timing each SDPA backend on the towers' attention shapes")
     p.add_argument("--budget-s", type=float, default=170.0, help="no variant starts after this many seconds")
@@ -345,9 +347,10 @@ def phase_classes(events: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
-def profile_classes(engine: Any, built: Any, images, tokens, out: Path, tag: str) -> dict:
+def profile_classes(engine: Any, built: Any, images, tokens, out: Path, tag: str, keep_trace: bool = False) -> dict:
     """One step under the trainer's profiler (``infclip.train.profiling.profiled_step``); its
-    trace and summary go to ``out/<tag>/profile/``; returns :func:`phase_classes` of it."""
+    summary (and with ``keep_trace`` its Chrome trace, tens of MB) stays in ``out/<tag>/profile/``;
+    returns :func:`phase_classes` of it."""
     from infclip.train.profiling import profiled_step
 
     run_dir = out / tag
@@ -357,6 +360,8 @@ def profile_classes(engine: Any, built: Any, images, tokens, out: Path, tag: str
     trace = Path(summary).with_suffix(".json.gz")
     with gzip.open(trace, "rt") as f:
         events = json.load(f).get("traceEvents", [])
+    if not keep_trace:
+        trace.unlink()
     return phase_classes(events)
 
 
@@ -418,7 +423,7 @@ def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: d
         row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if not a.no_profile:
         tag = f"{model}_fp8-{fp8}" + ("" if sdpa else "_mha")
-        row["profile"] = profile_classes(engine, built, images, tokens, out, tag)
+        row["profile"] = profile_classes(engine, built, images, tokens, out, tag, a.keep_traces)
     del engine, built, images, tokens
     return row
 

@@ -32,6 +32,7 @@ def test_smoke_run_on_a_tiny_model_writes_rows_and_goes_on_after_a_failing_varia
     assert kernels[("text", "math")]["causal"] and kernels[("text", "math")]["fwd_bwd_ms"] > 0
     assert ("text", "efficient, float mask") in kernels and "attention_kernels" not in native
     assert (tmp_path / "infclip-micro_fp8-off" / "profile" / "step_1_rank_0.md").is_file()  # the trainer's summary
+    assert not (tmp_path / "infclip-micro_fp8-off" / "profile" / "step_1_rank_0.json.gz").exists()  # --keep-traces
     saved = json.loads((tmp_path / "towers.json").read_text())
     assert [r["fp8"] for r in saved["rows"]] == ["tensorwise", "off", "off"]
     table = (tmp_path / "towers.md").read_text()

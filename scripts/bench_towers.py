@@ -34,7 +34,7 @@ trainer's loss) runs ``--warmup`` steps and then ``--steps`` timed steps. Per va
   phase split into kernel classes: GEMM, attention, norm + elementwise, other, and the
   launch gaps (phase wall - GPU busy);
 * the SDPA backend each tower reaches in the cache pass, replay and backward
-  (``infclip.attention.sdpa_backends``), and once per model the time of each SDPA backend
+  (``infclip.attention.sdpa_backends``; fp8=off rows), and once per model the time of each SDPA backend
   (flash, cuDNN, memory-efficient, math) on the towers' attention shapes at the micro-batch
   (bf16; the text tower causal), forward and forward + backward.
 
@@ -396,10 +396,11 @@ def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: d
         if model not in flops:
             flops[model] = forward_gflops(built.model, *small(built))
 
-    def probe(built: Any) -> dict:
+    def probe(built: Any) -> Optional[dict]:
         if fp8 == "off" and sdpa and not a.no_attention_kernels:  # once per model: the kernels on its shapes
             row["attention_kernels"] = attention_kernels(attention_shapes(built.model, micro, built.image_size), device)
-        return sdpa_backends(built.model, *small(built), amp)
+        # the FP8 swap leaves attention as it is: its backends are those of the fp8=off row
+        return sdpa_backends(built.model, *small(built), amp) if fp8 == "off" else None
 
     built, engine, line, row["sdpa"] = build_variant(cfg, device, count, probe)
     row["fp8_layers"] = line

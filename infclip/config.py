@@ -37,6 +37,10 @@ class ModelConfig:
     # a ViT's patchify convolution as one GEMM on the GPU in bf16/fp16 (cuDNN's bf16 kernel for it runs at
     # ~30 TFLOP/s on Hopper; infclip/patch_embed.py). Same weights and state-dict keys.
     patch_embed_matmul: bool = True
+    # the towers' self-attention in training through F.scaled_dot_product_attention on (N, H, L, d), the text
+    # tower's causal mask as is_causal=True (no mask tensor: flash / cuDNN attention eligible; infclip/attention.py).
+    # Same weights and state-dict keys; outputs equal nn.MultiheadAttention's up to summation order
+    sdpa_attention: bool = True
     compile: bool = False  # torch.compile the towers in place (state-dict keys unchanged), as open_clip's --torchcompile
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
     init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)
@@ -107,6 +111,11 @@ class PrecisionConfig:
     # still computed in fp32 from the bf16 embeddings)
     amp: str = "fp32"
     tf32: bool = False  # allow TF32 matmuls in the towers (CUDA)
+    # "off" | "tensorwise" | "rowwise": the trained linear layers of the towers' transformer blocks (MLP, attention
+    # in/out projections) run torchao's float8 training with that scaling recipe (CUDA, compute capability >= 8.9,
+    # precision.amp=bf16 or pure_bf16);
+    # embeddings, norms, final projections, logit scale and loss stay bf16/fp32 (infclip/fp8.py). Off: no change
+    fp8: str = "off"
 
 
 @dataclass
@@ -234,6 +243,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "loss.duplicate_key": ("caption", "caption+image"),
     "schedule.kind": ("cosine", "constant", "const-cooldown"),
     "precision.amp": ("fp32", "bf16", "fp16", "pure_bf16"),
+    "precision.fp8": ("off", "tensorwise", "rowwise"),
     "memory.grad_cache": ("auto", "on", "off"),
     "memory.cache_dtype": ("fp32", "bf16"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
@@ -303,6 +313,7 @@ def validate(cfg: Any, world_size: int) -> None:
     _validate_schedule(cfg.schedule, cfg.steps)
     _validate_loss(cfg)
     _validate_model(cfg)
+    _validate_fp8(cfg)
     streams = cfg.data.streams
     if isinstance(streams, int) and streams >= 1 and streams % world_size:
         raise ConfigError(f"data.streams={streams} is not a multiple of the world size {world_size}: each rank reads "
@@ -562,6 +573,28 @@ def _validate_loss(cfg: Any) -> None:
     no_cuda = cfg.device == "cpu" or (cfg.device == "auto" and not _cuda_available())
     if loss.impl == "triton" and no_cuda and not os.environ.get("TRITON_INTERPRET"):
         raise ConfigError("loss.impl=triton needs CUDA; use loss.impl=auto (Triton on CUDA, PyTorch tiles elsewhere)")
+
+
+def _validate_fp8(cfg: Any) -> None:
+    """precision.fp8 on: a CUDA device of compute capability >= 8.9 (this process's) and torchao's
+    float8 module importable, then bf16 towers (precision.amp=bf16 or pure_bf16: the FP8 GEMMs
+    write bf16, and rowwise scaling takes no other output type); checked before any model is built."""
+    if cfg.precision.fp8 == "off":
+        return
+    import torch
+
+    from infclip.fp8 import check_fp8
+
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and _cuda_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda and _cuda_available() else \
+        torch.device("cuda" if cuda else "cpu")
+    problem = check_fp8(cfg.precision.fp8, device)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.precision.amp not in ("bf16", "pure_bf16"):
+        raise ConfigError(f"precision.fp8={cfg.precision.fp8} with precision.amp={cfg.precision.amp}: the FP8 layers "
+                          "write bf16 (rowwise scaling takes no other output type) and the rest of the towers should "
+                          "match; set precision.amp=bf16 (or pure_bf16), or precision.fp8=off")
 
 
 def _cuda_available() -> bool:

@@ -25,6 +25,7 @@ import open_clip
 import torch
 
 from infclip.config import ConfigError
+from infclip.attention import sdpa_attention
 from infclip.patch_embed import patchify_as_matmul
 
 _CONFIG_DIR = Path(__file__).parent / "model_configs"
@@ -135,6 +136,8 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
         model.set_grad_checkpointing(True)
     if cfg.patch_embed_matmul:
         patchify_as_matmul(model)
+    if getattr(cfg, "sdpa_attention", True):
+        sdpa_attention(model)
     pp = model.visual.preprocess_cfg
     size = pp["size"] if isinstance(pp["size"], int) else pp["size"][0]
     return BuiltModel(model, open_clip.get_tokenizer(name), size, tuple(pp["mean"]), tuple(pp["std"]), preprocess_val,

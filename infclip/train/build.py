@@ -64,6 +64,7 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
     if cfg.precision.amp == "pure_bf16":  # open_clip's pure_bf16: bf16 weights, no autocast (engine.py)
         built.model.to(torch.bfloat16)
     apply_locks(built.model, cfg.model)
+    _fp8(cfg, info, built.model)  # after the locks (trained layers only), before compile and DDP wrap them
     if cfg.model.compile:  # in place: state-dict keys, locks and DDP see the same modules
         compile_towers(built.model)
     model = _wrap_ddp(built.model, info)
@@ -175,6 +176,18 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
     if info.is_main:
         print(data_line(cfg, data, shards), flush=True)
     return data, eval_cfg, normalizer, towers
+
+
+def _fp8(cfg: Any, info: DistInfo, model: torch.nn.Module) -> None:
+    """precision.fp8: the towers' trained block layers to torchao's Float8Linear (infclip.fp8),
+    said in one startup line; off: the model is untouched and nothing is printed."""
+    if cfg.precision.fp8 == "off":
+        return
+    from infclip.fp8 import convert_towers
+
+    swapped = convert_towers(model, cfg.precision.fp8)
+    if info.is_main:
+        print(swapped.line(), flush=True)
 
 
 def data_line(cfg: Any, data: Any, synthetic_shards: Optional[str]) -> str:

@@ -39,8 +39,9 @@ class ModelConfig:
     patch_embed_matmul: bool = True
     # the towers' self-attention in training through F.scaled_dot_product_attention on (N, H, L, d), the text
     # tower's causal mask as is_causal=True (no mask tensor: flash / cuDNN attention eligible; infclip/attention.py).
-    # Same weights and state-dict keys; outputs equal nn.MultiheadAttention's up to summation order
-    sdpa_attention: bool = True
+    # Same weights and state-dict keys; outputs equal nn.MultiheadAttention's up to summation order.
+    # Off by default until its speed on the GPU is measured (scripts/bench/bench_towers.py)
+    sdpa_attention: bool = False
     compile: bool = False  # torch.compile the towers in place (state-dict keys unchanged), as open_clip's --torchcompile
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
     init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)

@@ -136,7 +136,7 @@ def build_model(cfg: Any, device: torch.device | str = "cpu") -> BuiltModel:
         model.set_grad_checkpointing(True)
     if cfg.patch_embed_matmul:
         patchify_as_matmul(model)
-    if getattr(cfg, "sdpa_attention", True):
+    if getattr(cfg, "sdpa_attention", False):
         sdpa_attention(model)
     pp = model.visual.preprocess_cfg
     size = pp["size"] if isinstance(pp["size"], int) else pp["size"][0]

@@ -1,4 +1,4 @@
-"""scripts/bench_towers.py on the CPU: a tiny model through the trainer's engine, the table and
+"""scripts/bench/bench_towers.py on the CPU: a tiny model through the trainer's engine, the table and
 JSON it writes, a failing variant reported in its row, and the kernel classification."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import bench_towers  # noqa: E402
 
 

@@ -29,7 +29,7 @@ BLOCK_LAYERS = {"attn.in_proj", "attn.out_proj", "mlp.c_fc", "mlp.c_proj"}
 
 
 def _tiny(**kw):
-    return build_model(ModelConfig(name="infclip-tiny", **kw)).model
+    return build_model(ModelConfig(name="infclip-tiny", **{"sdpa_attention": True, **kw})).model
 
 
 def _pattern(names):
@@ -308,8 +308,10 @@ def test_train_py_with_fp8_says_which_layers_trains_and_writes_plain_checkpoints
 
     run = tmp_path / "run"
     args = [str(ROOT / "train.py"), f"data.synthetic_root={tmp_path / 'synthetic'}", *TINY, f"run_dir={run}",
-            "steps=2", "eval.tasks=[]", "precision.fp8=tensorwise", "precision.amp=bf16", "device=cpu"]
-    code = ("import runpy, sys; import infclip.fp8 as f; f.check_fp8 = lambda recipe, device: None; "
+            "steps=2", "eval.tasks=[]", "precision.fp8=tensorwise", "precision.amp=bf16", "device=cpu",
+            "model.sdpa_attention=true"]
+    code = (f"import runpy, sys; sys.path.insert(0, {str(ROOT)!r}); import infclip.fp8 as f; "
+            "f.check_fp8 = lambda recipe, device: None; "
             f"sys.argv = {args!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                           env=_env(tmp_path), cwd=tmp_path)

@@ -2,14 +2,14 @@
 
 The command (one H100; the defaults stop starting variants after 170 s; eager towers)::
 
-    python scripts/bench_towers.py --out bench_towers
+    python scripts/bench/bench_towers.py --out bench_towers
 
 and the compiled towers of one model (``model.compile=true``; compiling each variant's three
 graphs takes most of the time, and variants that would start after ``--budget-s`` are
 skipped; eager FP8 runs torchao's casts as separate kernels, so FP8's speed is the compiled
 rows')::
 
-    python scripts/bench_towers.py --compile --models ViT-L-14 --attention sdpa --out bench_towers_compile
+    python scripts/bench/bench_towers.py --compile --models ViT-L-14 --attention sdpa --out bench_towers_compile
 
 For each model (ViT-B/32, ViT-B/16, ViT-L/14 by default) and each ``--fp8`` variant (off,
 tensorwise, rowwise; plus fp8 off with open_clip's ``nn.MultiheadAttention``, the A/B of
@@ -58,7 +58,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -14,7 +14,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
 from engine_testutils import (  # noqa: E402
-    assert_grads_close, batch, config, engine_for, grads_of, normalize, reference_grads, tiny_clip,
+    assert_grads_close, assert_replay_exact_and_cached_step_full, batch, config, engine_for, grads_of,
+    normalize, reference_grads, tiny_clip,
 )
 
 from infclip.attention import (  # noqa: E402
@@ -97,22 +98,7 @@ def test_grad_cache_replays_attention_dropout_bit_for_bit():
     for m in model.modules():
         if isinstance(m, SdpaSelfAttention):
             m.dropout = 0.2
-    images, tokens = batch(8)
-    x = normalize(images[:4])
-    state = torch.get_rng_state()
-    with torch.no_grad():
-        cached = model(image=x, text=tokens[:4])
-    torch.set_rng_state(state)
-    replay = model(image=x, text=tokens[:4])
-    assert torch.equal(cached[0], replay[0].detach()) and torch.equal(cached[1], replay[1].detach())
-    ref = copy.deepcopy(model)
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(5)
-    ref_loss, ref_grads = reference_grads(ref, images, tokens, 4)
-    torch.manual_seed(5)
-    out = engine_for(config(8, 4, grad_cache="on"), model).step(images, tokens)
-    torch.testing.assert_close(out.loss, ref_loss, atol=1e-6, rtol=1e-6)
-    assert_grads_close(grads_of(model), ref_grads)
+    assert_replay_exact_and_cached_step_full(model, seed=5)
 
 
 def test_build_model_uses_sdpa_attention_when_switched_on_and_is_off_by_default():

@@ -111,3 +111,27 @@ def _rank_main(rank: int, worker, world: int, local: int, init_file: str, out_fi
     if rank == 0:
         torch.save(results, out_file)
     dist.destroy_process_group()
+
+
+def assert_replay_exact_and_cached_step_full(model: nn.Module, seed: int, atol: float = 1e-5, rtol: float = 1e-5) -> None:
+    """On ``batch(8)``: the no-grad cache pass and the replay under its RNG state give the same
+    embeddings bit for bit, and the engine's cached step (2 micro-batches of 4, seeded ``seed``)
+    equals the full-batch step (``reference_grads``) within ``atol`` / ``rtol``."""
+    import copy
+
+    images, tokens = batch(8)
+    x = normalize(images[:4])
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        cached = model(image=x, text=tokens[:4])
+    torch.set_rng_state(state)
+    replay = model(image=x, text=tokens[:4])
+    assert torch.equal(cached[0], replay[0].detach()) and torch.equal(cached[1], replay[1].detach())
+    ref = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    ref_loss, ref_grads = reference_grads(ref, images, tokens, 4)
+    torch.manual_seed(seed)
+    out = engine_for(config(8, 4, grad_cache="on"), model).step(images, tokens)
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-6, rtol=1e-6)
+    assert_grads_close(grads_of(model), ref_grads, atol=atol, rtol=rtol)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from engine_testutils import (
-    assert_grads_close, batch, config, engine_for, grads_of, normalize, reference_grads, tiny_clip,
+    assert_grads_close, assert_replay_exact_and_cached_step_full, batch, config, engine_for, grads_of,
+    normalize, reference_grads, tiny_clip,
 )
 
 from infclip.attention import sdpa_attention
@@ -202,22 +203,7 @@ def test_gradient_cache_with_fp8_replays_exactly_and_equals_the_full_batch_step(
     model = tiny_clip(dropout=0.1, patch_dropout=0.25).train()
     sdpa_attention(model)
     convert_towers(model, "tensorwise")
-    images, tokens = batch(8)
-    x = normalize(images[:4])
-    state = torch.get_rng_state()
-    with torch.no_grad():
-        cached = model(image=x, text=tokens[:4])
-    torch.set_rng_state(state)
-    replay = model(image=x, text=tokens[:4])
-    assert torch.equal(cached[0], replay[0].detach()) and torch.equal(cached[1], replay[1].detach())
-    ref = copy.deepcopy(model)
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(3)
-    ref_loss, ref_grads = reference_grads(ref, images, tokens, 4)
-    torch.manual_seed(3)
-    out = engine_for(config(8, 4, grad_cache="on"), model).step(images, tokens)
-    torch.testing.assert_close(out.loss, ref_loss, atol=1e-6, rtol=1e-6)
-    assert_grads_close(grads_of(model), ref_grads, atol=1e-5, rtol=1e-4)
+    assert_replay_exact_and_cached_step_full(model, seed=3, rtol=1e-4)
 
 
 def _fp8_clip():

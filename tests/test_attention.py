@@ -14,8 +14,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "train"))
 from engine_testutils import (  # noqa: E402
-    assert_grads_close, assert_replay_exact_and_cached_step_full, batch, config, engine_for, grads_of,
-    normalize, reference_grads, tiny_clip,
+    assert_grads_close, assert_replay_exact_and_cached_step_full, batch, config, grads_of, normalize, tiny_clip,
 )
 
 from infclip.attention import (  # noqa: E402

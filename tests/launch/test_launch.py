@@ -1,0 +1,54 @@
+"""``python -m infclip.launch``: a requested stop of a 2-rank run (Ctrl-C, a scheduler's SIGTERM)
+ends like a single process's: every rank checkpoints the same step, the stop is announced once,
+the launcher exits 0 without torchrun's traceback, and the same command resumes.
+
+Plain torchrun raises ``SignalException`` in its agent on such a signal: after its workers
+stopped it printed that traceback and exited 1 (and its loader workers, forked with the
+trainer's SIGINT handler, announced a Ctrl-C a second time).
+"""
+
+import os
+import signal
+import sys
+
+import pytest
+from launch_testutils import ROOT, child_env, run, start, step_records, train_cmd, wait_for_step
+
+from infclip.train import checkpoint as ckpt
+
+STEPS = 10
+COMMON = [f"steps={STEPS}", "checkpoint.every_n_steps=4"]
+
+
+def _launch_cmd(data_root, run_dir):
+    return [sys.executable, "-m", "infclip.launch", "--standalone", "--nproc_per_node=2",
+            *train_cmd(data_root, run_dir, *COMMON)[1:]]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl_c", "sigterm"])
+def test_a_stop_signal_to_the_launcher_ends_without_traceback_and_resumes(tmp_path, sig):
+    data_root, run_dir, log = tmp_path / "synthetic", tmp_path / "run", tmp_path / "first.log"
+    env = child_env(PYTHONPATH=str(ROOT))
+    # its own session, as a terminal's foreground job: the signal reaches the launcher only
+    # (torchrun starts each worker in a session of its own)
+    proc = start(_launch_cmd(data_root, run_dir), cwd=tmp_path, log=log, env=env)
+    wait_for_step(proc, run_dir, 3, log)
+    os.killpg(proc.pid, sig)
+    rc = proc.wait(timeout=240)
+    out = log.read_text()
+    assert rc == 0, out[-4000:]
+    for noise in ("Traceback", "ChildFailedError", "SignalException", "death signal"):
+        assert noise not in out, out[-4000:]
+    said = "interrupted: stopping after this step" if sig == signal.SIGINT else "SIGTERM: stopping after this step"
+    assert out.count(said) == 1, out[-4000:]
+    last = max(r["step"] for r in step_records(run_dir))
+    assert 3 <= last < STEPS and "== stopped by signal" in out
+    path = ckpt.list_checkpoints(run_dir)[-1]
+    assert path.name == f"step_{last:08d}" and (path / "rank_00001.pt").exists()
+    if sig != signal.SIGINT:
+        return
+    second = run(_launch_cmd(data_root, run_dir), cwd=tmp_path, env=env)
+    both = second.stdout + second.stderr
+    assert second.returncode == 0 and "Traceback" not in both, both[-4000:]
+    assert f"step_{last:08d} at step {last}" in second.stdout, both[-4000:]
+    assert max(r["step"] for r in step_records(run_dir)) == STEPS

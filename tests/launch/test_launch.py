@@ -52,3 +52,41 @@ def test_a_stop_signal_to_the_launcher_ends_without_traceback_and_resumes(tmp_pa
     assert second.returncode == 0 and "Traceback" not in both, both[-4000:]
     assert f"step_{last:08d} at step {last}" in second.stdout, both[-4000:]
     assert max(r["step"] for r in step_records(run_dir)) == STEPS
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=["usr1", "sigterm"])
+def test_the_slurm_node_script_stops_cleanly_and_requeues_only_on_usr1(tmp_path, sig):
+    """scripts/slurm/torchrun_node.sh (one node, 2 ranks, the launcher it starts) signalled as
+    Slurm signals a job step: Slurm's warning (USR1) checkpoints, exits 0 and asks for a requeue;
+    a cancel (SIGTERM) checkpoints and exits 0 without one; neither ends in a traceback."""
+    import stat
+
+    data_root, run_dir, log = tmp_path / "synthetic", tmp_path / "run", tmp_path / "node.log"
+    calls = tmp_path / "scontrol_calls.txt"
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    env = child_env(NNODES="1", GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                    SLURM_NODEID="0", SLURM_JOB_ID="4243", INFCLIP_REPO=str(ROOT), INFCLIP_SCONTROL=str(scontrol),
+                    PYTHON=sys.executable)
+    cmd = ["bash", str(ROOT / "scripts" / "slurm" / "torchrun_node.sh"), *train_cmd(data_root, run_dir, *COMMON)[2:]]
+    proc = start(cmd, cwd=tmp_path, log=log, env=env)
+    wait_for_step(proc, run_dir, 3, log)
+    os.killpg(proc.pid, sig)  # the job step's processes (the workers have sessions of their own)
+    rc = proc.wait(timeout=240)
+    out = log.read_text()
+    assert rc == 0 and "Traceback" not in out and "SignalException" not in out, out[-4000:]
+    last = max(r["step"] for r in step_records(run_dir))
+    assert last < STEPS and ckpt.list_checkpoints(run_dir)[-1].name == f"step_{last:08d}"
+    if sig == signal.SIGUSR1:
+        assert calls.read_text().split() == ["requeue", "4243"]
+    else:
+        assert not calls.exists()  # a cancel is never requeued

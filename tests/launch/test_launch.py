@@ -90,3 +90,55 @@ def test_the_slurm_node_script_stops_cleanly_and_requeues_only_on_usr1(tmp_path,
         assert calls.read_text().split() == ["requeue", "4243"]
     else:
         assert not calls.exists()  # a cancel is never requeued
+
+
+def test_a_stop_is_forwarded_once_turns_restarts_off_and_a_second_ctrl_c_ends_the_launch(monkeypatch):
+    """The launcher's handler, without a training: the first stop signal reaches each worker's
+    process group and leaves the agent no restart (a restart would resume the stopped training);
+    a second Ctrl-C takes torchrun's own path (SignalException: the workers get it and exit at once)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from infclip import launch
+
+    workers = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    try:
+        group = SimpleNamespace(workers=[SimpleNamespace(id=w.pid) for w in workers])
+        agent = SimpleNamespace(get_worker_group=lambda: group, _remaining_restarts=3)
+        monkeypatch.setattr(launch._Stop, "agent", agent)
+        monkeypatch.setattr(launch._Stop, "signal", 0)
+        monkeypatch.setattr(launch._Stop, "interrupts", 0)
+        launch._on_signal(signal.SIGINT, None)
+        assert [w.wait(timeout=30) for w in workers] == [-signal.SIGINT] * 2
+        assert agent._remaining_restarts == 0 and launch._Stop.signal == signal.SIGINT
+        with pytest.raises(SignalException):
+            launch._on_signal(signal.SIGINT, None)
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+
+
+def test_a_rank_failing_after_a_stop_ends_the_launch_with_its_status_in_one_line(monkeypatch, capsys):
+    """After a requested stop a rank's non-zero exit (here SIGKILL) is the launch's status, in one
+    line instead of torchrun's report; without a stop request torchrun reports it as always."""
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from infclip import launch
+
+    def failing(args):
+        raise ChildFailedError("train.py", {1: ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file="<N/A>")})
+
+    monkeypatch.setattr(launch._Stop, "signal", int(signal.SIGTERM))
+    with pytest.raises(SystemExit) as end:
+        launch._run(SimpleNamespace(run=failing), None)
+    assert end.value.code == 128 + 9
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rank 1 exited with status 137 after SIGTERM" in err
+    monkeypatch.setattr(launch._Stop, "signal", 0)  # no stop requested: torchrun's own report
+    with pytest.raises(ChildFailedError):
+        launch._run(SimpleNamespace(run=failing), None)

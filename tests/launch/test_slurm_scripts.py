@@ -108,7 +108,8 @@ def _fake_bin(tmp_path):
 
 def test_sbatch_real_path_launches_every_node_and_forwards_usr1_once(tmp_path):
     fake = _fake_bin(tmp_path)
-    env = _clean_env(PATH=f"{fake}:{os.environ['PATH']}", FAKE_DIR=str(fake), SLURM_JOB_ID="777", INFCLIP_LAUNCHER="torchrun",
+    env = _clean_env(PATH=f"{fake}:{os.environ['PATH']}", FAKE_DIR=str(fake), SLURM_JOB_ID="777",
+                     INFCLIP_LAUNCHER="torchrun",
                      SLURM_JOB_NODELIST="n[1-2]", SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="2")
     proc = subprocess.Popen(["bash", str(SLURM / "train.sbatch"), "steps=3"], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

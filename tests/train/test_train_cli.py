@@ -96,7 +96,8 @@ def test_resumed_from_leads_the_start_lines_and_a_refused_resume_builds_nothing(
     proc = run_train(tmp_path, f"run_dir={run_dir}", "steps=2", "eval.tasks=[]")
     for text in (proc.stdout, (run_dir / "out.log").read_text().split("== start")[-1]):
         lines = [line for line in text.splitlines() if line.startswith(("resumed from", "data:"))]
-        assert lines and lines[0].startswith(f"resumed from {run_dir / 'checkpoints' / 'step_00000001'} at step 1"), text
+        first = f"resumed from {run_dir / 'checkpoints' / 'step_00000001'} at step 1"
+        assert lines and lines[0].startswith(first), text
         assert sum(line.startswith("resumed from") for line in lines) == 1
     cmd = [sys.executable, str(ROOT / "train.py"), f"data.synthetic_root={tmp_path / 'synthetic'}", *TINY,
            f"run_dir={run_dir}", "steps=3", "eval.tasks=[]", "seed=7"]

@@ -127,7 +127,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher import api as launcher_api
 
-    args = torchrun.parse_args(argv)
+    parser = torchrun.get_args_parser()
+    parser.prog = "python -m infclip.launch"
+    parser.description = "torchrun (the same arguments) whose requested stop ends with every rank's checkpoint and status 0"
+    args = parser.parse_args(argv)
     launcher_api.LocalElasticAgent = _agent_class(launcher_api.LocalElasticAgent)
     # torchrun installs its handler for SIGTERM, SIGINT, SIGHUP and SIGQUIT when it starts the
     # workers, by this module-level name: this launcher's takes its place

@@ -338,12 +338,14 @@ def _quiet_read(path: Path) -> str:
 
 
 def ignore_stop_signals(worker_id: int) -> None:
-    """Slurm and torchrun signal every process of a job (cgroup / process group), so the
-    workers get the trainer's SIGTERM/SIGUSR1 too. By default they would die (torch re-raises
+    """Slurm and torchrun signal every process of a job (cgroup / process group), and a
+    terminal's Ctrl-C every process of its foreground group, so the workers get the trainer's
+    SIGTERM/SIGUSR1/SIGINT too (a worker forked with the trainer's handler would also announce
+    the stop a second time). By default they would die (torch re-raises
     a SIGTERM that did not come from the parent), and the trainer's SIGCHLD check would then
     abort it mid-step instead of letting it checkpoint. The trainer alone decides when to stop;
     the workers exit with it (their parent watchdog) or by SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # SIGHUP: a closed terminal's
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):  # SIGHUP: a closed terminal's
         signal.signal(sig, signal.SIG_IGN)
 
 

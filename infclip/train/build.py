@@ -48,7 +48,20 @@ class Parts:
 
 
 
-def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
+def build_checkpointer(cfg: Any, info: DistInfo, run_dir: Path) -> ckpt.Checkpointer:
+    """The run's checkpointer (with its remote mirror on rank 0), built before the model: the
+    resume picks and loads its checkpoint first, so that "resumed from ..." leads the start's
+    lines. ``build`` adds the open_clip export once the model exists."""
+    checkpointer = ckpt.Checkpointer(run_dir, cfg.checkpoint.keep_last, info.rank, lambda: barrier(info),
+                                     agree=lambda ok: all_ok(ok, info))
+    if cfg.checkpoint.remote and info.is_main:  # rank 0 uploads and downloads
+        from infclip.train.remote import RemoteCheckpoints
+
+        checkpointer.remote = RemoteCheckpoints(cfg.checkpoint.remote, cfg.checkpoint.keep_last)
+    return checkpointer
+
+
+def build(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Optional[ckpt.Checkpointer] = None) -> Parts:
     from infclip.train.engine import build_engine
     from infclip.train.lit import apply_locks
 
@@ -79,17 +92,13 @@ def build(cfg: Any, info: DistInfo, run_dir: Path) -> Parts:
         cfg, model, device=info.device, normalizer=normalizer, loss_fn=loss_fn,
         scaler=scaler, group=group, world_size=info.world_size,
     )
-    checkpointer = ckpt.Checkpointer(
-        run_dir, cfg.checkpoint.keep_last, info.rank, lambda: barrier(info), agree=lambda ok: all_ok(ok, info),
-        on_publish=checkpoint_writer(built, cfg.model, cfg.checkpoint.open_clip_export),  # open_clip's format
-    )
+    checkpointer = checkpointer or build_checkpointer(cfg, info, run_dir)
+    checkpointer.on_publish = checkpoint_writer(built, cfg.model, cfg.checkpoint.open_clip_export)  # open_clip's format
     logger = MetricsLogger(
         run_dir, cfg.logging, info.is_main, cfg.steps, OmegaConf.to_container(cfg, resolve=True)
     )
-    if cfg.checkpoint.remote and info.is_main:  # rank 0 uploads and downloads
-        from infclip.train.remote import RemoteCheckpoints
-
-        checkpointer.remote = RemoteCheckpoints(cfg.checkpoint.remote, cfg.checkpoint.keep_last, warn=logger.write)
+    if checkpointer.remote is not None:
+        checkpointer.remote.warn = logger.write  # beside the progress bar
     guard = WeightGuard([p for g in optimizer.param_groups for p in g["params"]],
                         abort=lambda: "an optimizer update made the weights non-finite (NaN/inf)")
     return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir,

@@ -22,7 +22,7 @@ from infclip.config import check_run_length, infer_data_kind, validate
 from infclip.data.decode_trace import format_summary, write_trace
 from infclip.model import clamp_logit_scale
 from infclip.train import checkpoint as ckpt
-from infclip.train.build import Parts, apply_epochs, build
+from infclip.train.build import Parts, apply_epochs, build, build_checkpointer
 from infclip.train.agreement import check_same_config
 from infclip.train.distributed import DistInfo, init_distributed, on_rank0, set_collective_timeout
 from infclip.train.engine import unwrap as _unwrap
@@ -30,7 +30,7 @@ from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
 from infclip.train.guard import NonFiniteError
 from infclip.train.heartbeat import StepHeartbeat
-from infclip.train.resume import (last_finite_checkpoint, maybe_resume, refuse_other_data,
+from infclip.train.resume import (last_finite_checkpoint, load_checkpoint, maybe_resume, refuse_other_data,
                                   refuse_other_world_early, resume_command)
 from infclip.train.profiling import mark_phase_end, profiled_step
 from infclip.train.rundir import derive_run_dir, record_start, run_dir_lock
@@ -86,12 +86,15 @@ def _start(cfg: Any, info: DistInfo, run_dir: Path, overrides: list[str], log: O
     accepted (the checkpoint loaded): a refused start leaves the folder as it was; then
     out.log gets the lines printed so far and every later one (``log``)."""
     refuse_other_world_early(cfg, info, run_dir)  # before the model: a world the checkpoints cannot split
+    checkpointer = build_checkpointer(cfg, info, run_dir)
+    loaded = load_checkpoint(cfg, info, run_dir, checkpointer)  # "resumed from ..." before the model and data lines
     torch.manual_seed(cfg.seed + info.rank)
-    parts = build(cfg, info, run_dir)
+    parts = build(cfg, info, run_dir, checkpointer)
     state = State()
     parts.overrides = overrides
     parts.guard.abort = lambda: _weights_abort_message(cfg, info, parts, state)
-    changes = maybe_resume(cfg, info, parts, state)
+    changes = maybe_resume(cfg, info, parts, state, loaded)
+    del loaded  # its tensors are in the model and optimizer now
     on_rank0(info, lambda: record_start(cfg, run_dir, overrides))
     if log is not None and info.is_main:
         log.open(run_dir)

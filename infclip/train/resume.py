@@ -16,7 +16,9 @@ trainable parameters, optimizer kind, objective, batch and seed) are refused wit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -52,16 +54,41 @@ class ResumeError(ConfigError):
     """The run cannot resume as configured; the message names the checkpoint and the fix."""
 
 
-def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> dict[str, list]:
-    """Loads the chosen checkpoint (if any) into model, optimizer, scheduler, scaler, data
-    position, RNG and ``state``; all ranks resume the same step. Returns the applied config
-    changes, ``{key: [old, new]}`` ({} for a fresh start or an unchanged config)."""
-    path = _resume_path(cfg, info, parts)
+@dataclass
+class Loaded:
+    """A checkpoint picked and read before the model is built (``load_checkpoint``)."""
+
+    path: Path
+    model_state: dict
+    train_state: dict
+    rank_state: Optional[dict]  # None for a rank beyond the world that wrote it
+
+
+def load_checkpoint(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Any) -> Optional[Loaded]:
+    """Before any model or data is built: picks the checkpoint to resume (rank 0, broadcast),
+    reads it, refuses a change of a key its state depends on, and says ``resumed from <path> at
+    step N`` first of the start's lines (the model and data lines follow). None for a fresh start."""
+    say = print if info.is_main else (lambda line: None)
+    picker = SimpleNamespace(run_dir=run_dir, checkpointer=checkpointer, logger=SimpleNamespace(write=say))
+    path = _resume_path(cfg, info, picker)
     if path is None:
+        return None
+    loaded = Loaded(path, *_load(path, info))
+    from omegaconf import OmegaConf
+
+    _refuse_fixed_changes(loaded.train_state.get("config") or {}, OmegaConf.to_container(cfg, resolve=True), path)
+    say(f"resumed from {path} at step {loaded.train_state['step']}")
+    return loaded
+
+
+def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any, loaded: Optional[Loaded]) -> dict[str, list]:
+    """Puts the checkpoint ``load_checkpoint`` read (if any) into model, optimizer, scheduler,
+    scaler, data position, RNG and ``state``; all ranks resume the same step. Returns the applied
+    config changes, ``{key: [old, new]}`` ({} for a fresh start or an unchanged config)."""
+    if loaded is None:
         return {}
-    model_state, train_state, rank_state = _load(path, info)
+    path, model_state, train_state, rank_state = loaded.path, loaded.model_state, loaded.train_state, loaded.rank_state
     saved_cfg = train_state.get("config") or {}
-    _refuse_fixed_changes(saved_cfg, parts.config, path)
     unwrap(parts.model).load_state_dict(model_state)
     fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups]
     parts.optimizer.load_state_dict(train_state["optimizer"])
@@ -79,7 +106,6 @@ def maybe_resume(cfg: Any, info: DistInfo, parts: Any, state: Any) -> dict[str, 
     parts.checkpointer.protected = path
     if path.parent.resolve() == parts.checkpointer.root.resolve():
         state.saved_step = state.step  # this run's own checkpoint: no need to write it again
-    parts.logger.write(f"resumed from {path} at step {state.step}")
     parts.logger.write(_data_line(cfg, info, parts, state, written))
     changes = config_changes(saved_cfg, parts.config, APPLIED_ON_RESUME)
     saved_lr = (train_state["scheduler"].get("base_lrs") or [cfg.optim.lr])[0]

@@ -132,7 +132,9 @@ def test_ctrl_c_checkpoints_the_last_step_exits_0_and_resumes_exactly(tmp_path, 
     was a KeyboardInterrupt traceback, exit 130, no checkpoint."""
     rc, out, last = _signal_mid_run(tmp_path, data_root, signal.SIGINT, child_env())
     assert rc == 0 and "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
-    assert "interrupted: stopping after this step with a checkpoint" in out
+    # once, though the group's loader worker got the SIGINT too (forked with the trainer's handler,
+    # it announced the stop a second time)
+    assert out.count("interrupted: stopping after this step with a checkpoint") == 1, out[-3000:]
     assert ckpt.list_checkpoints(tmp_path / "run")[-1].name == f"step_{last:08d}" and last < STEPS
     assert not list((tmp_path / "run" / "checkpoints").glob(".step_*.tmp"))
     second = run(train_cmd(data_root, tmp_path / "run", *COMMON), cwd=tmp_path)

@@ -57,7 +57,7 @@ def test_sbatch_dry_run_static_rendezvous_wiring(tmp_path):
     assert sorted(nodes) == [0, 1, 2]
     first_host = nodes[0][0]
     for i, (host, argv) in nodes.items():
-        assert argv[0] == "torchrun" and argv[-4:] == [
+        assert argv[:3] == ["python", "-m", "infclip.launch"] and argv[-4:] == [
             str(ROOT / "train.py"), "experiment=vit_b32_laion", f"data.shards={shards}", "batch.global_size=262144"]
         o = _opts(argv)
         assert o["nnodes"] == "3" and o["nproc_per_node"] == "4" and o["node_rank"] == str(i)
@@ -109,6 +109,7 @@ def _fake_bin(tmp_path):
 def test_sbatch_real_path_launches_every_node_and_forwards_usr1_once(tmp_path):
     fake = _fake_bin(tmp_path)
     env = _clean_env(PATH=f"{fake}:{os.environ['PATH']}", FAKE_DIR=str(fake), SLURM_JOB_ID="777",
+                     INFCLIP_LAUNCHER="torchrun",
                      SLURM_JOB_NODELIST="n[1-2]", SLURM_SUBMIT_DIR=str(ROOT), GPUS_PER_NODE="2")
     proc = subprocess.Popen(["bash", str(SLURM / "train.sbatch"), "steps=3"], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -225,7 +226,7 @@ def test_node_script_forwards_usr1_to_workers_in_their_own_session(tmp_path):
         "sys.exit(p.wait())\n")
     (d / "torchrun").chmod(0o755)
     env = _clean_env(PATH=f"{d}:{os.environ['PATH']}", NNODES="1", GPUS_PER_NODE="1", MASTER_ADDR="h",
-                     MASTER_PORT="1", SLURM_NODEID="0", INFCLIP_REPO=str(ROOT))
+                     MASTER_PORT="1", SLURM_NODEID="0", INFCLIP_REPO=str(ROOT), INFCLIP_LAUNCHER="torchrun")
     proc = subprocess.Popen(["bash", str(SLURM / "torchrun_node.sh"), "steps=1"], env=env, start_new_session=True)
     deadline = time.monotonic() + 30
     while not (d / "ready").exists():

@@ -72,18 +72,31 @@ def test_trains_writes_metrics_checkpoint_and_eval(tmp_path):
 
 
 def test_resume_continues_step_count_and_matches_uninterrupted(tmp_path):
+    """A resumed run continues the step count and the losses of an uninterrupted one. The line
+    naming the checkpoint comes first of the start's lines, before the model and data lines (it
+    came after the data lines: the start read as a fresh one), in the terminal and in out.log;
+    a resume refused for a key its state depends on (seed) stops before any model or data is built."""
     base = ["eval.tasks=[]", "checkpoint.every_n_steps=2"]
     full = tmp_path / "full"
     run_train(tmp_path, f"run_dir={full}", "steps=4", *base)
     part = tmp_path / "part"
     run_train(tmp_path, f"run_dir={part}", "steps=2", *base)
     proc = run_train(tmp_path, f"run_dir={part}", "steps=4", *base)
-    assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
+    for text in (proc.stdout, (part / "out.log").read_text().split("== start")[-1]):
+        lines = [line for line in text.splitlines() if line.startswith(("resumed from", "data:"))]
+        first = f"resumed from {part / 'checkpoints' / 'step_00000002'} at step 2"
+        assert lines and lines[0].startswith(first), text
+        assert sum(line.startswith("resumed from") for line in lines) == 1
     resumed = losses(part)
     assert sorted(resumed) == [1, 2, 3, 4]  # appended, not overwritten
     ref = losses(full)
     for step in (1, 2, 3, 4):
         assert resumed[step] == pytest.approx(ref[step], rel=1e-6, abs=1e-7), (step, resumed, ref)
+    cmd = [sys.executable, str(ROOT / "train.py"), f"data.synthetic_root={tmp_path / 'synthetic'}", *TINY,
+           f"run_dir={part}", "steps=6", *base, "seed=7"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(tmp_path), cwd=tmp_path)
+    assert refused.returncode == 2 and "cannot resume" in refused.stderr and "seed=7" in refused.stderr
+    assert "data:" not in refused.stdout and "resumed from" not in refused.stdout
 
 
 def test_resume_none_into_a_used_run_dir_is_refused(tmp_path):

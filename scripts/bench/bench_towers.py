@@ -25,7 +25,7 @@ trainer's loss) runs ``--warmup`` steps and then ``--steps`` timed steps. Per va
 * samples/s and MFU: samples/s x FLOPs per sample / ``--peak-tflops``, a sample costing 4
   forward passes of each tower (no-grad pass, replay forward, backward = 2 forwards), forward
   FLOPs counted by ``torch.utils.flop_counter`` on the bf16 model in train mode, as
-  ``scripts/bench_trainer.py`` counts them (FP8 rows: the same count against the same bf16
+  ``scripts/bench/bench_trainer.py`` counts them (FP8 rows: the same count against the same bf16
   peak, so their MFU is the bf16-equivalent rate); ``towers MFU`` divides by the cache pass +
   replay time only (without the loss);
 * one more step under the PyTorch profiler, through the trainer's ``logging.profile_step``

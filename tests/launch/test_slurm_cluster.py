@@ -68,6 +68,9 @@ def test_sweep_gather_and_a_preempted_job_requeues_and_resumes_exactly(cluster, 
     subprocess.run(["scancel", "--signal=USR1", "--batch", preempted], env=cluster, check=True)
     log = sweep / "logs" / f"t_b32-{preempted}.out"
     _wait("b32 requeued", lambda: log.exists() and "requeueing job" in log.read_text())
+    # a requeued job may be missing from squeue between its end and its pending state: wait
+    # for its second start before waiting for the queue to empty
+    _wait("b32 restarted", lambda: "restart 1" in log.read_text())
     _wait("both jobs done", lambda: not _squeue(cluster, jobs[32]) and not _squeue(cluster, jobs[64]), timeout=900)
 
     text = log.read_text()

@@ -342,7 +342,7 @@ _POSITIVE = ("steps", "optim.lr", "optim.eps", "checkpoint.keep_last", "max_nonf
              "dist.join_timeout_s", "dist.timeout_s")
 _NON_NEGATIVE = ("optim.weight_decay", "optim.grad_clip", "schedule.warmup_steps", "memory.prefetch_steps",
                  "logging.every_n_steps", "checkpoint.every_n_steps", "logging.profile_step",
-                 "logging.decode_trace_step", "dist.stop_grace_s")
+                 "logging.decode_trace_step", "logging.heartbeat_s", "dist.stop_grace_s")
 
 
 def _validate_numbers(cfg: Any) -> None:

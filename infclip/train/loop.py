@@ -163,8 +163,8 @@ def fit(cfg: Any, info: DistInfo, parts: Parts, state: State) -> dict:
 
 def _heartbeat(cfg: Any, info: DistInfo, parts: Parts) -> Optional[StepHeartbeat]:
     """The main rank's line every logging.heartbeat_s while a step runs longer (None: off)."""
-    every = float(getattr(cfg.logging, "heartbeat_s", 0) or 0)
-    if every <= 0 or not info.is_main:
+    every = float(cfg.logging.heartbeat_s)
+    if every == 0 or not info.is_main:
         return None
     beat = StepHeartbeat(every, lambda line: print(line, flush=True))
     parts.engine.on_micro = beat.micro

@@ -111,3 +111,12 @@ def test_the_trainer_wires_the_heartbeat_on_the_main_rank_only_and_off_at_zero()
         assert engine.on_micro == hb.micro and hb.every_s == 30
     finally:
         hb.close()
+
+
+def test_a_negative_heartbeat_is_refused_before_anything_runs():
+    from infclip.config import ConfigError, TrainConfig, _validate_numbers
+
+    cfg = TrainConfig()
+    cfg.logging.heartbeat_s = -5
+    with pytest.raises(ConfigError, match=r"logging.heartbeat_s must be >= 0, got -5"):
+        _validate_numbers(cfg)

@@ -39,7 +39,7 @@ Kinds:
 Per run: the median over the steady steps (all but the first) of samples/s and the step
 split (data wait, cache pass, loss, replay, optimizer), peak GPU memory
 (``max_memory_allocated``), peak host RSS of the trainer process, and model FLOPs
-utilisation: samples/s x FLOPs per sample / ``--peak-tflops``, with a sample costing 4
+utilisation: samples/s x FLOPs per sample / (``--peak-tflops`` x the run's GPUs), with a sample costing 4
 forward passes of each trained tower under the gradient cache (no-grad pass, replay forward,
 backward = 2 forwards) and 1 of a locked one; forward FLOPs counted by
 ``torch.utils.flop_counter`` on the real model. Writes ``trainer.json`` and ``trainer.md``.
@@ -429,9 +429,8 @@ def main(argv=None) -> None:
         key = f"{model[0]} patch_dropout={model[1]}"
         if key not in flops:
             flops[key] = fwd_gflops(*model)
-        gi, gt = flops[key]
-        per_sample = (gi * (1 if kind.startswith("lit") else 4) + gt * 4) * 1e9
-        res["mfu_pct"] = 100 * res["samples_per_s"] * per_sample / (a.peak_tflops * 1e12)
+        res["mfu_pct"] = mfu_pct(res["samples_per_s"], *flops[key], lit=kind.startswith("lit"),
+                                 peak_tflops=a.peak_tflops, gpus=gpus)
         res.update(kind=kind + "".join(f" {o}" for o in overrides), gpus=gpus, global_batch=g, steps=steps)
         results.append(res)
         print(json.dumps(res), flush=True)
@@ -439,6 +438,15 @@ def main(argv=None) -> None:
     table = _table(results)
     (Path(a.out) / "trainer.md").write_text(table)
     print(table)
+
+
+def mfu_pct(samples_per_s: float, image_gflop: float, text_gflop: float, *, lit: bool,
+            peak_tflops: float, gpus: int) -> float:
+    """Model FLOPs utilisation in % of the run's GPUs together: a trained tower costs 4
+    forwards per sample under the gradient cache, a locked one 1; ``samples_per_s`` is the whole
+    run's rate, so the peak is ``peak_tflops`` times ``gpus``."""
+    per_sample = (image_gflop * (1 if lit else 4) + text_gflop * 4) * 1e9
+    return 100 * samples_per_s * per_sample / (peak_tflops * 1e12 * gpus)
 
 
 def _table(results: list[dict]) -> str:

@@ -43,6 +43,11 @@ class ModelConfig:
     # Off by default until its speed on the GPU is measured (scripts/bench/bench_towers.py)
     sdpa_attention: bool = False
     compile: bool = False  # torch.compile the towers in place (state-dict keys unchanged), as open_clip's --torchcompile
+    # under DDP, let dynamo split each compiled tower at DDP's gradient buckets (torch's optimize_ddp), so that
+    # buckets all-reduce while the backward runs. Under the gradient cache only the last micro-batch's backward
+    # all-reduces, and the split (21 graphs for ViT-B/32 instead of 2) cuts fusion in every replay micro-batch;
+    # false: each tower compiles whole, as on one GPU, and its gradients all-reduce after that backward.
+    compile_ddp_split: bool = False
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
     init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)
     max_logit_scale: float = 4.605170185988092  # clamp: ln 100, as in CLIP

@@ -204,7 +204,7 @@ def clamp_logit_scale(model: torch.nn.Module, max_value: float = math.log(100)) 
         model.logit_scale.clamp_(0, max_value)
 
 
-def compile_towers(model: torch.nn.Module) -> list[str]:
+def compile_towers(model: torch.nn.Module, **compile_kw: Any) -> list[str]:
     """``torch.compile`` each tower in place (``nn.Module.compile``: the module keeps its
     parameters and state-dict keys, so checkpoints, DDP, LiT locks and the gradient-cache
     replay see the same module). Returns the names of the compiled submodules.
@@ -213,10 +213,11 @@ def compile_towers(model: torch.nn.Module) -> list[str]:
     compiled: ``model(image=..., text=...)`` and ``encode_image`` of a frozen LiT tower alike.
     Graphs are specialised on grad mode and autocast, so the cache pass (no grad) and the
     replay (grad) each compile once; eval batches of other sizes recompile once (dynamic).
+    ``compile_kw`` go to ``torch.compile`` (e.g. ``backend``; inductor by default).
     """
     names = [n for n in ("visual", "transformer", "text") if isinstance(getattr(model, n, None), torch.nn.Module)]
     if not names:
         raise ValueError(f"model.compile=true: {type(model).__name__} has no visual/text tower to compile")
     for n in names:
-        getattr(model, n).compile()
+        getattr(model, n).compile(**compile_kw)
     return names

@@ -80,6 +80,7 @@ def build(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Optional[ckpt.C
     _fp8(cfg, info, built.model)  # after the locks (trained layers only), before compile and DDP wrap them
     if cfg.model.compile:  # in place: state-dict keys, locks and DDP see the same modules
         compile_towers(built.model)
+        _compile_under_ddp(cfg, info)
     model = _wrap_ddp(built.model, info)
     data, eval_cfg, normalizer, towers = _build_data(cfg, info, built)
     check_tasks(eval_cfg)  # open every eval dataset now: a wrong path fails before training
@@ -185,6 +186,21 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
     if info.is_main:
         print(data_line(cfg, data, shards), flush=True)
     return data, eval_cfg, normalizer, towers
+
+
+def _compile_under_ddp(cfg: Any, info: DistInfo) -> None:
+    """model.compile_ddp_split: whether dynamo splits the compiled towers at DDP's buckets (its
+    ``optimize_ddp``, a process-wide setting read when a graph compiles). Said in one startup line
+    on more than one rank; one process has no DDP and nothing to split."""
+    if not info.distributed:
+        return
+    split = bool(cfg.model.compile_ddp_split)
+    torch._dynamo.config.optimize_ddp = split
+    if info.is_main:
+        how = ("split at DDP's gradient buckets (model.compile_ddp_split=true)" if split else
+               "whole, as on one GPU; gradients all-reduce after the last micro-batch's backward "
+               "(model.compile_ddp_split=false)")
+        print(f"model: compiled towers under DDP: {how}", flush=True)
 
 
 def _fp8(cfg: Any, info: DistInfo, model: torch.nn.Module) -> None:

@@ -64,6 +64,16 @@ def test_sbatch_dry_run_static_rendezvous_wiring(tmp_path):
         assert o["master_addr"] == first_host and o["master_port"] == str(20000 + 555 % 20000)
     assert "--ntasks=3 --ntasks-per-node=1" in proc.stdout  # one torchrun per node
     assert "OMP_NUM_THREADS=16" in proc.stdout  # 64 CPUs / 4 GPUs
+    assert "NCCL sockets 4 thread(s) x 4" in proc.stdout  # the socket transport's parallelism, unless set
+
+
+def test_sbatch_keeps_the_user_s_nccl_socket_settings(tmp_path):
+    proc = subprocess.run(
+        [str(SLURM / "train.sbatch"), "--dry-run", "--nodes", "2", "experiment=vit_b32_laion"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+        env=_clean_env(GPUS_PER_NODE="4", SLURM_JOB_ID="7", NCCL_SOCKET_NTHREADS="2", NCCL_NSOCKS_PERTHREAD="8"),
+    )
+    assert "NCCL sockets 2 thread(s) x 8" in proc.stdout
 
 
 def test_sbatch_dry_run_c10d_rendezvous_and_given_hosts(tmp_path):

@@ -12,9 +12,14 @@ Invariants:
 - nothing is printed for a step shorter than ``every_s`` (the usual case: no noise);
 - the counts are the host's: under CUDA's asynchronous launches they may run ahead of the GPU
   by the launch queue, never behind it;
-- "left" weighs a replayed micro-batch as three cache-pass micro-batches (the replay runs the
-  forward again and the backward, about two forwards), and is omitted until one is done;
-- the beat never blocks the step: the engine's callback only stores three numbers.
+- "left" in the replay is the replay's own rate so far; in the cache pass it is the cache pass's
+  rate plus the replay's predicted time: the cache pass's time times the last finished step's
+  measured ratio of replay to cache pass, or before any step finished, ``replay_weight`` replayed
+  micro-batches per cache-pass one (3: the replay runs the forward again and the backward, about
+  two forwards, when every tower is trained). With ``replay_weight=None`` (a locked tower runs in
+  the cache pass only, so no fixed ratio holds) the first step's cache pass says no time left;
+- the beat never blocks the step: the engine's callback stores a few numbers and reads the clock
+  at the end of the cache pass.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-REPLAY_WEIGHT = 3.0  # a replayed micro-batch: forward + backward (~2 forwards) against one no-grad forward
+REPLAY_WEIGHT = 3.0  # a replayed micro-batch of trained towers: forward + backward (~2 forwards) against one forward
 
 
 def clock_text(seconds: float) -> str:
@@ -41,26 +46,37 @@ class StepHeartbeat:
     after each micro-batch; ``beat()`` returns the line that is due now, or None. ``start()``
     runs a daemon thread that hands due lines to ``say``."""
 
-    def __init__(self, every_s: float, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, every_s: float, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic,
+                 replay_weight: Optional[float] = REPLAY_WEIGHT):
         if every_s <= 0:
             raise ValueError("logging.heartbeat_s must be > 0 for a heartbeat (0 turns it off)")
         self.every_s, self.say, self.clock = float(every_s), say, clock
+        self.replay_weight = replay_weight  # replay / cache-pass time per micro-batch until a step measures it
         self._step: Optional[tuple[int, int]] = None
         self._t0 = self._next = 0.0
         self._phase: Optional[tuple[str, int, int]] = None
+        self._cache: Optional[tuple[float, int]] = None  # (when this step's cache pass ended, its micro-batches)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def begin(self, step: int, steps: int) -> None:
-        self._phase = None
+        self._phase, self._cache = None, None
         self._t0 = self.clock()
         self._next = self._t0 + self.every_s
         self._step = (step, steps)
 
     def micro(self, phase: str, done: int, total: int) -> None:
         self._phase = (phase, done, total)
+        if phase == "cache pass" and done == total:
+            self._cache = (self.clock(), total)
 
     def end(self) -> None:
+        """Closes the step; one with both passes seen measures the replay's weight for the next."""
+        phase, cache = self._phase, self._cache
+        if cache is not None and phase is not None and phase[0] == "replay" and phase[1] == phase[2]:
+            cache_s, replay_s = cache[0] - self._t0, self.clock() - cache[0]
+            if cache_s > 0 and replay_s > 0:
+                self.replay_weight = (replay_s / phase[2]) / (cache_s / cache[1])
         self._step = None
 
     def beat(self) -> Optional[str]:
@@ -68,19 +84,32 @@ class StepHeartbeat:
         if step is None or now < self._next:
             return None
         self._next = now + self.every_s
-        return self._line(step, now - self._t0, self._phase)
+        return self._line(step, now, self._phase)
 
-    @staticmethod
-    def _line(step: tuple[int, int], elapsed: float, phase: Optional[tuple[str, int, int]]) -> str:
-        head = f"step {step[0]}/{step[1]} running {clock_text(elapsed)}"
+    def _line(self, step: tuple[int, int], now: float, phase: Optional[tuple[str, int, int]]) -> str:
+        head = f"step {step[0]}/{step[1]} running {clock_text(now - self._t0)}"
         if phase is None:
             return head + ": waiting for its first micro-batch"
         name, done, total = phase
-        # work done, in cache-pass micro-batches, of total * (1 + REPLAY_WEIGHT)
-        work = done if name == "cache pass" else total + REPLAY_WEIGHT * done
-        left = elapsed * ((1 + REPLAY_WEIGHT) * total - work) / work if work else None
+        left = self._left(name, done, total, now)
         tail = f"; about {clock_text(left)} left" if left is not None else ""
         return f"{head}: {name} {done:,} of {total:,} micro-batches{tail}"
+
+    def _left(self, name: str, done: int, total: int, now: float) -> Optional[float]:
+        """Seconds left in the step at the rates so far (None: no rate to go by yet)."""
+        if done == 0:
+            return None
+        if name == "replay" and self._cache is not None:
+            per_replay = (now - self._cache[0]) / done
+            return per_replay * (total - done)
+        if self.replay_weight is None:
+            return None
+        if name == "cache pass":
+            per_cache = (now - self._t0) / done
+            return per_cache * (total - done) + self.replay_weight * per_cache * total
+        # a replay whose cache pass was not reported: work in cache-pass micro-batches
+        work = total + self.replay_weight * done
+        return (now - self._t0) * ((1 + self.replay_weight) * total - work) / work
 
     # -------------------------------------------------------------------- thread
     def start(self) -> "StepHeartbeat":

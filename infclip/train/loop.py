@@ -29,7 +29,7 @@ from infclip.train.engine import unwrap as _unwrap
 from infclip.train import slurm
 from infclip.train.evaluation import eval_due, evaluate
 from infclip.train.guard import NonFiniteError
-from infclip.train.heartbeat import StepHeartbeat
+from infclip.train.heartbeat import REPLAY_WEIGHT, StepHeartbeat
 from infclip.train.resume import (last_finite_checkpoint, load_checkpoint, maybe_resume, refuse_other_data,
                                   refuse_other_world_early, resume_command)
 from infclip.train.profiling import mark_phase_end, profiled_step
@@ -166,7 +166,9 @@ def _heartbeat(cfg: Any, info: DistInfo, parts: Parts) -> Optional[StepHeartbeat
     every = float(cfg.logging.heartbeat_s)
     if every == 0 or not info.is_main:
         return None
-    beat = StepHeartbeat(every, lambda line: print(line, flush=True))
+    locked = cfg.model.lock_image or cfg.model.lock_text  # a locked tower runs in the cache pass only
+    beat = StepHeartbeat(every, lambda line: print(line, flush=True),
+                         replay_weight=None if locked else REPLAY_WEIGHT)
     parts.engine.on_micro = beat.micro
     return beat.start()
 

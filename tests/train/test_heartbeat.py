@@ -42,13 +42,52 @@ def test_the_line_names_the_phase_and_the_time_left_at_the_rate_so_far():
     hb.begin(1, 3)
     hb.micro("cache pass", 1024, 4096)  # a quarter of the cache pass in 60 s: 240 s for it ...
     clock.t += 60
-    # ... and 3 x 240 s for the replay: 960 s in all, 900 s left
+    # ... and 3 x 240 s for the replay (the prior: both towers trained): 960 s in all, 900 s left
     assert hb.beat() == "step 1/3 running 1m00s: cache pass 1,024 of 4,096 micro-batches; about 15m00s left"
-    hb.micro("replay", 2048, 4096)  # work done: 4096 + 3 * 2048 of 4 * 4096 cache-pass units
+    clock.t += 180
+    hb.micro("cache pass", 4096, 4096)  # the cache pass ends at 240 s
+    clock.t += 300
+    hb.micro("replay", 2048, 4096)  # half the replay in 300 s: its own rate, 300 s left
+    assert hb.beat() == "step 1/3 running 9m00s: replay 2,048 of 4,096 micro-batches; about 5m00s left"
+
+
+def test_a_finished_step_measures_the_replay_for_the_next_step_s_cache_pass():
+    clock = Clock()
+    hb = StepHeartbeat(60, say=print, clock=clock)
+    hb.begin(1, 3)
+    clock.t += 100
+    hb.micro("cache pass", 10, 10)  # 10 s a cache-pass micro-batch
+    clock.t += 50
+    hb.micro("replay", 10, 10)  # 5 s a replayed one: weight 0.5, not the prior 3
+    hb.end()
+    hb.begin(2, 3)
+    clock.t += 50
+    hb.micro("cache pass", 5, 10)
+    clock.t += 10  # 12 s a micro-batch so far: 5 x 12 s of cache pass and 0.5 x 10 x 12 s of replay left
+    assert hb.beat() == "step 2/3 running 1m00s: cache pass 5 of 10 micro-batches; about 2m00s left"
+
+
+def test_a_locked_tower_s_first_cache_pass_gives_no_time_left_until_a_step_measured_the_replay():
+    clock = Clock()
+    hb = StepHeartbeat(60, say=print, clock=clock, replay_weight=None)  # LiT: the image tower runs once
+    hb.begin(1, 2)
     clock.t += 60
-    line = hb.beat()
-    assert line.startswith("step 1/3 running 2m00s: replay 2,048 of 4,096 micro-batches; about ")
-    assert line.endswith(f"{clock_text(120 * (4 * 4096 - 10240) / 10240)} left")
+    hb.micro("cache pass", 465, 1024)
+    assert hb.beat() == "step 1/2 running 1m00s: cache pass 465 of 1,024 micro-batches"
+    clock.t += 72
+    hb.micro("cache pass", 1024, 1024)
+    clock.t += 40
+    hb.micro("replay", 512, 1024)
+    clock.t += 8
+    assert hb.beat() == "step 1/2 running 3m00s: replay 512 of 1,024 micro-batches; about 48s left"
+    hb.micro("replay", 1024, 1024)
+    hb.end()
+    hb.begin(2, 2)
+    clock.t += 60
+    hb.micro("cache pass", 512, 1024)
+    # step 1: 132 s of cache pass, 48 s of replay (weight 48 / 132); now 60 s of cache pass left
+    # and (48 / 132) x 120 s of replay
+    assert hb.beat().endswith("cache pass 512 of 1,024 micro-batches; about 1m43s left")
 
 
 def test_clock_text():

@@ -28,7 +28,8 @@ def _towers_of_several_buckets() -> torch.nn.Module:
 
 
 def _graphs_and_grads(split: bool, images, tokens) -> tuple[int, int, list]:
-    """(graphs of the no-grad unwrapped pass, graphs added by the DDP forward with grad, grads)."""
+    """(graphs of the no-grad unwrapped pass, graphs added by the DDP forwards with grad, the
+    gradients after one local and one all-reduced backward); each rank has its own rows."""
     import torch._dynamo as dynamo
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -45,10 +46,16 @@ def _graphs_and_grads(split: bool, images, tokens) -> tuple[int, int, list]:
     with torch.no_grad():
         model(images, tokens)
     cache_pass = len(compiled)
-    with ddp.no_sync():
+    with ddp.no_sync():  # a replay micro-batch before the last: gradients stay local
         img, txt, _ = ddp(images, tokens)
         (img.square().sum() + txt.square().sum()).backward()
-    return cache_pass, len(compiled) - cache_pass, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    img, txt, _ = ddp(images.flip(0), tokens.flip(0))  # the last one: its backward all-reduces
+    (img.square().sum() + txt.square().sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    gathered = [torch.cat([g.flatten() for g in grads]) for _ in range(WORLD)]
+    torch.distributed.all_gather(gathered, gathered[0].clone())
+    torch.testing.assert_close(gathered[0], gathered[1])  # the ranks agree: the all-reduce ran
+    return cache_pass, len(compiled) - cache_pass, grads
 
 
 def _worker(images, tokens) -> dict:

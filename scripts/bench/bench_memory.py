@@ -16,6 +16,13 @@ vanilla (full b x b logits per rank; on several ranks the all-gather baseline) |
 (open_clip local loss: local rows x gathered columns), OFFLOAD in on|off. Rows are
 appended to OUT/memory.csv as they finish; rows predicted to overrun --time-budget-s are
 recorded as skipped. CPU (``--device cpu --model tiny``) runs the same code as a smoke test.
+
+``--plot PNG CSV [CSV ...]`` runs nothing: it draws the rows of earlier runs' CSVs (several
+machines, models or measurements) in one figure, a line per (model, GPUs, loss, offload,
+device), e.g. the figure in docs/benchmarks.md:
+
+    python scripts/bench/bench_memory.py --plot docs/bench_memory.png docs/bench_memory_h200.csv \
+        docs/bench_memory_lit_h100.csv docs/bench_memory_lit_trainer_h200.csv
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=1e9, help="skip rows predicted to overrun")
     p.add_argument("--out", default=os.environ.get("OUT", ".bench"), help="folder for memory.csv/.md")
     p.add_argument("--check", action="store_true", help="first: tiny model, offload on vs off, same grads?")
+    p.add_argument("--plot", nargs="+", metavar=("PNG", "CSV"), help="only draw PNG from these CSVs")
     return p.parse_args(argv)
 
 
@@ -290,23 +298,28 @@ def _phases(r: dict) -> str:
     return " / ".join(f"{r[k]:.2f}" if isinstance(r.get(k), float) else "-" for k in keys)
 
 
-def plot(csv_path: Path, png: Path) -> None:
-    """Peak memory vs global batch, one line per (loss, offload); needs matplotlib."""
+def plot(csvs: list[Path], png: Path) -> None:
+    """Peak memory vs global batch, one line per (model, GPUs, loss, offload, device) of the
+    CSVs' finished rows; needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in csv.DictReader(open(csv_path)) if r["status"] == "ok"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in sorted({(r["model"], r["gpus"], r["loss"], r["offload"]) for r in rows}):
-        pts = sorted((int(r["global_batch"]), float(r["peak_gb"])) for r in rows
-                     if (r["model"], r["gpus"], r["loss"], r["offload"]) == key)
-        ax.plot(*zip(*pts), marker="o", label=f"{key[0]} x{key[1]} {key[2]} offload={key[3]}")
+    rows = [r for path in csvs for r in csv.DictReader(open(path)) if r["status"] == "ok"]
+    if not rows:
+        raise ValueError(f"no finished row in {', '.join(map(str, csvs))}")
+    key = lambda r: (r["model"], r["gpus"], r["loss"], r["offload"], r.get("device", ""))  # noqa: E731
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in sorted({key(r) for r in rows}):
+        pts = sorted((int(r["global_batch"]), float(r["peak_gb"])) for r in rows if key(r) == k)
+        device = k[4].replace("NVIDIA ", "")
+        ax.plot(*zip(*pts), marker="o", label=f"{k[0]} x{k[1]} {k[2]} offload={k[3]}, {device}")
     ax.set(xscale="log", xlabel="global batch", ylabel="peak GB per GPU", title="One optimizer step")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
+    plt.close(fig)
 
 
 def check_offload(ctx: Ctx) -> float:
@@ -327,6 +340,12 @@ def check_offload(ctx: Ctx) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.plot:
+        if len(args.plot) < 2:
+            raise SystemExit("--plot PNG CSV [CSV ...]: name the figure, then at least one CSV")
+        plot([Path(c) for c in args.plot[1:]], Path(args.plot[0]))
+        print(f"wrote {args.plot[0]}")
+        return
     ctx = setup(args)
     if args.check and ctx.rank == 0:
         try:
@@ -336,7 +355,7 @@ def main(argv=None) -> None:
     run(ctx)
     if ctx.rank == 0:
         try:
-            plot(Path(args.out) / "memory.csv", Path(args.out) / "memory.png")
+            plot([Path(args.out) / "memory.csv"], Path(args.out) / "memory.png")
         except ImportError:
             print("matplotlib missing: no memory.png (the CSV and the markdown table are written)")
     if ctx.world > 1:

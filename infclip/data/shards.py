@@ -212,6 +212,7 @@ def _check_end_marker(tar: tarfile.TarFile) -> None:
 
 
 PIPE_WAIT_S = 60.0  # after its stream ended, how long a pipe: command may take to exit
+PIPE_DRAIN_BYTES = 1 << 20  # read after the end-of-archive block: a tar's zero padding (tar pads to 10 KiB records)
 
 
 def _open(url: str) -> tuple:
@@ -226,7 +227,14 @@ def _open(url: str) -> tuple:
 
 def _close(stream, proc, read_to_end: bool) -> bool:
     """Closes a shard's stream; False when its pipe: command failed (a non-zero exit after the
-    stream was read to its end). A stream left early (the reader stopped) ends its command."""
+    stream was read to its end). A stream left early (the reader stopped) ends its command.
+
+    tarfile stops at the end-of-archive block, before the archive's zero padding; a pipe:
+    command still writing that padding would die of SIGPIPE when the stream closes and look
+    failed. So a pipe read to its end is drained first (up to ``PIPE_DRAIN_BYTES``); a command
+    that writes more than that after its archive is ended without counting a failure."""
+    if proc is not None and read_to_end and not _drained(stream):
+        read_to_end = False
     try:
         stream.close()
     except Exception:  # a gopen stream of another kind that reports a failure here
@@ -242,6 +250,21 @@ def _close(stream, proc, read_to_end: bool) -> bool:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+        return False
+
+
+def _drained(stream) -> bool:
+    """Reads ``stream`` to its end, discarding; False when more than ``PIPE_DRAIN_BYTES`` remain
+    (or the read fails)."""
+    left = PIPE_DRAIN_BYTES
+    try:
+        while left > 0:
+            chunk = stream.read(min(left, 1 << 16))
+            if not chunk:
+                return True
+            left -= len(chunk)
+        return not stream.read(1)
+    except (OSError, ValueError):
         return False
 
 

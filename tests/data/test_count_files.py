@@ -94,6 +94,12 @@ def test_a_failing_pipe_command_keeps_its_samples_and_counts_one_pipe_error(tmp_
         assert len(keys) == 20 and counts == Counter(pipe_error=1), (len(keys), counts)
     counts = Counter()
     assert len(list(iter_samples(f"pipe:cat {path}", counts))) == 20 and not counts
+    # the archive's padding after its end block, larger than a pipe's buffer: the command is still
+    # writing when tarfile stops; it is drained, exits 0, and nothing is counted
+    counts = Counter()
+    assert len(list(iter_samples(f"pipe:cat {path}; head -c 262144 /dev/zero", counts))) == 20 and not counts
+    counts = Counter()  # more than PIPE_DRAIN_BYTES after the archive: ended, not counted as failed
+    assert len(list(iter_samples(f"pipe:cat {path}; cat /dev/zero", counts))) == 20 and not counts
     stream = iter_samples(f"pipe:cat {path}; sleep 60", Counter())
     next(stream)
     stream.close()  # a reader that stops early ends the command, counts nothing, does not wait

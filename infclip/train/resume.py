@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -69,8 +68,7 @@ def load_checkpoint(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Any) 
     reads it, refuses a change of a key its state depends on, and says ``resumed from <path> at
     step N`` first of the start's lines (the model and data lines follow). None for a fresh start."""
     say = print if info.is_main else (lambda line: None)
-    picker = SimpleNamespace(run_dir=run_dir, checkpointer=checkpointer, logger=SimpleNamespace(write=say))
-    path = _resume_path(cfg, info, picker)
+    path = _resume_path(cfg, info, run_dir, checkpointer, say)
     if path is None:
         return None
     loaded = Loaded(path, *_load(path, info))
@@ -267,32 +265,35 @@ def _apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler: Any, fre
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
-def _resume_path(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
+def _resume_path(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Any,
+                 say: Callable[[str], None]) -> Optional[Path]:
     """Rank 0 picks the checkpoint and broadcasts it, so all ranks resume the same step
     (even where a network file system shows ranks different directory listings)."""
-    path = on_rank0(info, lambda: _pick_checkpoint(cfg, info, parts))
+    path = on_rank0(info, lambda: _pick_checkpoint(cfg, info, run_dir, checkpointer, say))
     return broadcast_object(path, info)
 
 
-def _pick_checkpoint(cfg: Any, info: DistInfo, parts: Any) -> Optional[Path]:
-    existing = ckpt.list_checkpoints(parts.run_dir)
+def _pick_checkpoint(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Any,
+                     say: Callable[[str], None]) -> Optional[Path]:
+    """The checkpoint resume= names (None: a fresh start); ``say`` gets the lines about it."""
+    existing = ckpt.list_checkpoints(run_dir)
     if cfg.resume == "none":
         if existing:  # a fresh run would mix its checkpoints with the old run's (and prune them)
             raise ResumeError(
-                f"resume=none but {parts.run_dir}/checkpoints already holds {existing[-1].name}; "
+                f"resume=none but {run_dir}/checkpoints already holds {existing[-1].name}; "
                 "choose a new run_dir (or name), delete that folder, or use resume=auto to continue it"
             )
-        _refuse_used_remote(parts)
+        _refuse_used_remote(checkpointer.remote)
         return None
     if cfg.resume != "auto":
         return _explicit_checkpoint(Path(cfg.resume).expanduser(), info.world_size)
-    path = parts.checkpointer.latest_loadable(info.world_size, warn=parts.logger.write)
-    if path is None and parts.checkpointer.remote is not None:
-        path = _from_remote(parts, info.world_size)
+    path = checkpointer.latest_loadable(info.world_size, warn=say)
+    if path is None and checkpointer.remote is not None:
+        path = _from_remote(checkpointer, info.world_size, say)
     if path is None and existing:
-        why = "; ".join(f"{name}: {reason}" for name, reason in parts.checkpointer.rejected.items())
+        why = "; ".join(f"{name}: {reason}" for name, reason in checkpointer.rejected.items())
         raise ResumeError(
-            f"no checkpoint in {parts.run_dir}/checkpoints can resume {info.world_size} rank(s) ({why}). "
+            f"no checkpoint in {run_dir}/checkpoints can resume {info.world_size} rank(s) ({why}). "
             "Resume on a number of ranks named there, point resume= at an intact "
             "checkpoint elsewhere, or choose a new run_dir."
         )
@@ -342,9 +343,8 @@ def _remote_names(remote: Any) -> list[str]:
         ) from None
 
 
-def _refuse_used_remote(parts: Any) -> None:
+def _refuse_used_remote(remote: Any) -> None:
     """resume=none into a remote that already holds checkpoints is refused, as locally."""
-    remote = parts.checkpointer.remote
     names = _remote_names(remote) if remote is not None else []
     if names:
         raise ResumeError(
@@ -353,17 +353,17 @@ def _refuse_used_remote(parts: Any) -> None:
         )
 
 
-def _from_remote(parts: Any, world_size: int) -> Optional[Path]:
+def _from_remote(checkpointer: Any, world_size: int, say: Callable[[str], None]) -> Optional[Path]:
     """No intact local checkpoint: the newest remote one that verifies, downloaded into this
     run's checkpoints folder (rank 0), with one line saying so; None when the remote has none."""
-    remote = parts.checkpointer.remote
+    remote = checkpointer.remote
     if not _remote_names(remote):
         return None
-    parts.checkpointer.root.mkdir(parents=True, exist_ok=True)
-    path = remote.fetch_latest(parts.checkpointer.root, world_size)
+    checkpointer.root.mkdir(parents=True, exist_ok=True)
+    path = remote.fetch_latest(checkpointer.root, world_size)
     if path is not None:
-        parts.logger.write(f"resume: no intact checkpoint in {parts.checkpointer.root}; downloaded {path.name} "
-                           f"from {remote.url} (verified against its manifest)")
+        say(f"resume: no intact checkpoint in {checkpointer.root}; downloaded {path.name} "
+            f"from {remote.url} (verified against its manifest)")
     return path
 
 

@@ -265,10 +265,9 @@ def test_no_resumable_checkpoint_names_each_one_and_why(tmp_path):
         _save(c, s)
     for p in ckpt.list_checkpoints(tmp_path):
         (p / "model.pt").unlink()
-    parts = SimpleNamespace(run_dir=tmp_path, checkpointer=c, logger=SimpleNamespace(write=lambda line: None))
     info = SimpleNamespace(world_size=1, rank=0)
     with pytest.raises(ResumeError) as e:
-        _pick_checkpoint(SimpleNamespace(resume="auto"), info, parts)
+        _pick_checkpoint(SimpleNamespace(resume="auto"), info, tmp_path, c, lambda line: None)
     assert "step_00000002: model.pt is missing" in str(e.value) and "step_00000001" in str(e.value)
     assert "rank files" not in str(e.value)
 

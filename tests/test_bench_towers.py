@@ -17,7 +17,7 @@ def test_smoke_run_on_a_tiny_model_writes_rows_and_goes_on_after_a_failing_varia
     rows = bench_towers.main(["--models", "infclip-micro", "--micro", "4", "--fp8", "tensorwise,off",
                               "--steps", "1", "--warmup", "1", "--amp", "fp32", "--device", "cpu",
                               "--out", str(tmp_path)])
-    failed, ok, native = rows
+    ok, native, failed = rows  # bf16 rows first whatever --fp8's order: a budget cuts FP8 rows first
     assert native["fp8"] == "off" and native["sdpa_attention"] is False and native["step_s"] > 0
     assert failed["fp8"] == "tensorwise" and "precision.fp8=tensorwise" in failed["error"]  # refused on the CPU
     assert ok["fp8"] == "off" and "error" not in ok
@@ -34,7 +34,8 @@ def test_smoke_run_on_a_tiny_model_writes_rows_and_goes_on_after_a_failing_varia
     assert (tmp_path / "infclip-micro_fp8-off" / "profile" / "step_1_rank_0.md").is_file()  # the trainer's summary
     assert not (tmp_path / "infclip-micro_fp8-off" / "profile" / "step_1_rank_0.json.gz").exists()  # --keep-traces
     saved = json.loads((tmp_path / "towers.json").read_text())
-    assert [r["fp8"] for r in saved["rows"]] == ["tensorwise", "off", "off"]
+    assert [(r["fp8"], r["sdpa_attention"]) for r in saved["rows"]] == [("off", True), ("off", False),
+                                                                       ("tensorwise", True)]
     table = (tmp_path / "towers.md").read_text()
     assert "| infclip-micro | off | 4 x 2 |" in table and "ConfigError" in table
     assert "| infclip-micro | off, nn.MHA attention | 4 x 2 |" in table

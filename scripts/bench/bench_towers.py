@@ -13,7 +13,7 @@ rows')::
 
 For each model (ViT-B/32, ViT-B/16, ViT-L/14 by default) and each ``--fp8`` variant (off,
 tensorwise, rowwise; plus fp8 off with open_clip's ``nn.MultiheadAttention``, the A/B of
-``model.sdpa_attention``), on synthetic inputs (random uint8 images, random tokens, on the GPU: no
+``model.sdpa_attention``; the bf16 rows run first, then the FP8 recipes), on synthetic inputs (random uint8 images, random tokens, on the GPU: no
 data loading, no download), the trainer's own step engine (``infclip.train.engine``: gradient
 cache with ``--micro-batches`` micro-batches of ``--micro`` samples, bf16 autocast, the
 trainer's loss) runs ``--warmup`` steps and then ``--steps`` timed steps. Per variant:
@@ -366,10 +366,14 @@ def profile_classes(engine: Any, built: Any, images, tokens, out: Path, tag: str
 
 
 def variants(a: argparse.Namespace) -> list[tuple[str, bool]]:
-    """(precision.fp8, model.sdpa_attention) of each row per model, in order."""
+    """(precision.fp8, model.sdpa_attention) of each row per model, in order: the bf16 rows
+    first (SDPA, then nn.MultiheadAttention: the attention A/B), then each FP8 recipe, so that a
+    budget that cuts the run cuts FP8 rows before the bf16 baseline's A/B."""
     kinds = a.attention.split(",")
-    rows = [(fp8, True) for fp8 in a.fp8.split(",")] if "sdpa" in kinds else []
-    return rows + ([("off", False)] if "native" in kinds else [])
+    fp8s = a.fp8.split(",")
+    rows = [("off", True)] if "sdpa" in kinds and "off" in fp8s else []
+    rows += [("off", False)] if "native" in kinds else []
+    return rows + ([(f, True) for f in fp8s if f != "off"] if "sdpa" in kinds else [])
 
 
 def label(row: dict) -> str:

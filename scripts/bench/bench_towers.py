@@ -13,10 +13,11 @@ rows')::
 
 For each model (ViT-B/32, ViT-B/16, ViT-L/14 by default) and each ``--fp8`` variant (off,
 tensorwise, rowwise; plus fp8 off with open_clip's ``nn.MultiheadAttention``, the A/B of
-``model.sdpa_attention``; the bf16 rows run first, then the FP8 recipes), on synthetic inputs (random uint8 images, random tokens, on the GPU: no
-data loading, no download), the trainer's own step engine (``infclip.train.engine``: gradient
-cache with ``--micro-batches`` micro-batches of ``--micro`` samples, bf16 autocast, the
-trainer's loss) runs ``--warmup`` steps and then ``--steps`` timed steps. Per variant:
+``model.sdpa_attention``; the bf16 rows run first, then the FP8 recipes), on synthetic inputs
+(random uint8 images, random tokens, on the GPU: no data loading, no download), the trainer's
+own step engine (``infclip.train.engine``: gradient cache with ``--micro-batches`` micro-batches
+of ``--micro`` samples, bf16 autocast, the trainer's loss) runs ``--warmup`` steps and then
+``--steps`` timed steps. Per variant:
 
 * seconds per step of the cache pass (no-grad forward of every micro-batch), the loss, the
   replay forward and the replay backward (the replay's forward timed by CUDA events around

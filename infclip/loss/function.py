@@ -68,7 +68,7 @@ class _LSEPair(torch.autograd.Function):
 
             dimg, dtxt, dscale = ring.ring_backward(img, txt, scale, row, col, g_row, g_col, ctx.ops,
                                                     ctx.group, pos, dup, *pos_lse,
-                                                    need_img=ctx.needs_input_grad[0])
+                                                    need_img=ctx.needs_input_grad[0], dtxt_dtype=txt.dtype)
         # No all-reduce of dscale: each rank returns the part of d(sum of all ranks'
         # losses)/ds that flows through its own rows; DDP's gradient averaging then gives
         # exactly the single-process gradient of the global mean loss.

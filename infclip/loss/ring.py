@@ -21,7 +21,9 @@ are posted:
   which finished its tile at step k-1) while it computes its own partial for that block,
   then merges the two (``logaddexp`` / ``+``). So no transfer ever waits for a tile.
 
-After the last step one more hop carries each finished accumulator home: W hops in all.
+After the last step one more hop carries each finished accumulator home: W hops in all. The
+dT accumulators make that hop in the dtype of the returned gradient (bf16 for bf16 features:
+half the bytes of fp32, the same bits as rounding at home), since no tile is left to hide it.
 Images never move, so dI accumulates in place. On CUDA with NCCL the P2P kernels run on
 the process group's internal communication stream, which waits (through events) on the
 compute stream for the data being sent; ``Work.wait()`` makes the compute stream wait on
@@ -226,9 +228,17 @@ def _groups(dup, blocks: list[Tensor]) -> dict:
     return {"groups": (dup.ids, blocks[2])}
 
 
-def _home(ring: Ring, acc: Tensor, new_out) -> Tensor:
+def _home(ring: Ring, acc: Tensor, new_out, dtype: torch.dtype | None = None) -> Tensor:
     """The last hop: the finished accumulator of block r+1 goes to its owner r+1 (into
-    ``new_out()``, made only when there is a hop)."""
+    ``new_out()``, made only when there is a hop).
+
+    dtype: the dtype the accumulator travels and arrives in, when the owner only rounds it to
+    that dtype (the returned feature gradient): every rank's part is summed in before this hop,
+    so rounding before the hop gives the owner the same bits as rounding after it, in half the
+    bytes for bf16 from fp32 (this hop is the one transfer no tile hides)."""
+    if dtype is not None and dtype != acc.dtype:
+        acc = acc.to(dtype)
+        new_out = lambda: torch.empty_like(acc)  # noqa: E731 - the pool's buffers are fp32
     if ring.world == 1:
         return acc
     out = new_out()
@@ -255,9 +265,11 @@ class _Pool:
 def ring_backward(
     img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
     g_row: Tensor, g_col: Tensor, ops, group, pos: Tensor, dup=None, pos_row: Tensor | None = None,
-    pos_col: Tensor | None = None, need_img: bool = True,
+    pos_col: Tensor | None = None, need_img: bool = True, dtxt_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor | None, Tensor, Tensor]:
-    """(dimg (m, c), dtxt (m, c), dscale 0-d) in the accumulation dtype (fp32, fp64 for fp64).
+    """(dimg (m, c), dtxt (m, c), dscale 0-d) in the accumulation dtype (fp32, fp64 for fp64);
+    dtxt in ``dtxt_dtype`` when given: the finished accumulators travel home in it (``_home``),
+    bit for bit the accumulation-dtype result rounded to it.
     need_img False (LiT's locked image tower): no dI is formed, dimg is None, on tile backends
     that skip an unwanted side (``takes_need``: the Triton tiles; not with duplicates "positive").
 
@@ -309,7 +321,9 @@ def ring_backward(
             dscale += duplicates.positive_backward(img, blocks[0], scale, pos, m[2], dup.ids, blocks[2], k == 0,
                                                    pos_row, m[3], g_row, m[1], dimg, dt_out)
         blocks = nxt
-    return dimg, _home(ring, dt_out, lambda: pool.take(zero=False)), dscale
+    if dtxt_dtype not in (None, acc):
+        pool.free.clear()  # the home hop's buffers, in dtxt_dtype, reuse the pool's memory
+    return dimg, _home(ring, dt_out, lambda: pool.take(zero=False), dtxt_dtype), dscale
 
 
 def _g_diag(g_row: Tensor, g_col: Tensor, pos_row: Tensor | None, pos_col: Tensor | None) -> Tensor:

@@ -151,7 +151,7 @@ def _ring_backward(img, txt, scale, bias, g_row, ops, group):
         d[0] += ds
         d[1] += db
 
-    dtxt = ring_sweep(Ring.of(group), [txt], tile, acc_like=txt, acc_dtype=acc)
+    dtxt = ring_sweep(Ring.of(group), [txt], tile, acc_like=txt, acc_dtype=acc, home_dtype=txt.dtype)
     return dimg, dtxt, d[0], d[1]
 
 

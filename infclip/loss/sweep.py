@@ -32,11 +32,14 @@ Tile = Callable[[int, list[Tensor], Optional[Tensor]], None]
 
 
 def ring_sweep(ring: Ring, blocks: list[Tensor], tile: Tile,
-               acc_like: Optional[Tensor] = None, acc_dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
+               acc_like: Optional[Tensor] = None, acc_dtype: Optional[torch.dtype] = None,
+               home_dtype: Optional[torch.dtype] = None) -> Optional[Tensor]:
     """Runs ``tile`` once per rank's block; returns this rank's finished accumulator (or None).
 
     ``acc_like``: shape/device of the travelling accumulator (usually the local block), in
-    ``acc_dtype``; ``None`` means no accumulator travels (forward passes).
+    ``acc_dtype``; ``None`` means no accumulator travels (forward passes). ``home_dtype``: the
+    finished accumulator makes its last hop and is returned in it, for a caller that only
+    rounds it to that dtype (``ring._home``: the same bits, fewer bytes).
     """
     blocks = [b.contiguous() for b in blocks]
     pool = None if acc_like is None else _Pool(acc_like, acc_dtype or acc_like.dtype)
@@ -55,4 +58,8 @@ def ring_sweep(ring: Ring, blocks: list[Tensor], tile: Tile,
         out = part
         if nxt is not None:
             blocks = nxt
-    return None if pool is None else _home(ring, out, lambda: pool.take(zero=False))
+    if pool is None:
+        return None
+    if home_dtype not in (None, pool.dtype):
+        pool.free.clear()  # the home hop's buffers, in home_dtype, reuse the pool's memory
+    return _home(ring, out, lambda: pool.take(zero=False), home_dtype)

@@ -255,7 +255,43 @@ def case_equivalence():
             img, txt, scale = global_batch(world, m, seed=10 * world + m, peaked=peaked)
             for name, fn in _impls().items():
                 run_case(fn, img, txt, scale, group, f"{name} members={members} peaked={peaked}")
+        home_hop_in_the_gradients_dtype(group, world)
     dist.barrier()
+
+
+def home_hop_in_the_gradients_dtype(group, world: int) -> None:
+    """bf16 features: the finished dT accumulator makes its last hop in bf16 (the sends of the
+    backward's last post), and the text gradient is bit for bit the fp32 accumulator rounded to
+    bf16, as when the hop was fp32; SigLIP's ring the same. The image gradient never travels."""
+    import torch.distributed as dist
+
+    from infclip.loss import clip_loss, ring, siglip_loss
+    from infclip.loss.function import positive_dots
+    from infclip.loss.tiled import TorchTileOps
+
+    r, m = dist.get_rank(group), 6
+    img, txt, scale = global_batch(world, m, seed=77 + world)
+    i, t = (x[r * m:(r + 1) * m].bfloat16().contiguous() for x in (img, txt))
+    ops, pos = TorchTileOps(tile=4), positive_dots(i, t)
+    row, col, _, _ = ring.ring_forward(i, t, scale, ops, group, pos)
+    g = torch.full_like(row, 0.5 / m)
+    posts, post = [], ring.Ring.post
+    ring.Ring.post = lambda self, sends, recvs: posts.append([x.dtype for x in sends]) or post(self, sends, recvs)
+    try:
+        di32, dt32, ds32 = ring.ring_backward(i, t, scale, row, col, g, g, ops, group, pos)
+        home32 = posts[-1]
+        di, dt, ds = ring.ring_backward(i, t, scale, row, col, g, g, ops, group, pos, dtxt_dtype=torch.bfloat16)
+        home16 = posts[-1]
+        for fn in (lambda a, b: clip_loss(a, b, scale, impl="torch", group=group),
+                   lambda a, b: siglip_loss(a, b, torch.tensor(10.0), torch.tensor(-10.0), impl="torch", group=group)):
+            a, b = (x.clone().requires_grad_() for x in (i, t))
+            fn(a, b).backward()
+            assert b.grad.dtype == torch.bfloat16 and posts[-1] == [torch.bfloat16], posts[-1]
+    finally:
+        ring.Ring.post = post
+    assert home32 == [torch.float32] and home16 == [torch.bfloat16], (home32, home16)
+    assert dt32.dtype == torch.float32 and dt.dtype == torch.bfloat16
+    assert torch.equal(dt, dt32.to(torch.bfloat16)) and torch.equal(di, di32) and torch.equal(ds, ds32)
 
 
 class SlowOps:

@@ -49,6 +49,10 @@ class ModelConfig:
     # all-reduces, and the split (21 graphs for ViT-B/32 instead of 2) cuts fusion in every replay micro-batch;
     # false: each tower compiles whole, as on one GPU, and its gradients all-reduce after that backward.
     compile_ddp_split: bool = False
+    # torch.compile's mode for the towers: "default" (inductor's fusion), "max-autotune-no-cudagraphs" (also
+    # benchmarks GEMM / Triton configs while compiling: minutes more), "max-autotune" and "reduce-overhead"
+    # (both also capture CUDA graphs of each compiled graph). Only with model.compile=true.
+    compile_mode: str = "default"
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
     init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)
     max_logit_scale: float = 4.605170185988092  # clamp: ln 100, as in CLIP
@@ -251,6 +255,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "schedule.kind": ("cosine", "constant", "const-cooldown"),
     "precision.amp": ("fp32", "bf16", "fp16", "pure_bf16"),
     "precision.fp8": ("off", "tensorwise", "rowwise"),
+    "model.compile_mode": ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"),
     "memory.grad_cache": ("auto", "on", "off"),
     "memory.cache_dtype": ("fp32", "bf16"),
     "logging.wandb_mode": ("online", "offline", "disabled"),
@@ -522,7 +527,8 @@ def _unknown_key_message(key: str, kind: type, schema: type) -> str:
 
 
 def _validate_model(cfg: Any) -> None:
-    """model.patch_dropout in [0, 1) on a tower that trains; model.image_size > 0 or null; it and
+    """model.patch_dropout in [0, 1) on a tower that trains; model.compile_mode only with
+    model.compile; model.image_size > 0 or null; it and
     data.image_size agree when both are set (the crops must be the side the model is built at)."""
     m = cfg.model
     if not 0 <= m.patch_dropout < 1:
@@ -533,6 +539,9 @@ def _validate_model(cfg: Any) -> None:
         raise ConfigError(f"model.patch_dropout={m.patch_dropout} with model.lock_image=true: the locked image trunk "
                           "(patch dropout included) runs in eval mode, so no patch would be dropped; set "
                           "model.patch_dropout=0 or model.lock_image=false")
+    if m.compile_mode != "default" and not m.compile:
+        raise ConfigError(f"model.compile_mode={m.compile_mode} with model.compile=false: the mode is torch.compile's "
+                          "and nothing would be compiled; add model.compile=true, or drop model.compile_mode")
     if m.image_size is not None and m.image_size <= 0:
         raise ConfigError(f"model.image_size must be > 0 pixels (or null for the model's own), got {m.image_size}")
     _validate_preprocess(m)

@@ -79,8 +79,7 @@ def build(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Optional[ckpt.C
     apply_locks(built.model, cfg.model)
     _fp8(cfg, info, built.model)  # after the locks (trained layers only), before compile and DDP wrap them
     if cfg.model.compile:  # in place: state-dict keys, locks and DDP see the same modules
-        compile_towers(built.model)
-        _compile_under_ddp(cfg, info)
+        _compile(cfg, info, built.model)
     model = _wrap_ddp(built.model, info)
     data, eval_cfg, normalizer, towers = _build_data(cfg, info, built)
     check_tasks(eval_cfg)  # open every eval dataset now: a wrong path fails before training
@@ -186,6 +185,16 @@ def _build_data(cfg: Any, info: DistInfo, built: BuiltModel):
     if info.is_main:
         print(data_line(cfg, data, shards), flush=True)
     return data, eval_cfg, normalizer, towers
+
+
+def _compile(cfg: Any, info: DistInfo, model: torch.nn.Module) -> None:
+    """model.compile: each tower compiled in place in ``model.compile_mode`` (a startup line names
+    a mode other than inductor's default), whole or split under DDP (``_compile_under_ddp``)."""
+    mode = cfg.model.compile_mode
+    compile_towers(model, **({} if mode == "default" else {"mode": mode}))
+    if mode != "default" and info.is_main:
+        print(f"model: towers compiled with torch.compile mode={mode} (model.compile_mode)", flush=True)
+    _compile_under_ddp(cfg, info)
 
 
 def _compile_under_ddp(cfg: Any, info: DistInfo) -> None:

@@ -10,6 +10,8 @@ skipped; eager FP8 runs torchao's casts as separate kernels, so FP8's speed is t
 rows')::
 
     python scripts/bench/bench_towers.py --compile --models ViT-L-14 --attention sdpa --out bench_towers_compile
+    python scripts/bench/bench_towers.py --compile --models ViT-B-16 --fp8 off --attention sdpa \
+        --compile-modes default,max-autotune-no-cudagraphs --out bench_towers_modes
 
 For each model (ViT-B/32, ViT-B/16, ViT-L/14 by default) and each ``--fp8`` variant (off,
 tensorwise, rowwise; plus fp8 off with open_clip's ``nn.MultiheadAttention``, the A/B of
@@ -83,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps first (default 1 eager, 2 with --compile: compiling happens here)")
     p.add_argument("--compile", action="store_true", help="model.compile=true (torch.compile of each tower)")
+    p.add_argument("--compile-modes", default="default",
+                   help="with --compile: comma-separated model.compile_mode values; each one other than 'default' "
+                        "adds a bf16 SDPA row compiled in that mode (e.g. max-autotune-no-cudagraphs,reduce-overhead)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no kernel-class split)")
     p.add_argument("--keep-traces", action="store_true", help="keep each profiled step's Chrome trace (.json.gz)")
     p.add_argument("--no-attention-kernels", action="store_true",
@@ -92,19 +97,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--amp", default="bf16", choices=["bf16", "fp32"], help="precision.amp of the towers")
     p.add_argument("--out", default="bench_towers", help="folder for towers.json, towers.md and the traces")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.compile_modes != "default" and not a.compile:
+        p.error(f"--compile-modes {a.compile_modes} needs --compile (the modes are torch.compile's)")
+    return a
 
 
 # ----------------------------------------------------------------------------- one variant
 
 
 def train_config(model: str, micro: int, k: int, fp8: str, compile_: bool, amp: str, device: str,
-                 sdpa: bool = True) -> Any:
+                 sdpa: bool = True, mode: str = "default") -> Any:
     """The TrainConfig of the trainer for one variant (gradient cache on, no offload)."""
     from infclip.config import TrainConfig
 
     cfg = TrainConfig()
     cfg.model.name, cfg.model.compile, cfg.model.sdpa_attention = model, compile_, sdpa
+    cfg.model.compile_mode = mode
     cfg.batch.global_size, cfg.batch.micro_size = micro * k, micro
     cfg.memory.grad_cache, cfg.memory.offload = "on", False
     cfg.memory.cache_dtype = "bf16" if amp == "bf16" else "fp32"  # as the vit_b32_laion preset
@@ -141,7 +150,8 @@ def build_variant(cfg: Any, device: torch.device, count=None, probe=None) -> tup
     built.model.train()
     probed = probe(built) if probe is not None else None
     if cfg.model.compile:
-        compile_towers(built.model)
+        mode = cfg.model.compile_mode
+        compile_towers(built.model, **({} if mode == "default" else {"mode": mode}))
     engine = build_engine(cfg, built.model, device=device, normalizer=Normalizer(built.mean, built.std).to(device),
                           loss_fn=_loss_fn(cfg, None))
     return built, engine, line, probed
@@ -366,31 +376,37 @@ def profile_classes(engine: Any, built: Any, images, tokens, out: Path, tag: str
     return phase_classes(events)
 
 
-def variants(a: argparse.Namespace) -> list[tuple[str, bool]]:
-    """(precision.fp8, model.sdpa_attention) of each row per model, in order: the bf16 rows
-    first (SDPA, then nn.MultiheadAttention: the attention A/B), then each FP8 recipe, so that a
-    budget that cuts the run cuts FP8 rows before the bf16 baseline's A/B."""
+def variants(a: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """(precision.fp8, model.sdpa_attention, model.compile_mode) of each row per model, in order:
+    the bf16 rows first (SDPA, then nn.MultiheadAttention: the attention A/B, then SDPA in each
+    other compile mode), then each FP8 recipe, so that a budget that cuts the run cuts FP8 rows
+    before the bf16 baseline's A/Bs."""
     kinds = a.attention.split(",")
     fp8s = a.fp8.split(",")
-    rows = [("off", True)] if "sdpa" in kinds and "off" in fp8s else []
-    rows += [("off", False)] if "native" in kinds else []
-    return rows + ([(f, True) for f in fp8s if f != "off"] if "sdpa" in kinds else [])
+    rows = [("off", True, "default")] if "sdpa" in kinds and "off" in fp8s else []
+    rows += [("off", False, "default")] if "native" in kinds else []
+    rows += [("off", True, m) for m in a.compile_modes.split(",") if m != "default"]
+    return rows + ([(f, True, "default") for f in fp8s if f != "off"] if "sdpa" in kinds else [])
 
 
 def label(row: dict) -> str:
-    """The variant column: the fp8 recipe, and the attention path where it is open_clip's own."""
-    return row["fp8"] + ("" if row.get("sdpa_attention", True) else ", nn.MHA attention")
+    """The variant column: the fp8 recipe, the attention path where it is open_clip's own, and
+    the compile mode where it is not inductor's default."""
+    mode = row.get("compile_mode", "default")
+    return (row["fp8"] + ("" if row.get("sdpa_attention", True) else ", nn.MHA attention")
+            + ("" if mode == "default" else f", compile mode={mode}"))
 
 
-def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: dict, sdpa: bool = True) -> dict:
-    """Build, warm up, time, profile one (model, fp8, attention path) variant; returns its row."""
+def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: dict, sdpa: bool = True,
+                mode: str = "default") -> dict:
+    """Build, warm up, time, profile one (model, fp8, attention path, compile mode) variant; returns its row."""
     from infclip.attention import sdpa_backends
 
     device = torch.device(a.device)
     micro = a.micro or MICRO.get(model, 256)
-    cfg = train_config(model, micro, a.micro_batches, fp8, a.compile, a.amp, a.device, sdpa)
+    cfg = train_config(model, micro, a.micro_batches, fp8, a.compile, a.amp, a.device, sdpa, mode)
     row: dict = {"model": model, "fp8": fp8, "sdpa_attention": sdpa, "micro": micro, "global": micro * a.micro_batches,
-                 "compile": a.compile}
+                 "compile": a.compile, "compile_mode": mode}
     amp = torch.bfloat16 if a.amp == "bf16" else None
 
     def small(built: Any) -> tuple:
@@ -428,7 +444,7 @@ def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: d
     if device.type == "cuda":
         row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if not a.no_profile:
-        tag = f"{model}_fp8-{fp8}" + ("" if sdpa else "_mha")
+        tag = f"{model}_fp8-{fp8}" + ("" if sdpa else "_mha") + ("" if mode == "default" else f"_{mode}")
         row["profile"] = profile_classes(engine, built, images, tokens, out, tag, a.keep_traces)
     del engine, built, images, tokens
     return row
@@ -507,13 +523,13 @@ def main(argv=None) -> list[dict]:
     if a.device == "cuda":
         print(f"device: {torch.cuda.get_device_name()} (torch {torch.__version__})", flush=True)
     for model in a.models.split(","):
-        for fp8, sdpa in variants(a):
-            head = {"model": model, "fp8": fp8, "sdpa_attention": sdpa}
+        for fp8, sdpa, mode in variants(a):
+            head = {"model": model, "fp8": fp8, "sdpa_attention": sdpa, "compile_mode": mode}
             if time.perf_counter() - t0 > a.budget_s:
                 rows.append({**head, "error": f"skipped: --budget-s {a.budget_s:g} s spent"})
                 continue
             try:
-                row = run_variant(a, model, fp8, out, flops, sdpa)
+                row = run_variant(a, model, fp8, out, flops, sdpa, mode)
             except Exception as e:  # noqa: BLE001 - a failing variant is a row of the table
                 traceback.print_exc()
                 text = str(e).strip()

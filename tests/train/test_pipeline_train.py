@@ -132,3 +132,19 @@ def test_compiled_towers_train_under_ddp_like_eager(tmp_path):
     w_e = torch.load(runs["eager"] / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
     w_c = torch.load(runs["compiled"] / "checkpoints" / "step_00000003" / "model.pt", weights_only=True)
     assert w_e.keys() == w_c.keys()
+
+
+@pytest.mark.parametrize("mode, kw", [("default", {}), ("max-autotune-no-cudagraphs", {"mode": "max-autotune-no-cudagraphs"})])
+def test_compile_mode_reaches_torch_compile_and_is_said(monkeypatch, capsys, mode, kw):
+    """model.compile_mode goes to each tower's torch.compile (inductor's default passes no mode)
+    and a mode other than the default is named in a startup line."""
+    from types import SimpleNamespace
+
+    from infclip.train import build
+
+    seen = []
+    monkeypatch.setattr(build, "compile_towers", lambda model, **k: seen.append(k) or ["visual"])
+    cfg = SimpleNamespace(model=SimpleNamespace(compile_mode=mode, compile_ddp_split=False))
+    build._compile(cfg, SimpleNamespace(distributed=False, is_main=True), torch.nn.Linear(2, 2))
+    assert seen == [kw]
+    assert ("compile mode=" + mode in capsys.readouterr().out) == (mode != "default")

@@ -49,6 +49,44 @@ def test_loopback_ring_equals_w_copies_of_the_batch(world, m, tile):
     torch.testing.assert_close(s.grad * world, ref_ds, rtol=1e-10, atol=0)  # W ranks' parts
 
 
+@pytest.mark.parametrize("world, m, tile", [(2, 7, 3), (3, 5, 1024)])
+def test_last_tile_in_chunks_sends_each_chunk_home_before_the_next(monkeypatch, world, m, tile):
+    """With chunking on (``HOME_CHUNK_MIN_ROWS`` = 2 here) the backward's last tile runs in
+    column chunks and each chunk's finished dT is posted home before the next chunk's tile
+    (the hop overlaps compute); the result is still the float64 reference's."""
+    from infclip.loss import _tiled_loss, ring
+    from infclip.loss.tiled import TorchTileOps
+
+    monkeypatch.setattr(ring, "HOME_CHUNK_MIN_ROWS", 2)
+    events = []
+
+    class Spy(TorchTileOps):
+        def backward(self, img, txt, *a, **kw):
+            events.append(("tile", txt.shape[0]))
+            return super().backward(img, txt, *a, **kw)
+
+    class SpyRing(ring.LoopbackRing):
+        def post(self, sends, recvs):
+            events.append(("post", tuple(x.shape[0] for x in sends)))
+            return super().post(sends, recvs)
+
+    img, txt, scale = global_batch(1, m, seed=world + m)
+    ref_loss, ref_di, ref_dt, ref_ds = reference(img.repeat(world, 1), txt.repeat(world, 1), scale, world)
+    i, t, s = (x.double().requires_grad_() for x in (img, txt, scale))
+    loss = _tiled_loss(i, t, s, Spy(tile=tile), SpyRing(world))
+    events.clear()
+    loss.backward()
+    n = min(ring.HOME_CHUNKS, m // 2)
+    cuts = [m * j // n for j in range(n + 1)]
+    widths = [b - a for a, b in zip(cuts, cuts[1:])]
+    tail = [e for w in widths for e in (("tile", w), ("post", (w,)))]
+    assert events[-2 * n:] == tail, events  # tile j, then its hop, then tile j + 1
+    assert [e for e in events if e[0] == "tile"][:world - 1] == [("tile", m)] * (world - 1)  # earlier tiles whole
+    torch.testing.assert_close(i.grad, ref_di[:m], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(t.grad, ref_dt[:m], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(s.grad * world, ref_ds, rtol=1e-10, atol=0)
+
+
 @pytest.mark.parametrize("world", [1, 3])
 def test_one_pass_tiles_sum_into_the_rings_fp32_buffers(monkeypatch, world):
     """A one-pass backend (here ``TorchTileOps``) gets the ring's fp32 dI sum (the same buffer
@@ -131,13 +169,15 @@ def test_loopback_ring_triton_onepass_in_place(monkeypatch, dtype):
             assert e1 <= 1.1 * e2 + 1e-6, errs
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["last_tile_whole", "last_tile_in_chunks"])
 @pytest.mark.parametrize("dup", [None, "mask"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["onepass_in_place", "twopass_fresh"])
-def test_loopback_ring_forms_no_image_gradient_for_locked_images(monkeypatch, in_place, dup):
+def test_loopback_ring_forms_no_image_gradient_for_locked_images(monkeypatch, in_place, dup, chunked):
     """LiT on a ring: image features without gradient. The Triton tiles form no dI (one-pass:
     no P @ T product at all; two-pass: half the products), and the text gradient and d scale
     are those of the same ring with both sides wanted: bit-identical dT, d scale up to
-    summation order; also with duplicates masked."""
+    summation order; also with duplicates masked, and with the last tile in column chunks
+    (2 of 18 and 19 texts; duplicates keep it whole)."""
     from infclip.kernels import launching
     from infclip.kernels.clip import TritonTileOps, launch
     from infclip.loss import _tiled_loss, ring
@@ -146,6 +186,8 @@ def test_loopback_ring_forms_no_image_gradient_for_locked_images(monkeypatch, in
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 16)
     monkeypatch.setattr(ring, "sums_in_place", lambda ops, img: in_place)
+    if chunked:
+        monkeypatch.setattr(ring, "HOME_CHUNK_MIN_ROWS", 16)
     products = []
     real = launching.product_into
     monkeypatch.setattr(launching, "product_into", lambda *a, **k: products.append(1) or real(*a, **k))
@@ -162,6 +204,11 @@ def test_loopback_ring_forms_no_image_gradient_for_locked_images(monkeypatch, in
     _tiled_loss(locked, t, s, ops, ring.LoopbackRing(world), ids).backward()
     assert torch.equal(t.grad, both[1].grad)
     assert abs(s.grad.item() - both[2].grad.item()) <= 1e-5 * max(1.0, abs(both[2].grad.item()))
+    if chunked and dup is None:  # the last tile as 2 chunk tiles of 3 image strips each
+        strips, text_strips = 3 + 2 * 3, 3 + 2 * 2  # text strips: 3 of 37 rows, then 2 of 18 and 2 of 19
+        assert (made_both, len(products) - made_both) == ((strips, 0) if in_place else
+                                                          (strips + text_strips, text_strips))
+        return
     strips = world * 3  # block pairs x 16-row strips of 37 rows
     assert (made_both, len(products) - made_both) == ((strips, 0) if in_place else (2 * strips, strips))
 
@@ -241,6 +288,17 @@ def _impls():
     }
 
 
+def with_chunked_home(fn):
+    """Runs ``fn`` with the backward's last tile in column chunks down to 2 texts."""
+    from infclip.loss import ring
+
+    keep, ring.HOME_CHUNK_MIN_ROWS = ring.HOME_CHUNK_MIN_ROWS, 2
+    try:
+        fn()
+    finally:
+        ring.HOME_CHUNK_MIN_ROWS = keep
+
+
 def case_equivalence():
     """W = 2, 3, 4 (prefix groups) and the non-contiguous subgroup {1, 3}; odd m, C = 37."""
     import torch.distributed as dist
@@ -255,14 +313,18 @@ def case_equivalence():
             img, txt, scale = global_batch(world, m, seed=10 * world + m, peaked=peaked)
             for name, fn in _impls().items():
                 run_case(fn, img, txt, scale, group, f"{name} members={members} peaked={peaked}")
+            with_chunked_home(lambda: run_case(_impls()["ring_tile3"], img, txt, scale, group,
+                                               f"ring_tile3, last tile in chunks, members={members} m={m}"))
         home_hop_in_the_gradients_dtype(group, world)
+        with_chunked_home(lambda: home_hop_in_the_gradients_dtype(group, world))
     dist.barrier()
 
 
 def home_hop_in_the_gradients_dtype(group, world: int) -> None:
     """bf16 features: the finished dT accumulator makes its last hop in bf16 (the sends of the
     backward's last post), and the text gradient is bit for bit the fp32 accumulator rounded to
-    bf16, as when the hop was fp32; SigLIP's ring the same. The image gradient never travels."""
+    bf16, as when the hop was fp32; SigLIP's ring the same. The image gradient never travels.
+    (Run once whole and once with the last tile in chunks: m = 6, 3 chunks of 2.)"""
     import torch.distributed as dist
 
     from infclip.loss import clip_loss, ring, siglip_loss
@@ -363,6 +425,9 @@ def triton_interpreted(rank: int) -> None:
     onepass = TritonTileOps(backward="onepass", poison=True)  # sums into the ring's fp32 buffers
     fn = lambda i, t, s, g: _tiled_loss(i, t, s, onepass, g)  # noqa: E731
     run_case(fn, img, txt, scale, group, "triton one-pass backward (interpreted)")
+    for ops, tag in ((onepass, "one-pass"), (strips, "strip"), (TritonTileOps(), "fused")):  # 33 rows: chunks 8, 8, 8, 9
+        fn = lambda i, t, s, g, ops=ops: _tiled_loss(i, t, s, ops, g)  # noqa: E731
+        with_chunked_home(lambda: run_case(fn, img, txt, scale, group, f"triton {tag}, last tile in chunks"))
 
 
 if __name__ == "__main__":

@@ -40,11 +40,17 @@ def loss_and_grads(img, txt, scale, **kw):
 
 def case_ring():
     """The ring (Triton tiles, bf16 and fp32) against the one-GPU loss of the global batch and
-    a float64 reference: the ring's error is no worse than the one-GPU loss's own (x2 + eps)."""
+    a float64 reference: the ring's error is no worse than the one-GPU loss's own (x2 + eps);
+    bf16 also with the backward's last tile in column chunks (``ring.HOME_CHUNK_MIN_ROWS`` 512:
+    3 chunks of 512 texts, each sent home while the next computes)."""
+    from infclip.loss import ring as ring_mod
+
     rank, world = init()
     m, c, scale = 1536, 256, torch.tensor(30.0, device="cuda", dtype=torch.float64)
     rows = slice(rank * m, (rank + 1) * m)
-    for dtype in (torch.bfloat16, torch.float32):
+    whole = ring_mod.HOME_CHUNK_MIN_ROWS  # > m / 2: the last tile whole
+    for dtype, chunk_rows in ((torch.bfloat16, whole), (torch.float32, whole), (torch.bfloat16, 512)):
+        ring_mod.HOME_CHUNK_MIN_ROWS = chunk_rows
         img, txt = features(world * m, c, seed=world, dtype=dtype)
         ref = loss_and_grads(img.double(), txt.double(), scale, impl="vanilla")
         one = loss_and_grads(img, txt, scale.float(), impl="triton")
@@ -59,7 +65,8 @@ def case_ring():
         for name, g, w, b in zip(("loss", "d img", "d txt", "d scale"), got, want, base):
             err = float((g.double() - w).abs().max() / w.abs().max())
             err_one = float((b.double() - w).abs().max() / w.abs().max())
-            assert err <= 2 * err_one + 1e-6, f"{dtype} {name}: ring error {err:.2e}, one GPU {err_one:.2e}"
+            assert err <= 2 * err_one + 1e-6, (f"{dtype} {name} (chunks from {chunk_rows} rows): ring error "
+                                               f"{err:.2e}, one GPU {err_one:.2e}")
     dist.destroy_process_group()
 
 

@@ -55,6 +55,9 @@ class BenchConfig:
     infcl_max_b: int = 262144  # inf_cl takes ~62 s a step at 1M on 4 H200 (ANCHORS.md)
     local_mem_frac: float = 1.0  # skip `local` when its 4 (b/W) x b logit-sized buffers exceed this share of GPU memory
     timeout_s: int = 240  # process-group timeout: a deadlock fails the run
+    # the ring backward's last tile in column chunks of at least this many texts, each sent home while the
+    # next computes (infclip.loss.ring.HOME_CHUNK_MIN_ROWS); 0: the ring's default; above b/(2W): the tile whole
+    home_chunk_rows: int = 0
     peak_tflops: float = 799.0  # H200 bf16 dense matmul rate (ANCHORS.md)
     out: str = "bench_ring.json"
 
@@ -74,7 +77,7 @@ def parse() -> BenchConfig:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for f in ("sizes", "methods"):
         p.add_argument(f"--{f}", nargs="+", default=getattr(d, f), type=int if f == "sizes" else str)
-    for f in ("dim", "warmup", "reps", "reps_large", "large_b", "infcl_max_b", "timeout_s"):
+    for f in ("dim", "warmup", "reps", "reps_large", "large_b", "infcl_max_b", "timeout_s", "home_chunk_rows"):
         p.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(d, f))
     for f in ("local_mem_frac", "peak_tflops"):
         p.add_argument(f"--{f.replace('_', '-')}", type=float, default=getattr(d, f))
@@ -293,6 +296,10 @@ def plot(rows: list[Row], cfg: BenchConfig, path: str, title: str) -> None:
 
 def main() -> None:
     cfg = parse()
+    from infclip.loss import ring
+
+    if cfg.home_chunk_rows:
+        ring.HOME_CHUNK_MIN_ROWS = cfg.home_chunk_rows
     dev = init(cfg)
     check = verify(cfg, dev)
     if dist.get_rank() == 0:
@@ -307,7 +314,7 @@ def main() -> None:
             if dist.get_rank() == 0:
                 print(json.dumps(asdict(rows[-1])), flush=True)
     if dist.get_rank() == 0:
-        env = {"world": dist.get_world_size(), "torch": torch.__version__,
+        env = {"world": dist.get_world_size(), "torch": torch.__version__, "home_chunk_min_rows": getattr(ring, "HOME_CHUNK_MIN_ROWS", None),
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
         text = table(rows, cfg)
         print(f"\n{env}\n{text}", flush=True)

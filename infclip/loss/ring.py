@@ -24,9 +24,10 @@ are posted:
 After the last step one more hop carries each finished accumulator home: W hops in all. The
 dT accumulators make that hop in the dtype of the returned gradient (bf16 for bf16 features:
 half the bytes of fp32, the same bits as rounding at home), and with m >= 2 x
-``HOME_CHUNK_MIN_ROWS`` the backward's last tile runs in column chunks whose finished dT rows
-go home while the next chunk computes (``_last_tile_chunked``): only the last chunk's part of
-the hop is left for no tile to hide (at W = 2 over sockets this hop was the exposed time).
+``HOME_CHUNK_MIN_ROWS`` the backward's last tile runs in column chunks (m/2, m/4, ..., the last
+two equal: ``home_cuts``) whose finished dT rows go home while the next chunk computes
+(``_last_tile_chunked``): only the last chunk's part of the hop is left for no tile to hide (at
+W = 2 over sockets this hop was the exposed time).
 Images never move, so dI accumulates in place. On CUDA with NCCL the P2P kernels run on
 the process group's internal communication stream, which waits (through events) on the
 compute stream for the data being sent; ``Work.wait()`` makes the compute stream wait on
@@ -300,14 +301,14 @@ def ring_backward(
     dimg = torch.zeros(img.shape, dtype=acc, device=img.device) if into and not skip_img else None
     dscale = torch.zeros((), dtype=acc, device=img.device)
     dt_out = None  # finished dT accumulator of the block of the previous step
-    chunks = _home_chunks(txt.shape[0]) if ring.world > 1 and dup is None else 1
+    cuts = home_cuts(txt.shape[0]) if ring.world > 1 and dup is None else [0, txt.shape[0]]
     for k in range(ring.world):
         works, nxt, dt_in = _post_step(ring, k, blocks, bufs, dt_out, lambda: pool.take(zero=False))
-        if k == ring.world - 1 and chunks > 1:  # the last tile in chunks, each chunk's dT going home at once
+        if k == ring.world - 1 and len(cuts) > 2:  # the last tile in chunks, each chunk's dT going home at once
             dt = pool.take(zero=True) if into else None
             pool.give(dt_out)  # still leaving with ``works``: nothing takes it from the pool again
             dimg, home, ds = _last_tile_chunked(ring, ops, img, scale, row_lse, g_row, pos, blocks, dimg, dt, dt_in,
-                                                works, pool, chunks, dtxt_dtype or acc, need)
+                                                works, pool, cuts, dtxt_dtype or acc, need)
             return dimg, home, dscale + ds
         # -- compute tile -- (I_r, T_{r-k}): dI summed in place; dT of block r-k into its own fp32
         # buffer (dt_in is still arriving: summing into it would wait for the transfer).
@@ -336,29 +337,34 @@ def ring_backward(
     return dimg, _home(ring, dt_out, lambda: pool.take(zero=False), dtxt_dtype), dscale
 
 
-HOME_CHUNKS = 4  # column chunks of the last step's tile (``_home_chunks``)
+HOME_CHUNKS = 4  # at most this many column chunks of the last step's tile (``home_cuts``)
 HOME_CHUNK_MIN_ROWS = 8192  # no chunk narrower: below it the home hop is short and a tile's width pays
 
 
-def _home_chunks(m: int) -> int:
-    """How many column chunks the backward's last tile runs in (m local rows): ``HOME_CHUNKS``,
-    fewer where a chunk would have under ``HOME_CHUNK_MIN_ROWS`` texts, 1 (the tile whole, then
-    one home hop) below twice that."""
-    return max(1, min(HOME_CHUNKS, m // HOME_CHUNK_MIN_ROWS))
+def home_cuts(m: int) -> list[int]:
+    """Column bounds of the backward's last tile in chunks (m local rows): halving widths, m/2,
+    m/4, ..., the last two equal (4 chunks: m/2, m/4, m/8, m/8), as many as ``HOME_CHUNKS``
+    allows with the narrowest >= ``HOME_CHUNK_MIN_ROWS``; [0, m] (the tile whole) below twice
+    that. The first chunk is half the tile because the arriving accumulator (a full fp32 block)
+    is needed at its end; the small last ones leave little of the home hop exposed."""
+    n = 1
+    while n < HOME_CHUNKS and m >> n >= HOME_CHUNK_MIN_ROWS:
+        n += 1
+    return [0] + [m - (m >> j) for j in range(1, n)] + [m]
 
 
-def _last_tile_chunked(ring, ops, img, scale, row_lse, g_row, pos, blocks, dimg, dt, dt_in, works, pool, n: int,
-                       out_dtype: torch.dtype, need: dict) -> tuple[Tensor | None, Tensor, Tensor]:
-    """The backward's last tile, (I_r, T_{r+1}), in n column chunks of the text block, the
-    home hop overlapped: once ``works`` end, dt_in holds every other rank's part of block r+1's
-    dT, so chunk j's dT is finished as soon as this tile's chunk j is summed into it, and goes
-    home (to r+1) in ``out_dtype`` while chunk j+1 computes; only the last chunk's hop is left
-    exposed, 1/n of the whole hop. The chunks' texts, column vectors and dT rows are row slices
+def _last_tile_chunked(ring, ops, img, scale, row_lse, g_row, pos, blocks, dimg, dt, dt_in, works, pool,
+                       cuts: list[int], out_dtype: torch.dtype, need: dict) -> tuple[Tensor | None, Tensor, Tensor]:
+    """The backward's last tile, (I_r, T_{r+1}), in column chunks of the text block (bounds
+    ``cuts``, ``home_cuts``), the home hop overlapped: once ``works`` end (after the first chunk),
+    dt_in holds every other rank's part of block r+1's dT, so chunk j's dT is finished as soon
+    as this tile's chunk j is summed into it, and goes home (to r+1) in ``out_dtype`` while
+    chunk j+1 computes; only the last chunk's hop is left exposed (1/8 of the whole hop with 4
+    chunks). The chunks' texts, column vectors and dT rows are row slices
     (contiguous) of the block; dI and ds sum over the chunks. dt: the tile's zeroed fp32 dT
     buffer (one-pass backends) or None (fresh per chunk). Returns (dimg, this rank's own
     finished dT (m, c) in out_dtype, ds of the tile)."""
-    m, acc = blocks[0].shape[0], dt_in.dtype
-    cuts = [m * j // n for j in range(n + 1)]
+    acc = dt_in.dtype
     home = torch.empty(blocks[0].shape, dtype=out_dtype, device=img.device)
     ds_sum = torch.zeros((), dtype=acc, device=img.device)
     leaving, hops = [], []

@@ -76,15 +76,30 @@ def test_last_tile_in_chunks_sends_each_chunk_home_before_the_next(monkeypatch, 
     loss = _tiled_loss(i, t, s, Spy(tile=tile), SpyRing(world))
     events.clear()
     loss.backward()
-    n = min(ring.HOME_CHUNKS, m // 2)
-    cuts = [m * j // n for j in range(n + 1)]
-    widths = [b - a for a, b in zip(cuts, cuts[1:])]
+    cuts = ring.home_cuts(m)
+    n, widths = len(cuts) - 1, [b - a for a, b in zip(cuts, cuts[1:])]
+    assert n >= 2
     tail = [e for w in widths for e in (("tile", w), ("post", (w,)))]
     assert events[-2 * n:] == tail, events  # tile j, then its hop, then tile j + 1
     assert [e for e in events if e[0] == "tile"][:world - 1] == [("tile", m)] * (world - 1)  # earlier tiles whole
     torch.testing.assert_close(i.grad, ref_di[:m], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(t.grad, ref_dt[:m], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(s.grad * world, ref_ds, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("m, min_rows, want", [
+    (131072, 8192, [0, 65536, 98304, 114688, 131072]),  # 4 chunks: m/2, m/4, m/8, m/8
+    (32768, 8192, [0, 16384, 24576, 32768]),  # 3: the narrowest stays >= 8192
+    (16384, 8192, [0, 8192, 16384]),
+    (16383, 8192, [0, 16383]),  # the tile whole
+    (7, 2, [0, 4, 7]),
+    (33, 2, [0, 17, 25, 29, 33]),
+])
+def test_home_cuts_halve_down_to_the_narrowest_chunk(monkeypatch, m, min_rows, want):
+    from infclip.loss import ring
+
+    monkeypatch.setattr(ring, "HOME_CHUNK_MIN_ROWS", min_rows)
+    assert ring.home_cuts(m) == want
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -177,7 +192,7 @@ def test_loopback_ring_forms_no_image_gradient_for_locked_images(monkeypatch, in
     no P @ T product at all; two-pass: half the products), and the text gradient and d scale
     are those of the same ring with both sides wanted: bit-identical dT, d scale up to
     summation order; also with duplicates masked, and with the last tile in column chunks
-    (2 of 18 and 19 texts; duplicates keep it whole)."""
+    (2 of 19 and 18 texts; duplicates keep it whole)."""
     from infclip.kernels import launching
     from infclip.kernels.clip import TritonTileOps, launch
     from infclip.loss import _tiled_loss, ring
@@ -205,7 +220,7 @@ def test_loopback_ring_forms_no_image_gradient_for_locked_images(monkeypatch, in
     assert torch.equal(t.grad, both[1].grad)
     assert abs(s.grad.item() - both[2].grad.item()) <= 1e-5 * max(1.0, abs(both[2].grad.item()))
     if chunked and dup is None:  # the last tile as 2 chunk tiles of 3 image strips each
-        strips, text_strips = 3 + 2 * 3, 3 + 2 * 2  # text strips: 3 of 37 rows, then 2 of 18 and 2 of 19
+        strips, text_strips = 3 + 2 * 3, 3 + 2 * 2  # text strips: 3 of 37 rows, then 2 of 19 and 2 of 18
         assert (made_both, len(products) - made_both) == ((strips, 0) if in_place else
                                                           (strips + text_strips, text_strips))
         return
@@ -425,7 +440,7 @@ def triton_interpreted(rank: int) -> None:
     onepass = TritonTileOps(backward="onepass", poison=True)  # sums into the ring's fp32 buffers
     fn = lambda i, t, s, g: _tiled_loss(i, t, s, onepass, g)  # noqa: E731
     run_case(fn, img, txt, scale, group, "triton one-pass backward (interpreted)")
-    for ops, tag in ((onepass, "one-pass"), (strips, "strip"), (TritonTileOps(), "fused")):  # 33 rows: chunks 8, 8, 8, 9
+    for ops, tag in ((onepass, "one-pass"), (strips, "strip"), (TritonTileOps(), "fused")):  # 33 rows: 17, 8, 4, 4
         fn = lambda i, t, s, g, ops=ops: _tiled_loss(i, t, s, ops, g)  # noqa: E731
         with_chunked_home(lambda: run_case(fn, img, txt, scale, group, f"triton {tag}, last tile in chunks"))
 

@@ -41,15 +41,15 @@ def loss_and_grads(img, txt, scale, **kw):
 def case_ring():
     """The ring (Triton tiles, bf16 and fp32) against the one-GPU loss of the global batch and
     a float64 reference: the ring's error is no worse than the one-GPU loss's own (x2 + eps);
-    bf16 also with the backward's last tile in column chunks (``ring.HOME_CHUNK_MIN_ROWS`` 512:
-    3 chunks of 512 texts, each sent home while the next computes)."""
+    bf16 also with the backward's last tile in column chunks (``ring.HOME_CHUNK_MIN_ROWS`` 256:
+    chunks of 768, 384 and 384 texts, each sent home while the next computes)."""
     from infclip.loss import ring as ring_mod
 
     rank, world = init()
     m, c, scale = 1536, 256, torch.tensor(30.0, device="cuda", dtype=torch.float64)
     rows = slice(rank * m, (rank + 1) * m)
     whole = ring_mod.HOME_CHUNK_MIN_ROWS  # > m / 2: the last tile whole
-    for dtype, chunk_rows in ((torch.bfloat16, whole), (torch.float32, whole), (torch.bfloat16, 512)):
+    for dtype, chunk_rows in ((torch.bfloat16, whole), (torch.float32, whole), (torch.bfloat16, 256)):
         ring_mod.HOME_CHUNK_MIN_ROWS = chunk_rows
         img, txt = features(world * m, c, seed=world, dtype=dtype)
         ref = loss_and_grads(img.double(), txt.double(), scale, impl="vanilla")

@@ -214,7 +214,7 @@ def ring_forward(img: Tensor, txt: Tensor, scale: Tensor, ops, group, pos: Tenso
         ring.wait(works)
         acc = col_part if acc_in is None else torch.logaddexp(acc_in, col_part)
         blocks = nxt
-    col = _home(ring, acc, lambda: torch.empty_like(acc))
+    col = _home(ring, acc)
     if not positive:
         return row_lse, col, None, None
     return row_lse, col[0], duplicates.with_self(pos_row), duplicates.with_self(col[1])
@@ -232,20 +232,23 @@ def _groups(dup, blocks: list[Tensor]) -> dict:
     return {"groups": (dup.ids, blocks[2])}
 
 
-def _home(ring: Ring, acc: Tensor, new_out, dtype: torch.dtype | None = None) -> Tensor:
-    """The last hop: the finished accumulator of block r+1 goes to its owner r+1 (into
-    ``new_out()``, made only when there is a hop).
+def _home(ring: Ring, acc: Tensor, pool: "_Pool | None" = None, dtype: torch.dtype | None = None) -> Tensor:
+    """The last hop: the finished accumulator of block r+1 goes to its owner r+1, into a buffer
+    of ``pool`` (its free buffers are the accumulator's shape and dtype) or a new one.
 
     dtype: the dtype the accumulator travels and arrives in, when the owner only rounds it to
     that dtype (the returned feature gradient): every rank's part is summed in before this hop,
     so rounding before the hop gives the owner the same bits as rounding after it, in half the
-    bytes for bf16 from fp32 (this hop is the one transfer no tile hides)."""
+    bytes for bf16 from fp32 (this hop is the one transfer no tile hides). The pool's free
+    buffers are then dropped, so the hop's two buffers reuse their memory."""
     if dtype is not None and dtype != acc.dtype:
         acc = acc.to(dtype)
-        new_out = lambda: torch.empty_like(acc)  # noqa: E731 - the pool's buffers are fp32
+        if pool is not None:
+            pool.free.clear()
+            pool = None
     if ring.world == 1:
         return acc
-    out = new_out()
+    out = pool.take(zero=False) if pool is not None else torch.empty_like(acc)
     ring.wait(ring.post([acc], [out]))
     return out
 
@@ -306,7 +309,8 @@ def ring_backward(
         works, nxt, dt_in = _post_step(ring, k, blocks, bufs, dt_out, lambda: pool.take(zero=False))
         if k == ring.world - 1 and len(cuts) > 2:  # the last tile in chunks, each chunk's dT going home at once
             dt = pool.take(zero=True) if into else None
-            pool.give(dt_out)  # still leaving with ``works``: nothing takes it from the pool again
+            pool.give(dt_out)  # still leaving with ``works``: nothing takes it from the pool again,
+            dt_out = None  # and the chunks drop the pool's buffers once it has left
             dimg, home, ds = _last_tile_chunked(ring, ops, img, scale, row_lse, g_row, pos, blocks, dimg, dt, dt_in,
                                                 works, pool, cuts, dtxt_dtype or acc, need)
             return dimg, home, dscale + ds
@@ -332,9 +336,7 @@ def ring_backward(
             dscale += duplicates.positive_backward(img, blocks[0], scale, pos, m[2], dup.ids, blocks[2], k == 0,
                                                    pos_row, m[3], g_row, m[1], dimg, dt_out)
         blocks = nxt
-    if dtxt_dtype not in (None, acc):
-        pool.free.clear()  # the home hop's buffers, in dtxt_dtype, reuse the pool's memory
-    return dimg, _home(ring, dt_out, lambda: pool.take(zero=False), dtxt_dtype), dscale
+    return dimg, _home(ring, dt_out, pool, dtxt_dtype), dscale
 
 
 HOME_CHUNKS = 4  # at most this many column chunks of the last step's tile (``home_cuts``)

@@ -58,8 +58,4 @@ def ring_sweep(ring: Ring, blocks: list[Tensor], tile: Tile,
         out = part
         if nxt is not None:
             blocks = nxt
-    if pool is None:
-        return None
-    if home_dtype not in (None, pool.dtype):
-        pool.free.clear()  # the home hop's buffers, in home_dtype, reuse the pool's memory
-    return _home(ring, out, lambda: pool.take(zero=False), home_dtype)
+    return None if pool is None else _home(ring, out, pool, home_dtype)

@@ -314,8 +314,9 @@ def main() -> None:
             if dist.get_rank() == 0:
                 print(json.dumps(asdict(rows[-1])), flush=True)
     if dist.get_rank() == 0:
-        env = {"world": dist.get_world_size(), "torch": torch.__version__, "home_chunk_min_rows": getattr(ring, "HOME_CHUNK_MIN_ROWS", None),
-               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+        env = {"world": dist.get_world_size(), "torch": torch.__version__,
+               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               "home_chunk_min_rows": getattr(ring, "HOME_CHUNK_MIN_ROWS", None)}  # None: a ring without chunks
         text = table(rows, cfg)
         print(f"\n{env}\n{text}", flush=True)
         with open(cfg.out, "w") as f:

@@ -12,7 +12,10 @@ Invariants:
 - nothing is printed for a step shorter than ``every_s`` (the usual case: no noise);
 - the counts are the host's: under CUDA's asynchronous launches they may run ahead of the GPU
   by the launch queue, never behind it;
-- "left" in the replay is the replay's own rate so far; in the cache pass it is the cache pass's
+- "left" in the replay is the replay's own rate, timed from the end of its first micro-batch (the
+  loss step and a first-call compile before it would otherwise stretch the rate many-fold while
+  few micro-batches are done); after one micro-batch only, the cache pass's rate times the
+  replay's weight (below) stands in for it. In the cache pass it is the cache pass's
   rate plus the replay's predicted time: the cache pass's time times the last finished step's
   measured ratio of replay to cache pass, or before any step finished, ``replay_weight`` replayed
   micro-batches per cache-pass one (3: the replay runs the forward again and the backward, about
@@ -56,11 +59,12 @@ class StepHeartbeat:
         self._t0 = self._next = 0.0
         self._phase: Optional[tuple[str, int, int]] = None
         self._cache: Optional[tuple[float, int]] = None  # (when this step's cache pass ended, its micro-batches)
+        self._replay1: Optional[float] = None  # when this step's first replayed micro-batch ended
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def begin(self, step: int, steps: int) -> None:
-        self._phase, self._cache = None, None
+        self._phase, self._cache, self._replay1 = None, None, None
         self._t0 = self.clock()
         self._next = self._t0 + self.every_s
         self._step = (step, steps)
@@ -69,6 +73,8 @@ class StepHeartbeat:
         self._phase = (phase, done, total)
         if phase == "cache pass" and done == total:
             self._cache = (self.clock(), total)
+        elif phase == "replay" and done == 1:
+            self._replay1 = self.clock()
 
     def end(self) -> None:
         """Closes the step; one with both passes seen measures the replay's weight for the next."""
@@ -99,9 +105,13 @@ class StepHeartbeat:
         """Seconds left in the step at the rates so far (None: no rate to go by yet)."""
         if done == 0:
             return None
+        if name == "replay" and self._replay1 is not None and done > 1:
+            return (now - self._replay1) / (done - 1) * (total - done)
         if name == "replay" and self._cache is not None:
-            per_replay = (now - self._cache[0]) / done
-            return per_replay * (total - done)
+            cache_end, cache_n = self._cache
+            if done == 1 and self.replay_weight is not None:
+                return self.replay_weight * (cache_end - self._t0) / cache_n * (total - done)
+            return (now - cache_end) / done * (total - done)
         if self.replay_weight is None:
             return None
         if name == "cache pass":

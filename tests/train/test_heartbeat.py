@@ -51,6 +51,21 @@ def test_the_line_names_the_phase_and_the_time_left_at_the_rate_so_far():
     assert hb.beat() == "step 1/3 running 9m00s: replay 2,048 of 4,096 micro-batches; about 5m00s left"
 
 
+def test_the_replay_s_rate_leaves_out_the_loss_and_its_first_micro_batch():
+    clock = Clock()
+    hb = StepHeartbeat(60, say=print, clock=clock)
+    hb.begin(1, 1)
+    clock.t += 100
+    hb.micro("cache pass", 2048, 2048)  # the cache pass ends at 100 s: 1/20.48 s a micro-batch
+    clock.t += 12 + 40  # the loss (12 s), then the first replayed micro-batch compiles (40 s)
+    hb.micro("replay", 1, 2048)
+    # one replayed micro-batch: the prior (3 cache-pass micro-batches each) stands in for the rate
+    assert hb.beat() == "step 1/1 running 2m32s: replay 1 of 2,048 micro-batches; about 4m59s left"
+    clock.t += 60
+    hb.micro("replay", 601, 2048)  # 0.1 s a micro-batch since the first: 144.7 s left (not 112 s / 601 each)
+    assert hb.beat() == "step 1/1 running 3m32s: replay 601 of 2,048 micro-batches; about 2m24s left"
+
+
 def test_a_finished_step_measures_the_replay_for_the_next_step_s_cache_pass():
     clock = Clock()
     hb = StepHeartbeat(60, say=print, clock=clock)

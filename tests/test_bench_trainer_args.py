@@ -2,6 +2,7 @@
 webdataset loader against the installed webdataset), which step records count towards a run's
 medians, how a --runs entry is read, the logs' names and how a run's output reaches its log."""
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -159,3 +160,77 @@ def test_mfu_counts_the_peak_of_every_gpu_of_the_run():
     assert four == pytest.approx(one) and 25 < four < 40
     locked = bench_trainer.mfu_pct(1_000.0, 10.0, 2.0, lit=True, peak_tflops=100.0, gpus=2)
     assert locked == pytest.approx(100 * 1_000 * (10 + 8) * 1e9 / (2 * 100e12))  # the locked image tower: 1 forward
+
+
+def test_a_run_kind_can_ask_for_simulated_nodes_of_one_gpu_each():
+    assert bench_trainer.split_gpus("ours_compile@2n") == ("ours_compile", 2)
+    assert bench_trainer.sim_nodes("ours_compile@2n") and not bench_trainer.sim_nodes("ours_compile@2")
+    assert not bench_trainer.sim_nodes("ours_compile")
+    for bad in ("ours@n", "ours@0n", "ours@", "ours@2nn"):
+        with pytest.raises(SystemExit):
+            bench_trainer.split_gpus(bad)
+
+
+def test_simulated_nodes_split_the_gpus_and_cores_and_take_the_socket_transport(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.delenv("NCCL_SOCKET_NTHREADS", raising=False)
+    monkeypatch.setenv("NCCL_NSOCKS_PERTHREAD", "2")  # the user's setting is kept
+    monkeypatch.setattr(bench_trainer.os, "sched_getaffinity", lambda pid: set(range(8)))
+    nodes = bench_trainer.node_launchers(2, tmp_path, "print(1)")
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in nodes] == ["5", "7"]
+    assert [n.cpus for n in nodes] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for n in nodes:
+        assert n.cmd == nodes[0].cmd and "--nnodes=2" in n.cmd and "--nproc_per_node=1" in n.cmd
+        assert n.env["NCCL_P2P_DISABLE"] == n.env["NCCL_SHM_DISABLE"] == "1"
+        assert n.env["NCCL_SOCKET_NTHREADS"] == "4" and "NCCL_NSOCKS_PERTHREAD" not in n.env
+    assert Path(nodes[0].cmd[-1]).read_text() == "print(1)"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(SystemExit, match="2 simulated nodes need 2 GPUs"):
+        bench_trainer.node_launchers(2, tmp_path, "print(1)")
+
+
+def test_simulated_nodes_rendezvous_into_one_job_on_their_own_cores(tmp_path, monkeypatch):
+    """Two torchrun agents as two nodes (gloo on CPU here): one job of world size 2, each rank
+    pinned to its node's share of the cores, both logs kept and joined."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    body = ("import os, torch.distributed as dist; dist.init_process_group('gloo'); "
+            "print('RANK', dist.get_rank(), 'OF', dist.get_world_size(), 'CORES', len(os.sched_getaffinity(0)), "
+            "'P2P', os.environ['NCCL_P2P_DISABLE'], flush=True); dist.destroy_process_group()")
+    nodes = bench_trainer.node_launchers(2, tmp_path, body)
+    out = bench_trainer._run_nodes(nodes, timeout=120, log=tmp_path / "job.log")
+    ranks = sorted(re.findall(r"RANK (\d) OF (\d) CORES (\d+) P2P 1", out))
+    assert [r[:2] for r in ranks] == [("0", "2"), ("1", "2")], out[-2000:]
+    assert all(int(r[2]) == len(n.cpus) for r, n in zip(ranks, nodes))
+    assert (tmp_path / "job.node0.log").exists() and (tmp_path / "job.node1.log").exists()
+    assert (tmp_path / "job.log").read_text() == out
+
+
+def test_simulated_nodes_past_their_time_are_all_killed(tmp_path):
+    node = bench_trainer.Node([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                              {}, sorted(os.sched_getaffinity(0)))
+    out = bench_trainer._run_nodes([node, node], timeout=3, log=tmp_path / "slow.log")
+    assert out.count("up") == 2 and out.rstrip().endswith("TIMEOUT")
+
+
+def test_the_peak_of_a_multi_rank_run_is_the_largest_rank_s():
+    assert bench_trainer._peak("PEAK_RSS_GB 12.0\nPEAK_RSS_GB 11.5\n", "PEAK_RSS_GB") == 12.0
+    assert bench_trainer._peak("nothing", "PEAK_RSS_GB") != bench_trainer._peak("nothing", "PEAK_RSS_GB")  # NaN
+
+
+def test_ours_on_simulated_nodes_gives_each_node_the_trainer_s_arguments(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(bench_trainer, "_run_nodes",
+                        lambda nodes, timeout, log: seen.update(nodes=nodes, log=log) or "PEAK_GPU_GB 3.0\n")
+    monkeypatch.setattr(bench_trainer, "_run", lambda *a, **k: pytest.fail("one node's launcher used"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    a = bench_trainer.parse_args(["--logs", str(tmp_path), "--out", str(tmp_path), "--micro", "256"])
+    res = bench_trainer.run_ours(a, "ours_compile", 65536, 3, "/s/{0..1}.tar", ["model.name=ViT-B-16"], gpus=2,
+                                 nodes=True)
+    assert res["steps_seen"] == 0  # nothing ran
+    first, second = seen["nodes"]
+    assert first.cmd == second.cmd and "--nnodes=2" in first.cmd
+    script = next(i for i, c in enumerate(first.cmd) if c.endswith(".py"))
+    args = first.cmd[script + 1:]
+    assert args[0] == "experiment=vit_b32_laion" and "batch.global_size=65536" in args
+    assert "model.compile=true" in args and args[-1] == "model.name=ViT-B-16"
+    assert "2node" in seen["log"].name and "train.py" in Path(first.cmd[script]).read_text()

@@ -10,6 +10,16 @@ this machine under torchrun (default 1), e.g. the scaling rows and open_clip bes
     python scripts/bench/bench_trainer.py --shards '/tmp/photos256/{00000..00031}.tar' \
         --runs ours_compile:65536,ours_compile@2:65536,ours_compile@4:65536,openclip_compile@2:65536
 
+``@Nn`` runs ours as N simulated nodes of one GPU each: N torchrun agents on this machine
+(``--nnodes N``, c10d rendezvous on localhost), each given one GPU and an equal share of the
+cores, NCCL's peer-to-peer and shared-memory transports off (``NCCL_P2P_DISABLE=1
+NCCL_SHM_DISABLE=1``; ``NCCL_SOCKET_NTHREADS=4 NCCL_NSOCKS_PERTHREAD=4`` unless set), so every
+collective takes the socket transport as between machines; beside the same run on N GPUs of
+one node, it shows what the network costs the step:
+
+    python scripts/bench/bench_trainer.py --shards '/tmp/photos256/{00000..00031}.tar' \\
+        --runs ours_compile@2:65536,ours_compile@2n:65536,ours_compile@2:262144,ours_compile@2n:262144
+
 Hydra overrides of ours (e.g.
 ``ours_compile:32768:4:data.decode=cpu``) or open_clip_train arguments of its runs as
 ``--flag=value`` (e.g. ``openclip_compile:32768:3:--model=ViT-B-16;--force-patch-dropout=0.5``).
@@ -54,10 +64,12 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,8 +133,9 @@ _PEAKS = ("import atexit, resource, sys, torch; atexit.register(lambda: print("
 
 
 def _peak(out: str, key: str) -> float:
+    """The largest of the ranks' ``key`` lines (each rank prints its own peak at exit)."""
     found = re.findall(key + r" ([\d.]+)", out)
-    return float(found[-1]) if found else float("nan")
+    return max(map(float, found)) if found else float("nan")
 
 
 def openclip_args(overrides: list[str]) -> tuple[str, list[str]]:
@@ -153,11 +166,18 @@ def run_model(kind: str, overrides: list[str]) -> tuple[str, float]:
 
 
 def split_gpus(kind: str) -> tuple[str, int]:
-    """(kind, GPUs) of a run's ``kind[@N]``."""
-    name, _, n = kind.partition("@")
-    if n and (not n.isdigit() or int(n) < 1):
-        raise SystemExit(f"run kind {kind!r}: write the GPU count as kind@N with N >= 1")
+    """(kind, GPUs) of a run's ``kind[@N]`` or ``kind@Nn`` (N simulated nodes, :func:`sim_nodes`)."""
+    name, at, n = kind.partition("@")
+    n = n[:-1] if n.endswith("n") else n
+    if at and (not n.isdigit() or int(n) < 1):
+        raise SystemExit(f"run kind {kind!r}: write the GPU count as kind@N (one node) or kind@Nn "
+                         "(N simulated nodes of one GPU each) with N >= 1")
     return name, int(n) if n else 1
+
+
+def sim_nodes(kind: str) -> bool:
+    """Whether ``kind@Nn`` asks for N simulated nodes (one GPU each, NCCL over sockets)."""
+    return kind.partition("@")[2].endswith("n")
 
 
 def workers_for(a, gpus: int) -> int:
@@ -175,6 +195,44 @@ def launcher(gpus: int, logs: Path, body: str) -> list[str]:
     script = logs / f"launch_{hashlib.sha1(body.encode()).hexdigest()[:10]}.py"
     script.write_text(body)
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", str(script)]
+
+
+SOCKET_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NVLS_ENABLE": "0"}
+SOCKET_DEFAULTS = {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "4"}  # train.sbatch's, where unset
+
+
+@dataclass
+class Node:
+    """One simulated node: its torchrun command, its environment additions, its cores."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    cpus: list[int]
+
+
+def node_launchers(nodes: int, logs: Path, body: str) -> list[Node]:
+    """``nodes`` torchrun agents that together run the Python ``body`` as one job of ``nodes``
+    ranks: c10d rendezvous on a free localhost port, one GPU each (the i-th of
+    ``CUDA_VISIBLE_DEVICES``, or GPU i), contiguous equal shares of this process's cores, NCCL's
+    peer-to-peer and shared-memory transports off (every collective over sockets)."""
+    script = logs / f"launch_{hashlib.sha1(body.encode()).hexdigest()[:10]}.py"
+    script.write_text(body)
+    with socket.socket() as sock:  # a free port for the rendezvous (released before torchrun binds it)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible and len(visible) < nodes:
+        raise SystemExit(f"{nodes} simulated nodes need {nodes} GPUs; CUDA_VISIBLE_DEVICES names {len(visible)}")
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // nodes)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc_per_node=1",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=bench{port}", str(script)]
+    out = []
+    for i in range(nodes):
+        env = {**SOCKET_ENV, **{k: v for k, v in SOCKET_DEFAULTS.items() if k not in os.environ},
+               "CUDA_VISIBLE_DEVICES": visible[i] if visible else str(i)}
+        out.append(Node(cmd, env, cores[i * share:(i + 1) * share] or cores))
+    return out
 
 
 def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, overrides: list[str],
@@ -214,25 +272,34 @@ def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, ov
             "open_clip": version[-1] if version else "not imported"}
 
 
-def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: list[str], gpus: int = 1) -> dict:
+def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: list[str], gpus: int = 1,
+             nodes: bool = False) -> dict:
+    """Ours on ``gpus`` GPUs: one node, or (``nodes``) as many simulated nodes of one GPU each."""
     lit = kind.startswith("lit")
-    run_dir = Path("/tmp") / f"bench_{kind}_{gpus}gpu_{global_batch}"
+    where = f"{gpus}node" if nodes else f"{gpus}gpu"
+    run_dir = Path("/tmp") / f"bench_{kind}_{where}_{global_batch}"
     subprocess.run(["rm", "-rf", str(run_dir)])
     # python -c gets train.py's path as argv[1], a torchrun script the overrides alone: either
     # way train.py sees itself as argv[0]
     train = (f"sys.argv = [{str(ROOT / 'train.py')!r}] + sys.argv[{2 if gpus == 1 else 1}:]; "
              f"runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')")
     switch = "" if a.switch_interval is None else f"sys.setswitchinterval({a.switch_interval}); "
-    launch = launcher(gpus, Path(a.logs), _PEAKS + switch + "import runpy; " + train)
-    cmd = [*launch, *([str(ROOT / "train.py")] if gpus == 1 else []), f"experiment={'lit_b16_cc12m' if lit else 'vit_b32_laion'}",
+    body = _PEAKS + switch + "import runpy; " + train
+    launch = [] if nodes else launcher(gpus, Path(a.logs), body)
+    args = [*([str(ROOT / "train.py")] if gpus == 1 and not nodes else []), f"experiment={'lit_b16_cc12m' if lit else 'vit_b32_laion'}",
            f"data.shards='{spec}'", "data.resampled=true", f"data.workers={a.workers}", "data.loader_batch=256",
            f"batch.global_size={global_batch}", f"batch.micro_size={a.micro}", "memory.offload=true",
            f"steps={steps}", "schedule.warmup_fraction=0", "logging.every_n_steps=1", "logging.progress=false",
            "logging.wandb_mode=disabled", "checkpoint.every_n_steps=0", "eval.tasks=[]", f"run_dir={run_dir}",
            f"model.compile={str(kind.endswith('compile')).lower()}", *a.extra.split(), *overrides]
     if a.profile_step:
-        cmd.append(f"logging.profile_step={a.profile_step}")
-    out = _run(cmd, a.timeout, Path(a.logs) / f"{kind}_{gpus}gpu_{global_batch}{_tag(overrides)}.log")
+        args.append(f"logging.profile_step={a.profile_step}")
+    log = Path(a.logs) / f"{kind}_{where}_{global_batch}{_tag(overrides)}.log"
+    if nodes:
+        out = _run_nodes([Node(n.cmd + args, n.env, n.cpus) for n in node_launchers(gpus, Path(a.logs), body)],
+                         a.timeout, log)
+    else:
+        out = _run([*launch, *args], a.timeout, log)
     mfile = run_dir / "metrics.jsonl"
     recs = [json.loads(x) for x in mfile.read_text().splitlines()] if mfile.exists() else []
     steps_ = step_records(recs, a.profile_step)
@@ -324,6 +391,48 @@ def _run(cmd: list[str], timeout: float, log: Path, path_first: str | None = Non
     out = log.read_text()
     print(f"  ({time.time() - t0:.0f} s) " + out.strip().splitlines()[-1][:300] if out.strip() else "", flush=True)
     return out
+
+
+def _run_nodes(nodes: list[Node], timeout: float, log: Path) -> str:
+    """:func:`_run` for simulated nodes: each node's command under its environment additions and
+    cores, its output streamed into ``log`` with ``.nodeI`` before the suffix; all are killed
+    (with what they started) once ``timeout`` has passed. Returns the nodes' outputs, node 0's
+    first, the last ending with TIMEOUT where they were killed."""
+    procs, files = [], []
+    for i, node in enumerate(nodes):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", **node.env)
+        print(" ".join(f"{k}={v}" for k, v in node.env.items()) + f" taskset -c {_cpu_list(node.cpus)} $ "
+              + " ".join(node.cmd), flush=True)
+        f = open(log.with_suffix(f".node{i}{log.suffix}"), "w")
+        files.append(f)
+        procs.append(subprocess.Popen(node.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+                                      start_new_session=True,
+                                      preexec_fn=lambda cpus=node.cpus: os.sched_setaffinity(0, cpus)))
+    t0, timed_out = time.time(), False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    if timed_out:
+        for proc in procs:
+            kill_tree(proc.pid)
+        for proc in procs:
+            proc.wait()
+    for f in files:
+        f.close()
+    out = "\n".join(Path(f.name).read_text() for f in files) + ("\nTIMEOUT\n" if timed_out else "")
+    log.write_text(out)
+    print(f"  ({time.time() - t0:.0f} s) " + out.strip().splitlines()[-1][:300] if out.strip() else "", flush=True)
+    return out
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """``0-15`` for a contiguous set, else the comma list."""
+    if cpus and cpus == list(range(cpus[0], cpus[-1] + 1)):
+        return f"{cpus[0]}-{cpus[-1]}"
+    return ",".join(map(str, cpus))
 
 
 def _descendants(pid: int) -> list[int]:
@@ -419,19 +528,23 @@ def main(argv=None) -> None:
     results = []
     for run in a.runs.split(","):
         kind, g, steps, overrides = parse_run(run, a.steps)
+        nodes = sim_nodes(kind)
         kind, gpus = split_gpus(kind)
+        if nodes and kind.startswith("openclip"):
+            raise SystemExit(f"run {run!r}: simulated nodes (@Nn) run ours only; give open_clip kind@N")
         if kind.startswith("openclip"):
             res = run_openclip(a, g, steps, kind.endswith("compile"), spec, overrides, gpus,
                                main_branch=kind.startswith("openclipmain"))
         else:
-            res = run_ours(a, kind, g, steps, spec, overrides, gpus)
+            res = run_ours(a, kind, g, steps, spec, overrides, gpus, nodes=nodes)
         model = run_model(kind, overrides)
         key = f"{model[0]} patch_dropout={model[1]}"
         if key not in flops:
             flops[key] = fwd_gflops(*model)
         res["mfu_pct"] = mfu_pct(res["samples_per_s"], *flops[key], lit=kind.startswith("lit"),
                                  peak_tflops=a.peak_tflops, gpus=gpus)
-        res.update(kind=kind + "".join(f" {o}" for o in overrides), gpus=gpus, global_batch=g, steps=steps)
+        res.update(kind=kind + "".join(f" {o}" for o in overrides), gpus=gpus, global_batch=g, steps=steps,
+                   nodes=gpus if nodes else 1)
         results.append(res)
         print(json.dumps(res), flush=True)
         (Path(a.out) / "trainer.json").write_text(json.dumps({"flops_gflop": flops, "runs": results}, indent=1))
@@ -463,7 +576,8 @@ def _table(results: list[dict]) -> str:
         cells = [fmt.format(r[k]) if isinstance(r.get(k), (int, float)) and r.get(k) == r.get(k) else "—"
                  for k, _, fmt in keys]
         kind = r["kind"] + (f" ({r['open_clip']})" if r.get("open_clip") else "")
-        lines.append(f"| {kind} | {r.get('gpus', 1)} | {r['global_batch']:,} | " + " | ".join(cells) + " |")
+        gpus = f"{r.get('gpus', 1)}" + (f" ({r['nodes']} nodes, sockets)" if r.get("nodes", 1) > 1 else "")
+        lines.append(f"| {kind} | {gpus} | {r['global_batch']:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

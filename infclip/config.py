@@ -127,6 +127,10 @@ class PrecisionConfig:
     # precision.amp=bf16 or pure_bf16);
     # embeddings, norms, final projections, logit scale and loss stay bf16/fp32 (infclip/fp8.py). Off: no change
     fp8: str = "off"
+    # with fp8 on, which of those layers: "all", or "large": only those whose GEMM is large enough for FP8 to pay
+    # in torchao's measurements (tensorwise: out_features > 1024 or in_features > 4096; rowwise: out > 2048,
+    # in > 1024 and not both out <= 4096 and in <= 2048); the startup line names them (infclip/fp8.py)
+    fp8_layers: str = "all"
 
 
 @dataclass
@@ -255,6 +259,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "schedule.kind": ("cosine", "constant", "const-cooldown"),
     "precision.amp": ("fp32", "bf16", "fp16", "pure_bf16"),
     "precision.fp8": ("off", "tensorwise", "rowwise"),
+    "precision.fp8_layers": ("all", "large"),
     "model.compile_mode": ("default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"),
     "memory.grad_cache": ("auto", "on", "off"),
     "memory.cache_dtype": ("fp32", "bf16"),

@@ -14,6 +14,11 @@ e4m3 inputs (tensorwise: the gradient e5m2) scaled per tensor or per row, and wr
   ``nn.MultiheadAttention``, not a layer): a ``Float8Linear`` that shares the Parameter is kept as
   a plain attribute of the attention module (``in_proj_fp8``), so no state-dict key changes.
 
+``precision.fp8_layers=large`` keeps, of those, only the layers whose GEMM is large enough for
+FP8 to pay in torchao's published measurements on H100s (:func:`large_enough`): at ViT-B's
+width (768) the MLP's up-projection and the q/k/v in-projection under tensorwise scaling, no
+layer under rowwise. "all" (the default) converts every selected layer.
+
 Everything else stays in bf16/fp32: patch embedding, token and position embeddings, the norms,
 the final projections (``visual.proj``, ``text_projection``), the logit scale and the loss.
 Locked (LiT) layers are not converted: they run once per step without gradient, and FP8 is
@@ -36,6 +41,7 @@ import torch
 from torch import nn
 
 RECIPES = ("off", "tensorwise", "rowwise")
+LAYER_SETS = ("all", "large")
 BLOCK = re.compile(r"(^|\.)(resblocks|blocks)\.\d+\.")  # a layer inside one of a tower's transformer blocks
 _LAYER_NAMES = ("c_fc", "c_proj", "fc1", "fc2", "out_proj", "proj", "qkv")
 
@@ -93,6 +99,19 @@ def fp8_layer(module: nn.Module, fqn: str) -> bool:
     return True
 
 
+def large_enough(recipe: str, in_features: int, out_features: int) -> bool:
+    """Whether a (out_features x in_features) weight's GEMMs are large enough for ``recipe`` to
+    beat bf16 by torchao's size rules (its float8 README's H100 tables: at smaller shapes the
+    casts and scales cost more than the FP8 tensor cores save): tensorwise unless both
+    in_features <= 4096 and out_features <= 1024; rowwise when out_features > 2048,
+    in_features > 1024 and not both out_features <= 4096 and in_features <= 2048."""
+    if recipe == "tensorwise":
+        return not (in_features <= 4096 and out_features <= 1024)
+    if recipe == "rowwise":
+        return out_features > 2048 and in_features > 1024 and not (out_features <= 4096 and in_features <= 2048)
+    raise ValueError(f"no FP8 size rule for recipe {recipe!r}")
+
+
 @dataclass
 class Fp8Layers:
     """What :func:`convert_towers` swapped: qualified names, in model order."""
@@ -100,6 +119,7 @@ class Fp8Layers:
     recipe: str
     layers: list[str] = field(default_factory=list)  # Float8Linear modules (state-dict names unchanged)
     in_projs: list[str] = field(default_factory=list)  # attention modules whose in-projection runs in FP8
+    which: str = "all"  # precision.fp8_layers
 
     def line(self) -> str:
         """The startup line: the recipe, how many GEMM layers run in FP8 and their name patterns."""
@@ -107,12 +127,15 @@ class Fp8Layers:
             return "precision: fp8=off (every GEMM in the autocast/parameter precision)"
         names = self.layers + [f"{n}.in_proj" for n in self.in_projs]
         patterns = sorted({re.sub(r"\.\d+\.", ".N.", n) for n in names})
-        return (f"precision: fp8={self.recipe} (torchao float8 training) in {len(names)} linear layers of the towers' "
-                f"transformer blocks: {', '.join(patterns) or 'none'}; embeddings, norms, final projections, logit "
-                "scale and loss stay bf16/fp32")
+        which = "" if self.which == "all" else f", fp8_layers={self.which} (the GEMMs large enough for FP8 to pay)"
+        none = "" if names else (f" (no layer of this model passes; set precision.fp8=off, or precision.fp8_layers=all "
+                                 "to convert them anyway)")
+        return (f"precision: fp8={self.recipe} (torchao float8 training{which}) in {len(names)} linear layers of the "
+                f"towers' transformer blocks: {', '.join(patterns) or 'none'}{none}; embeddings, norms, final "
+                "projections, logit scale and loss stay bf16/fp32")
 
 
-def _module_filter(model: nn.Module):
+def _module_filter(model: nn.Module, recipe: str = "tensorwise", which: str = "all"):
     from infclip.attention import SdpaSelfAttention
 
     # nn.MultiheadAttention's own forward reads out_proj.weight: a swap would change nothing there
@@ -120,32 +143,39 @@ def _module_filter(model: nn.Module):
               if isinstance(m, nn.MultiheadAttention) and not isinstance(m, SdpaSelfAttention)}
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        return id(module) not in unused and fp8_layer(module, fqn)
+        if id(module) in unused or not fp8_layer(module, fqn):
+            return False
+        return which == "all" or large_enough(recipe, module.in_features, module.out_features)
 
     return keep
 
 
-def convert_towers(model: nn.Module, recipe: str) -> Fp8Layers:
+def convert_towers(model: nn.Module, recipe: str, which: str = "all") -> Fp8Layers:
     """Swap the layers :func:`fp8_layer` selects for torchao ``Float8Linear`` (recipe
     "tensorwise" | "rowwise"), in place, and give each trained ``SdpaSelfAttention`` in a block
-    an FP8 in-projection sharing its Parameters. Call before compile and DDP wrap the model."""
-    out = Fp8Layers(recipe)
+    an FP8 in-projection sharing its Parameters; ``which="large"``: only the layers (and
+    in-projections) :func:`large_enough` for the recipe. Call before compile and DDP wrap the model."""
+    if which not in LAYER_SETS:
+        raise ValueError(f"precision.fp8_layers must be one of {LAYER_SETS}, got {which!r}")
+    out = Fp8Layers(recipe, which=which)
     if recipe == "off":
         return out
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    keep = _module_filter(model)
+    keep = _module_filter(model, recipe, which)
     out.layers = [n for n, m in model.named_modules() if keep(m, n)]
-    convert_to_float8_training(model, module_filter_fn=keep, config=config)
-    out.in_projs = _fp8_in_projections(model, config)
+    if out.layers:
+        convert_to_float8_training(model, module_filter_fn=keep, config=config)
+    out.in_projs = _fp8_in_projections(model, config, None if which == "all" else recipe)
     return out
 
 
-def _fp8_in_projections(model: nn.Module, config: Any) -> list[str]:
+def _fp8_in_projections(model: nn.Module, config: Any, size_rule: Optional[str] = None) -> list[str]:
     """FP8 in-projections for the trained ``SdpaSelfAttention`` modules inside blocks: a
     ``Float8Linear`` whose weight / bias are the module's ``in_proj_weight`` / ``in_proj_bias``
-    (the same Parameters), set with ``object.__setattr__`` so it is no submodule."""
+    (the same Parameters), set with ``object.__setattr__`` so it is no submodule. ``size_rule``:
+    a recipe whose :func:`large_enough` the (3 width x width) GEMM must pass (None: any size)."""
     from torchao.float8.float8_linear import Float8Linear
 
     from infclip.attention import SdpaSelfAttention
@@ -156,6 +186,8 @@ def _fp8_in_projections(model: nn.Module, config: Any) -> list[str]:
         if not isinstance(m, SdpaSelfAttention) or w is None or not BLOCK.search(name + "."):
             continue
         if not w.requires_grad or w.shape[0] % 16 or w.shape[1] % 16:
+            continue
+        if size_rule is not None and not large_enough(size_rule, w.shape[1], w.shape[0]):
             continue
         with torch.device("meta"):
             shell = nn.Linear(w.shape[1], w.shape[0], bias=False)

@@ -90,3 +90,12 @@ def test_phase_split_of_a_trace():
     assert p["cache_pass"]["norm_elementwise"] == pytest.approx(10e-6)
     assert p["cache_pass"]["gaps"] == pytest.approx(30e-6)
     assert p["replay"]["norm_elementwise"] == pytest.approx(20e-6) and p["replay"]["gaps"] == pytest.approx(80e-6)
+
+
+def test_an_fp8_variant_can_ask_for_the_large_layers_only():
+    cfg = bench_towers.train_config("ViT-B-16", 8, 2, "tensorwise:large", False, "bf16", "cpu")
+    assert (cfg.precision.fp8, cfg.precision.fp8_layers) == ("tensorwise", "large")
+    cfg = bench_towers.train_config("ViT-B-16", 8, 2, "rowwise", False, "bf16", "cpu")
+    assert (cfg.precision.fp8, cfg.precision.fp8_layers) == ("rowwise", "all")
+    a = bench_towers.parse_args(["--fp8", "off,tensorwise,tensorwise:large"])
+    assert [v[0] for v in bench_towers.variants(a)] == ["off", "off", "tensorwise", "tensorwise:large"]

@@ -219,7 +219,7 @@ def _fp8(cfg: Any, info: DistInfo, model: torch.nn.Module) -> None:
         return
     from infclip.fp8 import convert_towers
 
-    swapped = convert_towers(model, cfg.precision.fp8)
+    swapped = convert_towers(model, cfg.precision.fp8, cfg.precision.fp8_layers)
     if info.is_main:
         print(swapped.line(), flush=True)
 

@@ -77,7 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=None,
                    help=f"samples per micro-batch (default per model: {MICRO}; others 256)")
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step (gradient cache: >= 2)")
-    p.add_argument("--fp8", default="off,tensorwise,rowwise", help="comma-separated precision.fp8 variants")
+    p.add_argument("--fp8", default="off,tensorwise,rowwise",
+                   help="comma-separated precision.fp8 variants; RECIPE:large converts only the layers large "
+                        "enough for FP8 to pay (precision.fp8_layers=large), e.g. tensorwise:large")
     p.add_argument("--attention", default="sdpa,native",
                    help="sdpa: model.sdpa_attention=true in every --fp8 variant; native: one more fp8=off row with "
                         "open_clip's nn.MultiheadAttention (model.sdpa_attention=false), the A/B of the attention path")
@@ -117,7 +119,9 @@ def train_config(model: str, micro: int, k: int, fp8: str, compile_: bool, amp: 
     cfg.batch.global_size, cfg.batch.micro_size = micro * k, micro
     cfg.memory.grad_cache, cfg.memory.offload = "on", False
     cfg.memory.cache_dtype = "bf16" if amp == "bf16" else "fp32"  # as the vit_b32_laion preset
-    cfg.precision.amp, cfg.precision.fp8, cfg.precision.tf32 = amp, fp8, True
+    recipe, _, layers = fp8.partition(":")  # "tensorwise:large": precision.fp8_layers=large
+    cfg.precision.amp, cfg.precision.fp8, cfg.precision.tf32 = amp, recipe, True
+    cfg.precision.fp8_layers = layers or "all"
     cfg.device = device
     return cfg
 
@@ -146,7 +150,7 @@ def build_variant(cfg: Any, device: torch.device, count=None, probe=None) -> tup
     if cfg.precision.fp8 != "off":
         from infclip.fp8 import convert_towers
 
-        line = convert_towers(built.model, cfg.precision.fp8).line()
+        line = convert_towers(built.model, cfg.precision.fp8, cfg.precision.fp8_layers).line()
     built.model.train()
     probed = probe(built) if probe is not None else None
     if cfg.model.compile:
@@ -444,7 +448,7 @@ def run_variant(a: argparse.Namespace, model: str, fp8: str, out: Path, flops: d
     if device.type == "cuda":
         row["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     if not a.no_profile:
-        tag = f"{model}_fp8-{fp8}" + ("" if sdpa else "_mha") + ("" if mode == "default" else f"_{mode}")
+        tag = f"{model}_fp8-{fp8.replace(':', '-')}" + ("" if sdpa else "_mha") + ("" if mode == "default" else f"_{mode}")
         row["profile"] = profile_classes(engine, built, images, tokens, out, tag, a.keep_traces)
     del engine, built, images, tokens
     return row

@@ -66,6 +66,54 @@ def test_the_filter_on_a_built_tower():
     assert not fp8_layer(frozen, "visual.transformer.resblocks.0.mlp.c_fc")
 
 
+def test_the_size_rule_at_vit_widths():
+    """torchao's size rules at ViT-B (768, MLP 3072), ViT-L (1024, 4096) and ViT-H (1280, 5120):
+    tensorwise keeps the up-projections and q/k/v, rowwise only ViT-H's up-projection."""
+    from infclip.fp8 import large_enough
+
+    for width in (768, 1024):
+        assert large_enough("tensorwise", width, 4 * width)  # mlp.c_fc
+        assert large_enough("tensorwise", width, 3 * width)  # attn.in_proj
+        assert not large_enough("tensorwise", 4 * width, width)  # mlp.c_proj
+        assert not large_enough("tensorwise", width, width)  # attn.out_proj
+        assert not any(large_enough("rowwise", i, o) for i, o in ((width, 4 * width), (4 * width, width)))
+    assert large_enough("tensorwise", 5120, 1280) and large_enough("rowwise", 1280, 5120)
+    assert not large_enough("rowwise", 5120, 1280)
+    with pytest.raises(ValueError, match="no FP8 size rule"):
+        large_enough("off", 4096, 4096)
+
+
+@needs_torchao
+def test_large_layers_only_on_a_vit_b16():
+    model = build_model(ModelConfig(name="ViT-B-16", sdpa_attention=True)).model
+    done = convert_towers(model, "tensorwise", "large")
+    names = fp8_modules(model)
+    assert _pattern(names) == {f"{t}resblocks.N.{layer}" for t in ("visual.transformer.", "transformer.")
+                               for layer in ("mlp.c_fc", "attn.in_proj")}
+    assert len(names) == 2 * (12 + 12)
+    assert "fp8_layers=large" in done.line() and f"in {len(names)} linear layers" in done.line()
+    assert type(model.visual.transformer.resblocks[0].mlp.c_proj).__name__ == "Linear"
+
+
+@needs_torchao
+def test_large_layers_under_rowwise_leave_a_vit_b16_as_it_was_and_say_so():
+    model = build_model(ModelConfig(name="ViT-B-16", sdpa_attention=True)).model
+    kinds = [type(m) for m in model.modules()]
+    done = convert_towers(model, "rowwise", "large")
+    assert fp8_modules(model) == [] and [type(m) for m in model.modules()] == kinds
+    assert "in 0 linear layers" in done.line() and "no layer of this model passes" in done.line()
+    with pytest.raises(ValueError, match="fp8_layers must be one of"):
+        convert_towers(model, "tensorwise", "big")
+
+
+def test_fp8_layers_takes_all_or_large():
+    cfg = TrainConfig()
+    assert cfg.precision.fp8_layers == "all"
+    cfg.precision.fp8_layers = "most"
+    with pytest.raises(ConfigError, match="fp8_layers"):
+        validate(cfg, 1)
+
+
 @needs_torchao
 def test_nn_multihead_attention_keeps_its_out_projection_in_bf16():
     """With model.sdpa_attention=false the attention's own forward reads out_proj.weight: only

@@ -234,3 +234,8 @@ def test_ours_on_simulated_nodes_gives_each_node_the_trainer_s_arguments(tmp_pat
     assert args[0] == "experiment=vit_b32_laion" and "batch.global_size=65536" in args
     assert "model.compile=true" in args and args[-1] == "model.name=ViT-B-16"
     assert "2node" in seen["log"].name and "train.py" in Path(first.cmd[script]).read_text()
+    assert "sys.argv[1:]" in Path(first.cmd[script]).read_text()  # a torchrun script's argv: the overrides
+    bench_trainer.run_ours(a, "ours", 1024, 2, "/s/{0..1}.tar", [], gpus=1, nodes=True)  # one simulated node too
+    (only,) = seen["nodes"]
+    script = next(i for i, c in enumerate(only.cmd) if c.endswith(".py"))
+    assert "sys.argv[1:]" in Path(only.cmd[script]).read_text() and only.cmd[script + 1] == "experiment=vit_b32_laion"

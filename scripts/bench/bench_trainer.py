@@ -281,7 +281,7 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     subprocess.run(["rm", "-rf", str(run_dir)])
     # python -c gets train.py's path as argv[1], a torchrun script the overrides alone: either
     # way train.py sees itself as argv[0]
-    train = (f"sys.argv = [{str(ROOT / 'train.py')!r}] + sys.argv[{2 if gpus == 1 else 1}:]; "
+    train = (f"sys.argv = [{str(ROOT / 'train.py')!r}] + sys.argv[{2 if gpus == 1 and not nodes else 1}:]; "
              f"runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')")
     switch = "" if a.switch_interval is None else f"sys.setswitchinterval({a.switch_interval}); "
     body = _PEAKS + switch + "import runpy; " + train

@@ -205,6 +205,20 @@ def test_simulated_nodes_rendezvous_into_one_job_on_their_own_cores(tmp_path, mo
     assert (tmp_path / "job.log").read_text() == out
 
 
+def test_a_simulated_node_s_printed_command_runs_in_a_shell_as_printed(tmp_path, capsys):
+    import shutil
+    import subprocess
+
+    node = bench_trainer.Node([sys.executable, "-c", "import os; print('ENV', os.environ['NCCL_SHM_DISABLE'], "
+                               "sorted(os.sched_getaffinity(0)))"], {"NCCL_SHM_DISABLE": "1"}, [0])
+    bench_trainer._run_nodes([node], timeout=60, log=tmp_path / "one.log")
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.endswith(" &"))
+    if shutil.which("taskset") is None:
+        pytest.skip("no taskset on this machine")
+    out = subprocess.run(["bash", "-c", line + " wait"], capture_output=True, text=True, timeout=60).stdout
+    assert "ENV 1 [0]" in out
+
+
 def test_simulated_nodes_past_their_time_are_all_killed(tmp_path):
     node = bench_trainer.Node([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
                               {}, sorted(os.sched_getaffinity(0)))

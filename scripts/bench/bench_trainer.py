@@ -62,6 +62,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -401,8 +402,9 @@ def _run_nodes(nodes: list[Node], timeout: float, log: Path) -> str:
     procs, files = [], []
     for i, node in enumerate(nodes):
         env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", **node.env)
-        print(" ".join(f"{k}={v}" for k, v in node.env.items()) + f" taskset -c {_cpu_list(node.cpus)} $ "
-              + " ".join(node.cmd), flush=True)
+        # as a shell would run it: the nodes side by side, each on its cores
+        print(shlex.join([*(f"{k}={v}" for k, v in node.env.items()), "taskset", "-c", _cpu_list(node.cpus),
+                          *node.cmd]) + " &", flush=True)
         f = open(log.with_suffix(f".node{i}{log.suffix}"), "w")
         files.append(f)
         procs.append(subprocess.Popen(node.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),

@@ -229,23 +229,52 @@ def measure(name: str, b: int, cfg: BenchConfig, dev: torch.device) -> Row:
     return Row(b, name, float(stats[0]), float(stats[1]), float(loss) / dist.get_world_size())
 
 
-def verify(cfg: BenchConfig, dev: torch.device, m: int = 3000) -> dict[str, float]:
-    """fp32 check before timing: ring vs local (full-matrix) loss and gradients, max over ranks."""
-    from infclip.loss import clip_loss
+VERIFY_ROWS = 3000  # rows a rank in the fp32 check
+
+
+def verify_chunk_rows(m: int = VERIFY_ROWS) -> list:
+    """The ``HOME_CHUNK_MIN_ROWS`` values :func:`verify` runs the ring with at m rows a rank: the
+    configured one, and m // 8 where the configured one keeps the last tile whole ([None]: a
+    ring without chunks)."""
+    from infclip.loss import ring
+
+    configured = getattr(ring, "HOME_CHUNK_MIN_ROWS", None)
+    return [configured] + ([m // 8] if configured is not None and len(ring.home_cuts(m)) <= 2 else [])
+
+
+def verify(cfg: BenchConfig, dev: torch.device, m: int = VERIFY_ROWS) -> dict[str, float]:
+    """fp32 check before timing: ring vs local (full-matrix) loss and gradients, the largest
+    relative error over ranks. The ring runs as configured and, where that keeps the last tile
+    whole at m rows a rank, once more with it in chunks (``HOME_CHUNK_MIN_ROWS`` = m // 8 for
+    the check: m/2, m/4, m/8, m/8), so the chunked home hop is checked on this transport too."""
+    from infclip.loss import clip_loss, ring
 
     g = torch.Generator(device=dev).manual_seed(7 + dist.get_rank())
     feats = [torch.nn.functional.normalize(torch.randn(m, cfg.dim, generator=g, device=dev), dim=-1)
              for _ in range(2)]
-    out = {}
-    for impl in ("auto", "local"):
+
+    def run(impl: str) -> tuple:
         i, t = (f.clone().requires_grad_() for f in feats)
         ls = torch.tensor(math.log(1 / 0.07), device=dev, requires_grad=True)
         loss = clip_loss(i, t, ls.exp(), impl=impl, group=dist.group.WORLD)
         loss.backward()
         dist.all_reduce(ls.grad)  # DDP's average times W
-        out[impl] = (loss.detach(), i.grad, t.grad, ls.grad)
-    errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(out["auto"], out["local"])]
-    errs = torch.tensor(errs, dtype=torch.float64, device=dev)
+        return loss.detach(), i.grad, t.grad, ls.grad
+
+    ref = run("local")
+    configured = getattr(ring, "HOME_CHUNK_MIN_ROWS", None)  # None: a ring without chunks
+    settings = verify_chunk_rows(m)
+    errs = torch.zeros(4, dtype=torch.float64, device=dev)
+    try:
+        for rows in settings:
+            if rows is not None:
+                ring.HOME_CHUNK_MIN_ROWS = rows
+            got = run("auto")
+            errs = torch.maximum(errs, torch.tensor([float((a - b).abs().max() / b.abs().max())
+                                                     for a, b in zip(got, ref)], dtype=torch.float64, device=dev))
+    finally:
+        if configured is not None:
+            ring.HOME_CHUNK_MIN_ROWS = configured
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     return dict(zip(("loss", "dimg", "dtxt", "dscale"), errs.tolist()))
 
@@ -316,7 +345,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         env = {"world": dist.get_world_size(), "torch": torch.__version__,
                "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-               "home_chunk_min_rows": getattr(ring, "HOME_CHUNK_MIN_ROWS", None)}  # None: a ring without chunks
+               "home_chunk_min_rows": getattr(ring, "HOME_CHUNK_MIN_ROWS", None),  # None: a ring without chunks
+               "verify_home_chunk_min_rows": verify_chunk_rows()}  # the fp32 check's settings
         text = table(rows, cfg)
         print(f"\n{env}\n{text}", flush=True)
         with open(cfg.out, "w") as f:

@@ -253,3 +253,17 @@ def test_ours_on_simulated_nodes_gives_each_node_the_trainer_s_arguments(tmp_pat
     (only,) = seen["nodes"]
     script = next(i for i, c in enumerate(only.cmd) if c.endswith(".py"))
     assert "sys.argv[1:]" in Path(only.cmd[script]).read_text() and only.cmd[script + 1] == "experiment=vit_b32_laion"
+
+
+def test_a_failing_node_ends_the_others_at_once(tmp_path):
+    """A node that exits with an error (e.g. a refused start) takes the others down with it,
+    instead of leaving them in the rendezvous until the run's timeout."""
+    pidfile = tmp_path / "waiting.pid"
+    waiting = bench_trainer.Node([sys.executable, "-c", f"import os, time; open({str(pidfile)!r}, 'w').write("
+                                  "str(os.getpid())); time.sleep(600)"], {}, sorted(os.sched_getaffinity(0)))
+    failing = bench_trainer.Node([sys.executable, "-c", "import time, sys; time.sleep(1); sys.exit(3)"], {},
+                                 sorted(os.sched_getaffinity(0)))
+    out = bench_trainer._run_nodes([waiting, failing], timeout=600, log=tmp_path / "fail.log")
+    assert out.rstrip().endswith("NODE 1 FAILED (exit status 3)")
+    pid = int(pidfile.read_text())
+    assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)

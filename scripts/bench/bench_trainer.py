@@ -397,8 +397,10 @@ def _run(cmd: list[str], timeout: float, log: Path, path_first: str | None = Non
 def _run_nodes(nodes: list[Node], timeout: float, log: Path) -> str:
     """:func:`_run` for simulated nodes: each node's command under its environment additions and
     cores, its output streamed into ``log`` with ``.nodeI`` before the suffix; all are killed
-    (with what they started) once ``timeout`` has passed. Returns the nodes' outputs, node 0's
-    first, the last ending with TIMEOUT where they were killed."""
+    (with what they started) once ``timeout`` has passed, or as soon as one node fails (the
+    others would wait in the rendezvous or a collective for minutes). Returns the nodes'
+    outputs, node 0's first, ending with TIMEOUT or ``NODE i FAILED (exit status s)`` where
+    they were killed."""
     procs, files = [], []
     for i, node in enumerate(nodes):
         env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled", **node.env)
@@ -410,21 +412,23 @@ def _run_nodes(nodes: list[Node], timeout: float, log: Path) -> str:
         procs.append(subprocess.Popen(node.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
                                       start_new_session=True,
                                       preexec_fn=lambda cpus=node.cpus: os.sched_setaffinity(0, cpus)))
-    t0, timed_out = time.time(), False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, timeout - (time.time() - t0)))
-        except subprocess.TimeoutExpired:
-            timed_out = True
+    t0, ending = time.time(), ""
+    while None in (codes := [p.poll() for p in procs]):  # every node polled each time round
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            ending = f"\nNODE {failed[0][0]} FAILED (exit status {failed[0][1]})\n"
+        elif time.time() - t0 > timeout:
+            ending = "\nTIMEOUT\n"
+        if ending:
+            for proc in procs:
+                kill_tree(proc.pid)
+            for proc in procs:
+                proc.wait()
             break
-    if timed_out:
-        for proc in procs:
-            kill_tree(proc.pid)
-        for proc in procs:
-            proc.wait()
+        time.sleep(0.2)
     for f in files:
         f.close()
-    out = "\n".join(Path(f.name).read_text() for f in files) + ("\nTIMEOUT\n" if timed_out else "")
+    out = "\n".join(Path(f.name).read_text() for f in files) + ending
     log.write_text(out)
     print(f"  ({time.time() - t0:.0f} s) " + out.strip().splitlines()[-1][:300] if out.strip() else "", flush=True)
     return out

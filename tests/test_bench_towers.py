@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import bench_towers  # noqa: E402
@@ -99,3 +100,15 @@ def test_an_fp8_variant_can_ask_for_the_large_layers_only():
     assert (cfg.precision.fp8, cfg.precision.fp8_layers) == ("rowwise", "all")
     a = bench_towers.parse_args(["--fp8", "off,tensorwise,tensorwise:large"])
     assert [v[0] for v in bench_towers.variants(a)] == ["off", "off", "tensorwise", "tensorwise:large"]
+
+
+def test_a_compiled_variant_compiles_as_the_trainer_does_in_its_mode(monkeypatch, capsys):
+    from infclip.train import build
+
+    seen = []
+    monkeypatch.setattr(build, "compile_towers", lambda model, **kw: seen.append(kw) or ["visual"])
+    cfg = bench_towers.train_config("infclip-micro", 4, 2, "off", True, "fp32", "cpu", True,
+                                    "max-autotune-no-cudagraphs")
+    bench_towers.build_variant(cfg, torch.device("cpu"))
+    assert seen == [{"mode": "max-autotune-no-cudagraphs"}]
+    assert "compile mode=max-autotune-no-cudagraphs" in capsys.readouterr().out

@@ -133,8 +133,9 @@ def build_variant(cfg: Any, device: torch.device, count=None, probe=None) -> tup
     eager model just before compiling (SDPA backends)."""
     from infclip.config import validate
     from infclip.data.transforms import Normalizer
-    from infclip.model import build_model, compile_towers
-    from infclip.train.build import _loss_fn
+    from infclip.model import build_model
+    from infclip.train.build import _compile, _loss_fn
+    from infclip.train.distributed import DistInfo
     from infclip.train.engine import build_engine
     from infclip.train.lit import apply_locks
 
@@ -153,9 +154,8 @@ def build_variant(cfg: Any, device: torch.device, count=None, probe=None) -> tup
         line = convert_towers(built.model, cfg.precision.fp8, cfg.precision.fp8_layers).line()
     built.model.train()
     probed = probe(built) if probe is not None else None
-    if cfg.model.compile:
-        mode = cfg.model.compile_mode
-        compile_towers(built.model, **({} if mode == "default" else {"mode": mode}))
+    if cfg.model.compile:  # the trainer's own: each tower in model.compile_mode (a mode other than default said)
+        _compile(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=device), built.model)
     engine = build_engine(cfg, built.model, device=device, normalizer=Normalizer(built.mean, built.std).to(device),
                           loss_fn=_loss_fn(cfg, None))
     return built, engine, line, probed

@@ -40,9 +40,9 @@ class ModelConfig:
     # the towers' self-attention in training through F.scaled_dot_product_attention on (N, H, L, d), the text
     # tower's causal mask as is_causal=True (no mask tensor: flash / cuDNN attention eligible; infclip/attention.py).
     # Same weights and state-dict keys; outputs equal nn.MultiheadAttention's up to summation order.
-    # Eager on an H100: +24 % (ViT-B/32), +25 % (ViT-B/16) over nn.MultiheadAttention; off by default until the
-    # compiled towers' A/B is measured (scripts/bench/bench_towers.py --compile)
-    sdpa_attention: bool = False
+    # Eager on an H100: +24 % (ViT-B/32), +25 % (ViT-B/16) over nn.MultiheadAttention; compiled ViT-B/16 on an
+    # H200: +7.8 % (scripts/bench/bench_towers.py --compile). false: open_clip's own nn.MultiheadAttention path
+    sdpa_attention: bool = True
     compile: bool = False  # torch.compile the towers in place (state-dict keys unchanged), as open_clip's --torchcompile
     # under DDP, let dynamo split each compiled tower at DDP's gradient buckets (torch's optimize_ddp), so that
     # buckets all-reduce while the backward runs. Under the gradient cache only the last micro-batch's backward

@@ -100,13 +100,13 @@ def test_grad_cache_replays_attention_dropout_bit_for_bit():
     assert_replay_exact_and_cached_step_full(model, seed=5)
 
 
-def test_build_model_uses_sdpa_attention_when_switched_on_and_is_off_by_default():
+def test_build_model_uses_sdpa_attention_by_default_and_open_clips_own_when_switched_off():
     from infclip.config import ModelConfig
     from infclip.model import build_model
 
-    assert ModelConfig().sdpa_attention is False
-    on = build_model(ModelConfig(name="infclip-micro", sdpa_attention=True)).model
-    off = build_model(ModelConfig(name="infclip-micro")).model
+    assert ModelConfig().sdpa_attention is True
+    on = build_model(ModelConfig(name="infclip-micro")).model
+    off = build_model(ModelConfig(name="infclip-micro", sdpa_attention=False)).model
     assert {type(m) for m in on.modules() if isinstance(m, nn.MultiheadAttention)} == {SdpaSelfAttention}
     assert {type(m) for m in off.modules() if isinstance(m, nn.MultiheadAttention)} == {nn.MultiheadAttention}
     assert list(on.state_dict()) == list(off.state_dict())

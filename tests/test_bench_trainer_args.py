@@ -231,6 +231,20 @@ def test_the_peak_of_a_multi_rank_run_is_the_largest_rank_s():
     assert bench_trainer._peak("nothing", "PEAK_RSS_GB") != bench_trainer._peak("nothing", "PEAK_RSS_GB")  # NaN
 
 
+def test_a_run_ended_before_its_exit_lines_takes_its_gpu_peak_from_rank_0_s_steps_and_says_so():
+    steps = [{"gpu_mem_gb": 43.1}, {"gpu_mem_gb": 43.6}]
+    ended = bench_trainer._gpu_peak("step lines only", steps)
+    assert ended["gpu_gb"] == 43.6 and ended["gpu_gb_source"].startswith("rank 0")
+    printed = bench_trainer._gpu_peak("PEAK_GPU_GB 44.0\nPEAK_GPU_GB 43.9\n", steps)
+    assert printed == {"gpu_gb": 44.0, "gpu_gb_source": "exit lines, largest rank"}
+    runs = [{"kind": "ours_compile", "global_batch": 65536, "samples_per_s": 10989.0, **ended},
+            {"kind": "ours_compile", "global_batch": 65536, "samples_per_s": 10787.0, **printed}]
+    lines = bench_trainer._table(runs).splitlines()
+    col = lines[0].split(" | ").index("peak GPU GB")
+    assert lines[2].split(" | ")[col] == "43.6 *" and lines[3].split(" | ")[col] == "44.0"
+    assert lines[-1].startswith("\\* rank 0's peak")
+
+
 def test_ours_on_simulated_nodes_gives_each_node_the_trainer_s_arguments(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(bench_trainer, "_run_nodes",

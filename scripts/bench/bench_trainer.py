@@ -319,11 +319,22 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
            "decode_busy_first_pct": pick("decode_busy_first_pct"),  # ... and of the cache pass
            "cpu_decoded_sps": pick("loader_cpu_decoded_per_s"),  # data.cpu_decode_share (NaN without)
            "host_kb_per_sample": pick("host_image_bytes_per_sample") / 1000,
-           "decoder": _decoder_line(out), "gpu_gb": _peak(out, "PEAK_GPU_GB"),
+           "decoder": _decoder_line(out), **_gpu_peak(out, steps_),
            "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(steps_)} if steps_ else {
                "samples_per_s": float("nan"), "steps_seen": 0}
     subprocess.run(["rm", "-rf", str(run_dir / "checkpoints")])
     return res
+
+
+def _gpu_peak(out: str, steps: list[dict]) -> dict:
+    """The run's peak GPU memory: the largest rank's exit line, or, where the run was ended (its
+    timeout) before the ranks printed them, the largest ``gpu_mem_gb`` (the same
+    ``max_memory_allocated``) of rank 0's step records, said in ``gpu_gb_source``."""
+    exit_peak = _peak(out, "PEAK_GPU_GB")
+    logged = [r["gpu_mem_gb"] for r in steps if isinstance(r.get("gpu_mem_gb"), (int, float))]
+    if exit_peak == exit_peak or not logged:
+        return {"gpu_gb": exit_peak, "gpu_gb_source": "exit lines, largest rank"}
+    return {"gpu_gb": max(logged), "gpu_gb_source": "rank 0's step records (ended before its exit lines)"}
 
 
 def step_records(recs: list[dict], profile_step: int = 0) -> list[dict]:
@@ -583,7 +594,11 @@ def _table(results: list[dict]) -> str:
                  for k, _, fmt in keys]
         kind = r["kind"] + (f" ({r['open_clip']})" if r.get("open_clip") else "")
         gpus = f"{r.get('gpus', 1)}" + (f" ({r['nodes']} nodes, sockets)" if r.get("nodes", 1) > 1 else "")
+        if r.get("gpu_gb_source", "").startswith("rank 0"):
+            cells[[k for k, _, _ in keys].index("gpu_gb")] += " *"
         lines.append(f"| {kind} | {gpus} | {r['global_batch']:,} | " + " | ".join(cells) + " |")
+    if any(r.get("gpu_gb_source", "").startswith("rank 0") for r in results):
+        lines += ["", "\\* rank 0's peak from its step records: the run was ended before its ranks printed theirs."]
     return "\n".join(lines) + "\n"
 
 

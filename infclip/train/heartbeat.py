@@ -7,6 +7,12 @@ when it should end at the rate so far::
 
     step 1/3 running 2m00s: replay 310 of 4,096 micro-batches; about 4m51s left
 
+Between the passes (the cache pass's last micro-batch done, the replay's first not yet) the line
+names the loss and how long ago the cache pass ended, since on several ranks that stretch also
+holds the wait for the slowest rank's cache pass and can last minutes at a million samples::
+
+    step 1/1 running 4m00s: loss, 39s since the cache pass's 1,024 micro-batches; then the replay, about 2m10s
+
 Invariants:
 
 - nothing is printed for a step shorter than ``every_s`` (the usual case: no noise);
@@ -97,9 +103,20 @@ class StepHeartbeat:
         if phase is None:
             return head + ": waiting for its first micro-batch"
         name, done, total = phase
+        if name == "cache pass" and done == total and self._cache is not None:
+            return self._loss_line(head, now)
         left = self._left(name, done, total, now)
         tail = f"; about {clock_text(left)} left" if left is not None else ""
         return f"{head}: {name} {done:,} of {total:,} micro-batches{tail}"
+
+    def _loss_line(self, head: str, now: float) -> str:
+        """The line between the passes: the replay's predicted time is the cache pass's time
+        times ``replay_weight`` (none without a weight: a locked tower's first step)."""
+        cache_end, n = self._cache
+        line = f"{head}: loss, {clock_text(now - cache_end)} since the cache pass's {n:,} micro-batches"
+        if self.replay_weight is None:
+            return line
+        return line + f"; then the replay, about {clock_text(self.replay_weight * (cache_end - self._t0))}"
 
     def _left(self, name: str, done: int, total: int, now: float) -> Optional[float]:
         """Seconds left in the step at the rates so far (None: no rate to go by yet)."""

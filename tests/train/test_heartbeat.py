@@ -66,6 +66,26 @@ def test_the_replay_s_rate_leaves_out_the_loss_and_its_first_micro_batch():
     assert hb.beat() == "step 1/1 running 3m32s: replay 601 of 2,048 micro-batches; about 2m24s left"
 
 
+def test_between_the_passes_the_line_names_the_loss_and_how_long_since_the_cache_pass():
+    clock = Clock()
+    hb = StepHeartbeat(60, say=print, clock=clock)
+    hb.begin(1, 1)
+    clock.t += 201
+    hb.micro("cache pass", 1024, 1024)  # the cache pass ends at 201 s
+    clock.t += 39  # the loss (on several ranks: also the wait for the slowest rank's cache pass)
+    # the replay predicted at the prior weight: 3 x 201 s
+    assert hb.beat() == ("step 1/1 running 4m00s: loss, 39s since the cache pass's 1,024 micro-batches; "
+                         "then the replay, about 10m03s")
+    hb.micro("replay", 1, 1024)
+    clock.t += 60
+    assert hb.beat().startswith("step 1/1 running 5m00s: replay 1 of 1,024 micro-batches")
+    lit = StepHeartbeat(60, say=print, clock=clock, replay_weight=None)  # no weight yet: no prediction
+    lit.begin(1, 1)
+    lit.micro("cache pass", 8, 8)
+    clock.t += 61
+    assert lit.beat() == "step 1/1 running 1m01s: loss, 1m01s since the cache pass's 8 micro-batches"
+
+
 def test_a_finished_step_measures_the_replay_for_the_next_step_s_cache_pass():
     clock = Clock()
     hb = StepHeartbeat(60, say=print, clock=clock)

@@ -109,14 +109,19 @@ class StepHeartbeat:
         tail = f"; about {clock_text(left)} left" if left is not None else ""
         return f"{head}: {name} {done:,} of {total:,} micro-batches{tail}"
 
+    def _predicted_replay(self) -> Optional[float]:
+        """The whole replay's predicted seconds once the cache pass ended: its time times
+        ``replay_weight`` (None without a weight: a locked tower's first step)."""
+        if self._cache is None or self.replay_weight is None:
+            return None
+        return self.replay_weight * (self._cache[0] - self._t0)
+
     def _loss_line(self, head: str, now: float) -> str:
-        """The line between the passes: the replay's predicted time is the cache pass's time
-        times ``replay_weight`` (none without a weight: a locked tower's first step)."""
+        """The line between the passes (the loss, and on several ranks the wait for the others)."""
         cache_end, n = self._cache
         line = f"{head}: loss, {clock_text(now - cache_end)} since the cache pass's {n:,} micro-batches"
-        if self.replay_weight is None:
-            return line
-        return line + f"; then the replay, about {clock_text(self.replay_weight * (cache_end - self._t0))}"
+        replay = self._predicted_replay()
+        return line if replay is None else line + f"; then the replay, about {clock_text(replay)}"
 
     def _left(self, name: str, done: int, total: int, now: float) -> Optional[float]:
         """Seconds left in the step at the rates so far (None: no rate to go by yet)."""
@@ -127,7 +132,7 @@ class StepHeartbeat:
         if name == "replay" and self._cache is not None:
             cache_end, cache_n = self._cache
             if done == 1 and self.replay_weight is not None:
-                return self.replay_weight * (cache_end - self._t0) / cache_n * (total - done)
+                return self._predicted_replay() / cache_n * (total - done)
             return (now - cache_end) / done * (total - done)
         if self.replay_weight is None:
             return None

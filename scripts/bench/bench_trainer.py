@@ -326,6 +326,10 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     return res
 
 
+PEAK_FROM_EXIT = "exit lines, largest rank"
+PEAK_FROM_STEPS = "rank 0's step records (ended before its exit lines)"
+
+
 def _gpu_peak(out: str, steps: list[dict]) -> dict:
     """The run's peak GPU memory: the largest rank's exit line, or, where the run was ended (its
     timeout) before the ranks printed them, the largest ``gpu_mem_gb`` (the same
@@ -333,8 +337,8 @@ def _gpu_peak(out: str, steps: list[dict]) -> dict:
     exit_peak = _peak(out, "PEAK_GPU_GB")
     logged = [r["gpu_mem_gb"] for r in steps if isinstance(r.get("gpu_mem_gb"), (int, float))]
     if exit_peak == exit_peak or not logged:
-        return {"gpu_gb": exit_peak, "gpu_gb_source": "exit lines, largest rank"}
-    return {"gpu_gb": max(logged), "gpu_gb_source": "rank 0's step records (ended before its exit lines)"}
+        return {"gpu_gb": exit_peak, "gpu_gb_source": PEAK_FROM_EXIT}
+    return {"gpu_gb": max(logged), "gpu_gb_source": PEAK_FROM_STEPS}
 
 
 def step_records(recs: list[dict], profile_step: int = 0) -> list[dict]:
@@ -594,10 +598,10 @@ def _table(results: list[dict]) -> str:
                  for k, _, fmt in keys]
         kind = r["kind"] + (f" ({r['open_clip']})" if r.get("open_clip") else "")
         gpus = f"{r.get('gpus', 1)}" + (f" ({r['nodes']} nodes, sockets)" if r.get("nodes", 1) > 1 else "")
-        if r.get("gpu_gb_source", "").startswith("rank 0"):
+        if r.get("gpu_gb_source") == PEAK_FROM_STEPS:
             cells[[k for k, _, _ in keys].index("gpu_gb")] += " *"
         lines.append(f"| {kind} | {gpus} | {r['global_batch']:,} | " + " | ".join(cells) + " |")
-    if any(r.get("gpu_gb_source", "").startswith("rank 0") for r in results):
+    if any(r.get("gpu_gb_source") == PEAK_FROM_STEPS for r in results):
         lines += ["", "\\* rank 0's peak from its step records: the run was ended before its ranks printed theirs."]
     return "\n".join(lines) + "\n"
 

@@ -7,6 +7,9 @@ One step on each rank, with b/W local samples split into K micro-batches:
    are run here once (their embeddings or trunk features are cached, see ``lit``).
 2. **Loss**: one call of the loss on all local embeddings (the ring spans the ranks) gives
    d loss / d embeddings and d loss / d logit_scale, scaled by the GradScaler if any.
+   On a timed step with several ranks, one all-reduce of one element first: the time this
+   rank waits there for the slowest rank's cache pass is the ``rank_wait`` lap, so the
+   ``loss`` lap holds the loss alone (without it the ring's first hop would wait instead).
 3. **Replay** (with grad): re-encode each micro-batch under its recorded RNG state (dropout,
    drop-path, patch dropout replay bit for bit) and back-propagate its cached embedding
    gradients. ``no_sync`` on all but the last micro-batch, so DDP all-reduces once. The
@@ -60,7 +63,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class StepOutput:
     loss: Tensor  # detached local loss (this rank's rows)
     global_loss: Tensor  # detached mean of the local losses over ranks (for logging)
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: cache_pass, loss, replay
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: cache_pass, [rank_wait,] loss, replay
     metrics: dict[str, float | Tensor] = field(default_factory=dict)  # e.g. duplicate_pairs (0-d, loss.duplicates on)
 
 
@@ -225,6 +228,9 @@ class StepEngine:
         mark = getattr(self.normalizer, "mark_first_pass_end", None)  # a decoding normalizer's busy share
         if mark is not None:
             mark()
+        if self.measure_timings and self._ranked():
+            self._wait_for_ranks()
+            clock.lap("rank_wait")
         keep = self._kept_rows(dropped, self.s.local)
         ids = None if ids[0] is None else torch.cat(ids)
         img_all, txt_all = self._cached_rows.concat("img", img_c), self._cached_rows.concat("txt", txt_c)
@@ -445,8 +451,19 @@ class StepEngine:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.s.amp)
 
+    def _ranked(self) -> bool:
+        return self.group is not None and self.world_size > 1
+
+    def _wait_for_ranks(self) -> None:
+        """One all-reduce of one element over the group: returns (its device work done at the
+        clock's next sync) once every rank has reached it. Every rank calls it on the same
+        steps (``measure_timings`` follows the step number and the config alone)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+
     def _global_mean(self, loss: Tensor) -> Tensor:
-        if self.group is None or self.world_size == 1:
+        if not self._ranked():
             return loss
         return global_mean_loss(loss, self.group)  # one all-reduce of a scalar
 

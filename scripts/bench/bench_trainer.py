@@ -47,7 +47,8 @@ Kinds:
   images streamed through the locked tower).
 
 Per run: the median over the steady steps (all but the first) of samples/s and the step
-split (data wait, cache pass, loss, replay, optimizer), peak GPU memory
+split (data wait, cache pass, rank 0's wait for the other ranks' cache pass, loss, replay,
+optimizer), peak GPU memory
 (``max_memory_allocated``), peak host RSS of the trainer process, and model FLOPs
 utilisation: samples/s x FLOPs per sample / (``--peak-tflops`` x the run's GPUs), with a sample costing 4
 forward passes of each trained tower under the gradient cache (no-grad pass, replay forward,
@@ -312,7 +313,9 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     steady = steps_[1:] or steps_  # the first step (compile, warm-up) is not counted
     pick = lambda k: _median(r.get(k, float("nan")) for r in steady)  # noqa: E731
     res = {"samples_per_s": pick("samples_per_s"), "step_s": pick("step_time"),
-           "data_wait_s": pick("time_data_wait"), "cache_s": pick("time_cache_pass"), "loss_s": pick("time_loss"),
+           "data_wait_s": pick("time_data_wait"), "cache_s": pick("time_cache_pass"),
+           "rank_wait_s": pick("time_rank_wait"),  # rank 0 waiting for the others' cache pass (NaN on one rank)
+           "loss_s": pick("time_loss"),
            "replay_s": pick("time_replay"), "optim_s": pick("time_optim"),
            "loader_sps": pick("loader_samples_per_s"), "decode_ips": pick("decode_imgs_per_s"),
            "decode_busy_pct": pick("decode_busy_pct"),  # the decoder's share of the step (data.decode=device)
@@ -585,7 +588,8 @@ def mfu_pct(samples_per_s: float, image_gflop: float, text_gflop: float, *, lit:
 
 def _table(results: list[dict]) -> str:
     keys = [("samples_per_s", "samples/s", "{:,.0f}"), ("mfu_pct", "MFU %", "{:.1f}"), ("step_s", "step s", "{:.2f}"),
-            ("data_wait_s", "data wait s", "{:.2f}"), ("cache_s", "cache s", "{:.2f}"), ("loss_s", "loss s", "{:.3f}"),
+            ("data_wait_s", "data wait s", "{:.2f}"), ("cache_s", "cache s", "{:.2f}"),
+            ("rank_wait_s", "rank wait s", "{:.2f}"), ("loss_s", "loss s", "{:.3f}"),
             ("replay_s", "replay s", "{:.2f}"), ("optim_s", "optim s", "{:.3f}"), ("loader_sps", "loader samples/s", "{:,.0f}"),
             ("decode_ips", "GPU decode images/s", "{:,.0f}"), ("decode_busy_pct", "decoder busy %", "{:.0f}"),
             ("decode_busy_first_pct", "decoder busy % of cache pass", "{:.0f}"),

@@ -269,6 +269,20 @@ class _Pool:
         self.free.extend(bufs)
 
 
+@dataclass(frozen=True)
+class _RowSide:
+    """What every backward tile of this rank shares: its image rows (m, c), the scale, their
+    final row losses ``row_lse`` (m,), upstream gradients ``g_row`` (m,) and positives' dot
+    products ``pos`` (m,), the tile backend and its ``need`` keyword ({} or need=(False, True))."""
+    ops: object
+    img: Tensor
+    scale: Tensor
+    row_lse: Tensor
+    g_row: Tensor
+    pos: Tensor
+    need: dict
+
+
 def ring_backward(
     img: Tensor, txt: Tensor, scale: Tensor, row_lse: Tensor, col_lse: Tensor,
     g_row: Tensor, g_col: Tensor, ops, group, pos: Tensor, dup=None, pos_row: Tensor | None = None,
@@ -300,7 +314,7 @@ def ring_backward(
     into = sums_in_place(ops, img)
     # ("positive" adds its sparse same-group terms into dimg: it keeps the image side)
     skip_img = not need_img and (dup is None or dup.mode == "mask") and getattr(ops, "takes_need", False)
-    need = {"need": (False, True)} if skip_img else {}
+    side = _RowSide(ops, img, scale, row_lse, g_row, pos, {"need": (False, True)} if skip_img else {})
     dimg = torch.zeros(img.shape, dtype=acc, device=img.device) if into and not skip_img else None
     dscale = torch.zeros((), dtype=acc, device=img.device)
     dt_out = None  # finished dT accumulator of the block of the previous step
@@ -311,15 +325,14 @@ def ring_backward(
             dt = pool.take(zero=True) if into else None
             pool.give(dt_out)  # still leaving with ``works``: nothing takes it from the pool again,
             dt_out = None  # and the chunks drop the pool's buffers once it has left
-            dimg, home, ds = _last_tile_chunked(ring, ops, img, scale, row_lse, g_row, pos, blocks, dimg, dt, dt_in,
-                                                works, pool, cuts, dtxt_dtype or acc, need)
+            dimg, home, ds = _last_tile_chunked(ring, side, blocks, (dimg, dt, dt_in), works, pool, cuts,
+                                                dtxt_dtype or acc)
             return dimg, home, dscale + ds
         # -- compute tile -- (I_r, T_{r-k}): dI summed in place; dT of block r-k into its own fp32
         # buffer (dt_in is still arriving: summing into it would wait for the transfer).
         g_diag = _g_diag(g_row, g_col, pos_row, pos_col) if k == 0 else None
         sums = (dimg, pool.take(zero=True)) if into else (None, None)
-        di, dt, ds = _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, *blocks[:2], *sums,
-                                    **_groups(dup, blocks), **need)
+        di, dt, ds = _tile_backward(side, g_diag, *blocks[:2], *sums, **_groups(dup, blocks))
         if not into and di is not None:
             dimg = di.to(acc) if dimg is None else dimg.add_(di)
         dscale += ds
@@ -355,25 +368,26 @@ def home_cuts(m: int) -> list[int]:
     return [0] + [m - (m >> j) for j in range(1, n)] + [m]
 
 
-def _last_tile_chunked(ring, ops, img, scale, row_lse, g_row, pos, blocks, dimg, dt, dt_in, works, pool,
-                       cuts: list[int], out_dtype: torch.dtype, need: dict) -> tuple[Tensor | None, Tensor, Tensor]:
+def _last_tile_chunked(ring: Ring, side: _RowSide, blocks: list[Tensor], sums: tuple, works: list, pool: "_Pool",
+                       cuts: list[int], out_dtype: torch.dtype) -> tuple[Tensor | None, Tensor, Tensor]:
     """The backward's last tile, (I_r, T_{r+1}), in column chunks of the text block (bounds
     ``cuts``, ``home_cuts``), the home hop overlapped: once ``works`` end (after the first chunk),
     dt_in holds every other rank's part of block r+1's dT, so chunk j's dT is finished as soon
     as this tile's chunk j is summed into it, and goes home (to r+1) in ``out_dtype`` while
     chunk j+1 computes; only the last chunk's hop is left exposed (1/8 of the whole hop with 4
     chunks). The chunks' texts, column vectors and dT rows are row slices
-    (contiguous) of the block; dI and ds sum over the chunks. dt: the tile's zeroed fp32 dT
-    buffer (one-pass backends) or None (fresh per chunk). Returns (dimg, this rank's own
-    finished dT (m, c) in out_dtype, ds of the tile)."""
-    acc = dt_in.dtype
-    home = torch.empty(blocks[0].shape, dtype=out_dtype, device=img.device)
-    ds_sum = torch.zeros((), dtype=acc, device=img.device)
+    (contiguous) of the block; dI and ds sum over the chunks. sums = (dimg, dt, dt_in): the
+    dI sum so far (or None), the tile's zeroed fp32 dT buffer (one-pass backends) or None
+    (fresh per chunk), and the arriving accumulator. Returns (dimg, this rank's own finished
+    dT (m, c) in out_dtype, ds of the tile)."""
+    dimg, dt, dt_in = sums
+    acc, device = dt_in.dtype, side.img.device
+    home = torch.empty(blocks[0].shape, dtype=out_dtype, device=device)
+    ds_sum = torch.zeros((), dtype=acc, device=device)
     leaving, hops = [], []
     for j, (a, b) in enumerate(zip(cuts, cuts[1:])):
-        sums = (None, None) if dt is None else (dimg, dt[a:b])  # one-pass: summed in place; else fresh
-        di, dtj, ds = _tile_backward(ops, img, scale, row_lse, g_row, pos, None, blocks[0][a:b], blocks[1][:, a:b],
-                                     *sums, **need)
+        into = (None, None) if dt is None else (dimg, dt[a:b])  # one-pass: summed in place; else fresh
+        di, dtj, ds = _tile_backward(side, None, blocks[0][a:b], blocks[1][:, a:b], *into)
         if dt is None and di is not None:
             dimg = di.to(acc) if dimg is None else dimg.add_(di)
         ds_sum += ds
@@ -424,20 +438,20 @@ def backward_extra_bytes(m: int, c: int, esize: int, in_place: bool) -> dict[str
     return out
 
 
-def _tile_backward(ops, img, scale, row_lse, g_row, pos, g_diag, txt, meta, dimg=None, dtxt=None,
+def _tile_backward(side: _RowSide, g_diag, txt, meta, dimg=None, dtxt=None,
                    **groups) -> tuple[Tensor | None, Tensor, Tensor]:
     """(dI, dT, ds) of one tile: summed into ``dimg`` / ``dtxt`` (fp32) when given, else fresh,
     in the input dtype where ``ops`` can write it.
 
     ``meta`` (3 or 4, n): the text block's final column loss (LSE less its positives' logits),
     its upstream gradient g_col and its positives' dot products (and, "positive", its
-    within-group LSEs). g_diag: the diagonal block's. groups: the tiles' ``groups`` keyword
-    (and ``need``, passed through to backends with ``takes_need``).
+    within-group LSEs). g_diag: the diagonal block's. groups: the tiles' ``groups`` keyword;
+    ``side.need`` is passed through to backends with ``takes_need``.
     """
-    fresh = dimg is None and getattr(ops, "writes_out_dtype", False)
-    kw = {"out_dtype": img.dtype} if fresh else {}
-    return ops.backward(img, txt, scale, row_lse, meta[0], g_row, meta[1], dimg, dtxt, offsets=(pos, meta[2]),
-                        g_diag=g_diag, **kw, **groups)
+    fresh = dimg is None and getattr(side.ops, "writes_out_dtype", False)
+    kw = {"out_dtype": side.img.dtype} if fresh else {}
+    return side.ops.backward(side.img, txt, side.scale, side.row_lse, meta[0], side.g_row, meta[1], dimg, dtxt,
+                             offsets=(side.pos, meta[2]), g_diag=g_diag, **kw, **groups, **side.need)
 
 
 def global_mean_loss(loss: Tensor, group=None) -> Tensor:

@@ -13,7 +13,8 @@ spans, cheaply, for one step:
 * ``waits``: (start, end) of the training thread waiting for a prefetched micro-batch;
 * ``hits``: micro-batches the training side found already decoded (kept pixels);
 * ``marks``: (time, name) of the step's phase ends as the engine's clock laps them
-  ("cache_pass", "loss", "replay"; the gradient cache's step and the plain one alike);
+  ("cache_pass", "loss", "replay"; the gradient cache's step and the plain one alike; with
+  several ranks "rank_wait" between the first two);
 * ``queued``: when the next step's micro-batches were handed to the decode-ahead
   (``data.decode_ahead_from``: during the first pass under a locked image tower, else after
   the loss).

@@ -272,6 +272,8 @@ def train_step(cfg: Any, info: DistInfo, parts: Parts, state: State, pipeline: S
     parts.model.train()
     lr = parts.optimizer.param_groups[0]["lr"]  # the rate this step's update uses
     # phase timings sync CUDA (a profiled or traced step too: its summary splits the step at the syncs)
+    # (the same on every rank: the config and the step number decide it, and on several ranks a
+    # timed step makes one more collective, the engine's rank_wait all-reduce)
     parts.engine.measure_timings = _logged(cfg, state.step + 1) or _profiled(cfg, state) or _traced(cfg, state)
     out = parts.engine.step_feed(_simclr_views(cfg, info, state, feed))
     feed.wait_complete()  # every row arrived, so the feed's data position is set

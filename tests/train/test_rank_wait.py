@@ -26,21 +26,35 @@ def _worker(images, tokens) -> dict:
     model = tiny_clip(dropout=0.0, patch_dropout=0.0)
     engine = engine_for(config(LOCAL, MICRO, world=WORLD), model, group=dist.group.WORLD, world=WORLD)
     engine.normalizer = slow_on_rank_1
-    timed = engine.step(images, tokens).timings
-    engine.measure_timings = False
-    untimed = engine.step(images, tokens).timings
-    return {"timed": timed, "untimed": untimed}
+    reduces, real = [], dist.all_reduce
+
+    def counted(*args, **kwargs):
+        reduces.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counted  # the engine looks it up on the module at each call
+    try:
+        dist.barrier()  # both ranks start the timed step together: only the sleep sets them apart
+        timed = engine.step(images, tokens).timings
+        n_timed = len(reduces)
+        engine.measure_timings = False
+        untimed = engine.step(images, tokens).timings
+    finally:
+        dist.all_reduce = real
+    return {"timed": timed, "untimed": untimed, "reduces": (n_timed, len(reduces) - n_timed)}
 
 
 def test_rank_wait_lap_takes_the_wait_for_the_slow_rank_out_of_the_loss(tmp_path):
     res = spawn_ranks(_worker, tmp_path, WORLD, LOCAL)
     timed = res["timed"]
     assert list(timed) == ["cache_pass", "rank_wait", "loss", "replay"]
-    # rank 0 waited there for rank 1's slept cache pass (2 x SLEEP_S); half of it is a floor
-    # no load can break (a loaded machine only makes rank 1 later still)
+    # rank 0 waited there for rank 1's slept cache pass (2 x SLEEP_S after a common barrier);
+    # half of it leaves room for rank 0's own cache pass being slower on a loaded machine
     assert timed["rank_wait"] >= SLEEP_S
-    assert timed["loss"] < timed["rank_wait"]
+    assert timed["loss"] < SLEEP_S
     assert "rank_wait" not in res["untimed"]
+    timed_reduces, untimed_reduces = res["reduces"]
+    assert timed_reduces == untimed_reduces + 1  # the one extra collective, on timed steps only
 
 
 def test_one_rank_has_no_rank_wait_lap():

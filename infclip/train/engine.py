@@ -348,7 +348,7 @@ class StepEngine:
             if d is not None:
                 mask[k * micro:k * micro + d.numel()] |= d.cpu()
         n_drop = int(mask.sum())
-        if self.group is not None and self.world_size > 1:
+        if self._ranked():
             import torch.distributed as dist
 
             most = torch.tensor([n_drop], dtype=torch.int64, device=self.device)
@@ -379,7 +379,7 @@ class StepEngine:
 
         ids = ids if keep is None else ids[keep]
         every = ids
-        if self.group is not None and self.world_size > 1:  # the count is over the global batch
+        if self._ranked():  # the count is over the global batch
             import torch.distributed as dist
 
             parts = [torch.empty_like(ids) for _ in range(self.world_size)]
@@ -452,6 +452,7 @@ class StepEngine:
         return torch.autocast(self.device.type, dtype=self.s.amp)
 
     def _ranked(self) -> bool:
+        """Whether the step spans several ranks (collectives over ``group``)."""
         return self.group is not None and self.world_size > 1
 
     def _wait_for_ranks(self) -> None:

@@ -281,3 +281,72 @@ def test_a_failing_node_ends_the_others_at_once(tmp_path):
     assert out.rstrip().endswith("NODE 1 FAILED (exit status 3)")
     pid = int(pidfile.read_text())
     assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+
+
+def test_a_signal_ends_the_run_in_flight_and_keeps_what_it_printed(tmp_path):
+    """SIGTERM (an outer ``timeout``, a scheduler) reaches the script while a run waits: the
+    run's process is killed at once, not at its own timeout, and its output says why."""
+    import signal
+    import threading
+
+    before = signal.signal(signal.SIGTERM, bench_trainer.Stop.handle)
+    bench_trainer.Stop.signum = 0
+    try:
+        threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        code = "import time; print('step 1', flush=True); time.sleep(120)"
+        t0 = __import__("time").monotonic()
+        out = bench_trainer._run([sys.executable, "-c", code], timeout=600, log=tmp_path / "run.log")
+        assert __import__("time").monotonic() - t0 < 90
+        assert "step 1" in out and out.rstrip().endswith("STOPPED (SIGTERM)")
+        assert not bench_trainer.Stop.pids
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        bench_trainer.Stop.signum = 0
+
+
+def test_a_signal_between_runs_writes_the_finished_ones_and_starts_no_more(tmp_path, monkeypatch, capsys):
+    import json
+    import signal
+
+    calls = []
+
+    def fake_run(a, kind, g, steps, spec, overrides, gpus, nodes=0):
+        calls.append(g)
+        if len(calls) == 2:  # the signal comes while the second run is in flight
+            bench_trainer.Stop.handle(signal.SIGTERM, None)
+        return {"samples_per_s": 1000.0 * len(calls), "step_s": 1.0}
+
+    monkeypatch.setattr(bench_trainer, "run_ours", fake_run)
+    monkeypatch.setattr(bench_trainer, "ensure_shards", lambda a: "shards")
+    monkeypatch.setattr(bench_trainer, "fwd_gflops", lambda *m: (1.0, 1.0))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        bench_trainer.main(["--runs", "ours:1024,ours:2048,ours:4096", "--out", str(tmp_path / "out"),
+                            "--logs", str(tmp_path / "logs")])
+    assert e.value.code == 128 + signal.SIGTERM
+    assert calls == [1024, 2048]
+    runs = json.loads((tmp_path / "out" / "trainer.json").read_text())["runs"]
+    assert [r["global_batch"] for r in runs] == [1024, 2048]
+    md = (tmp_path / "out" / "trainer.md").read_text()
+    assert "1,024" in md and "2,048" in md and "4,096" not in md
+    assert "stopped by SIGTERM after 2 of 3" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_a_signal_ends_simulated_nodes_at_once(tmp_path):
+    import signal
+    import threading
+
+    before = signal.signal(signal.SIGTERM, bench_trainer.Stop.handle)
+    bench_trainer.Stop.signum = 0
+    try:
+        node = bench_trainer.Node([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"],
+                                  {}, sorted(os.sched_getaffinity(0)))
+        threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        out = bench_trainer._run_nodes([node, node], timeout=600, log=tmp_path / "nodes.log")
+        assert out.rstrip().endswith("STOPPED (SIGTERM)") and "FAILED" not in out
+        assert not bench_trainer.Stop.pids
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        bench_trainer.Stop.signum = 0

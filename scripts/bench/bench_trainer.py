@@ -53,7 +53,10 @@ optimizer), peak GPU memory
 utilisation: samples/s x FLOPs per sample / (``--peak-tflops`` x the run's GPUs), with a sample costing 4
 forward passes of each trained tower under the gradient cache (no-grad pass, replay forward,
 backward = 2 forwards) and 1 of a locked one; forward FLOPs counted by
-``torch.utils.flop_counter`` on the real model. Writes ``trainer.json`` and ``trainer.md``.
+``torch.utils.flop_counter`` on the real model. Writes ``trainer.json`` and ``trainer.md``
+after each run (atomically). A SIGTERM, SIGINT or SIGHUP (an outer ``timeout``, a scheduler,
+Ctrl-C) ends the run in flight with what it started; its finished steps and the runs before
+it are written, and the script exits with 128 + the signal's number; later runs do not start.
 """
 
 from __future__ import annotations
@@ -390,10 +393,35 @@ def _tag(overrides: list[str]) -> str:
     return "_" + re.sub(r"[^\w.=-]", "-", text)[:60] + "_" + hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
+class Stop:
+    """The signal that asked the script to stop (0: none) and the runs in flight, whose process
+    trees the handler kills so that their waits return at once."""
+    signum = 0
+    pids: set[int] = set()
+
+    @classmethod
+    def handle(cls, signum, _frame) -> None:
+        cls.signum = signum
+        for pid in list(cls.pids):
+            kill_tree(pid)
+
+    @classmethod
+    def started(cls, pid: int) -> None:
+        """Track ``pid``; killed at once if the signal came while it was starting."""
+        cls.pids.add(pid)
+        if cls.signum:
+            kill_tree(pid)
+
+    @classmethod
+    def ending(cls) -> str:
+        return f"\nSTOPPED ({signal.Signals(cls.signum).name})\n" if cls.signum else ""
+
+
 def _run(cmd: list[str], timeout: float, log: Path, path_first: str | None = None) -> str:
     """The command's output (stdout and stderr, as written), streamed into ``log`` while it
     runs (a caller cut off meanwhile keeps what ran); a run past ``timeout`` is killed and
-    its output ends with TIMEOUT. ``path_first`` goes first on the child's PYTHONPATH."""
+    its output ends with TIMEOUT, one ended by a signal to this script with STOPPED (SIGTERM).
+    ``path_first`` goes first on the child's PYTHONPATH."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     if path_first:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path_first, env.get("PYTHONPATH")) if p)
@@ -401,12 +429,16 @@ def _run(cmd: list[str], timeout: float, log: Path, path_first: str | None = Non
     t0 = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT), start_new_session=True)
+        Stop.started(proc.pid)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
             proc.wait()
             f.write("\nTIMEOUT\n")
+        finally:
+            Stop.pids.discard(proc.pid)
+        f.write(Stop.ending())
     out = log.read_text()
     print(f"  ({time.time() - t0:.0f} s) " + out.strip().splitlines()[-1][:300] if out.strip() else "", flush=True)
     return out
@@ -430,10 +462,13 @@ def _run_nodes(nodes: list[Node], timeout: float, log: Path) -> str:
         procs.append(subprocess.Popen(node.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
                                       start_new_session=True,
                                       preexec_fn=lambda cpus=node.cpus: os.sched_setaffinity(0, cpus)))
+        Stop.started(procs[-1].pid)
     t0, ending = time.time(), ""
     while None in (codes := [p.poll() for p in procs]):  # every node polled each time round
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
+        if Stop.signum:
+            ending = Stop.ending()
+        elif failed:
             ending = f"\nNODE {failed[0][0]} FAILED (exit status {failed[0][1]})\n"
         elif time.time() - t0 > timeout:
             ending = "\nTIMEOUT\n"
@@ -444,6 +479,8 @@ def _run_nodes(nodes: list[Node], timeout: float, log: Path) -> str:
                 proc.wait()
             break
         time.sleep(0.2)
+    ending = ending or Stop.ending()
+    Stop.pids.difference_update(p.pid for p in procs)
     for f in files:
         f.close()
     out = "\n".join(Path(f.name).read_text() for f in files) + ending
@@ -548,9 +585,24 @@ def main(argv=None) -> None:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     Path(a.logs).mkdir(parents=True, exist_ok=True)
     spec = ensure_shards(a)
+    Stop.signum = 0
+    before = {sig: signal.signal(sig, Stop.handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        run_all(a, spec)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def run_all(a: argparse.Namespace, spec: str) -> None:
+    """Each ``--runs`` entry in turn, the tables rewritten after each; stops (exit 128 + signal)
+    after the run in flight when a signal came."""
     flops = {}
     results = []
-    for run in a.runs.split(","):
+    runs = a.runs.split(",")
+    for run in runs:
+        if Stop.signum:
+            break
         kind, g, steps, overrides = parse_run(run, a.steps)
         nodes = sim_nodes(kind)
         kind, gpus = split_gpus(kind)
@@ -571,10 +623,20 @@ def main(argv=None) -> None:
                    nodes=gpus if nodes else 1)
         results.append(res)
         print(json.dumps(res), flush=True)
-        (Path(a.out) / "trainer.json").write_text(json.dumps({"flops_gflop": flops, "runs": results}, indent=1))
-    table = _table(results)
-    (Path(a.out) / "trainer.md").write_text(table)
-    print(table)
+        _write_atomic(Path(a.out) / "trainer.json", json.dumps({"flops_gflop": flops, "runs": results}, indent=1))
+        _write_atomic(Path(a.out) / "trainer.md", _table(results))
+    print(_table(results))
+    if Stop.signum:
+        print(f"stopped by {signal.Signals(Stop.signum).name} after {len(results)} of {len(runs)} run(s) started "
+              f"(the last one's finished steps count); {Path(a.out) / 'trainer.md'} holds them.", file=sys.stderr)
+        raise SystemExit(128 + Stop.signum)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``path`` holds the old text or the new, never a part: written beside it, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def mfu_pct(samples_per_s: float, image_gflop: float, text_gflop: float, *, lit: bool,

@@ -291,8 +291,9 @@ def test_a_signal_ends_the_run_in_flight_and_keeps_what_it_printed(tmp_path):
 
     before = signal.signal(signal.SIGTERM, bench_trainer.Stop.handle)
     bench_trainer.Stop.signum = 0
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
     try:
-        threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        timer.start()
         code = "import time; print('step 1', flush=True); time.sleep(120)"
         t0 = __import__("time").monotonic()
         out = bench_trainer._run([sys.executable, "-c", code], timeout=600, log=tmp_path / "run.log")
@@ -300,6 +301,7 @@ def test_a_signal_ends_the_run_in_flight_and_keeps_what_it_printed(tmp_path):
         assert "step 1" in out and out.rstrip().endswith("STOPPED (SIGTERM)")
         assert not bench_trainer.Stop.pids
     finally:
+        timer.cancel()  # a late signal after the handler's removal would end pytest
         signal.signal(signal.SIGTERM, before)
         bench_trainer.Stop.signum = 0
 
@@ -327,8 +329,9 @@ def test_a_signal_between_runs_writes_the_finished_ones_and_starts_no_more(tmp_p
     assert calls == [1024, 2048]
     runs = json.loads((tmp_path / "out" / "trainer.json").read_text())["runs"]
     assert [r["global_batch"] for r in runs] == [1024, 2048]
+    assert "stopped" not in runs[0] and runs[1]["stopped"] == "SIGTERM"
     md = (tmp_path / "out" / "trainer.md").read_text()
-    assert "1,024" in md and "2,048" in md and "4,096" not in md
+    assert "1,024" in md and "2,048" in md and "4,096" not in md and "stopped by SIGTERM" in md
     assert "stopped by SIGTERM after 2 of 3" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) == before
     assert not list((tmp_path / "out").glob("*.tmp"))
@@ -340,13 +343,46 @@ def test_a_signal_ends_simulated_nodes_at_once(tmp_path):
 
     before = signal.signal(signal.SIGTERM, bench_trainer.Stop.handle)
     bench_trainer.Stop.signum = 0
+    timer = None
     try:
         node = bench_trainer.Node([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"],
                                   {}, sorted(os.sched_getaffinity(0)))
-        threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.start()
         out = bench_trainer._run_nodes([node, node], timeout=600, log=tmp_path / "nodes.log")
         assert out.rstrip().endswith("STOPPED (SIGTERM)") and "FAILED" not in out
         assert not bench_trainer.Stop.pids
     finally:
+        if timer is not None:
+            timer.cancel()
         signal.signal(signal.SIGTERM, before)
         bench_trainer.Stop.signum = 0
+
+
+def test_an_ignored_signal_stays_ignored_and_a_cut_metrics_line_is_left_out(tmp_path, monkeypatch):
+    """Under nohup SIGHUP is ignored: the script must not start handling it. A run killed while
+    writing its metrics leaves a cut last line, which the parse skips."""
+    import signal
+
+    seen = {}
+
+    def fake_run(a, kind, g, steps, spec, overrides, gpus, nodes=0):
+        seen["hup"] = signal.getsignal(signal.SIGHUP)
+        seen["term"] = signal.getsignal(signal.SIGTERM)
+        return {"samples_per_s": 1.0, "step_s": 1.0}
+
+    monkeypatch.setattr(bench_trainer, "run_ours", fake_run)
+    monkeypatch.setattr(bench_trainer, "ensure_shards", lambda a: "shards")
+    monkeypatch.setattr(bench_trainer, "fwd_gflops", lambda *m: (1.0, 1.0))
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        bench_trainer.main(["--runs", "ours:1024", "--out", str(tmp_path / "out"), "--logs", str(tmp_path / "logs")])
+        assert seen["hup"] is signal.SIG_IGN
+        assert seen["term"] == bench_trainer.Stop.handle
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
+    assert [r["step"] for r in bench_trainer._json_lines(metrics)] == [1, 2]
+    assert bench_trainer._json_lines(tmp_path / "absent.jsonl") == []

@@ -306,7 +306,7 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     else:
         out = _run([*launch, *args], a.timeout, log)
     mfile = run_dir / "metrics.jsonl"
-    recs = [json.loads(x) for x in mfile.read_text().splitlines()] if mfile.exists() else []
+    recs = _json_lines(mfile)
     steps_ = step_records(recs, a.profile_step)
     summary = run_dir / "profile" / f"step_{a.profile_step}_rank_0.md"
     if a.profile_step and summary.exists():
@@ -401,6 +401,11 @@ class Stop:
 
     @classmethod
     def handle(cls, signum, _frame) -> None:
+        """The first signal: kill the runs in flight, remember it. A second: exit at once."""
+        if cls.signum:
+            for pid in list(cls.pids):
+                kill_tree(pid)
+            os._exit(128 + cls.signum)
         cls.signum = signum
         for pid in list(cls.pids):
             kill_tree(pid)
@@ -465,6 +470,7 @@ def _run_nodes(nodes: list[Node], timeout: float, log: Path) -> str:
         Stop.started(procs[-1].pid)
     t0, ending = time.time(), ""
     while None in (codes := [p.poll() for p in procs]):  # every node polled each time round
+        Stop.pids.difference_update(p.pid for p, c in zip(procs, codes) if c is not None)
         failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
         if Stop.signum:
             ending = Stop.ending()
@@ -516,8 +522,20 @@ def kill_tree(pid: int) -> None:
     for p in [*_descendants(pid), pid]:
         try:
             os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
+        except OSError:  # gone, or its number reused by a process not ours
             pass
+
+
+def _json_lines(path: Path) -> list[dict]:
+    """The records of a JSON-lines file (none if absent); a line cut short (a run killed while
+    writing it) is left out."""
+    recs = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            recs.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return recs
 
 
 def _median(xs) -> float:
@@ -586,7 +604,11 @@ def main(argv=None) -> None:
     Path(a.logs).mkdir(parents=True, exist_ok=True)
     spec = ensure_shards(a)
     Stop.signum = 0
-    before = {sig: signal.signal(sig, Stop.handle) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    # (a signal ignored here stays ignored: nohup's SIGHUP, a background job's SIGINT)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    for sig, handler in before.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, Stop.handle)
     try:
         run_all(a, spec)
     finally:
@@ -613,12 +635,14 @@ def run_all(a: argparse.Namespace, spec: str) -> None:
                                main_branch=kind.startswith("openclipmain"))
         else:
             res = run_ours(a, kind, g, steps, spec, overrides, gpus, nodes=nodes)
+        if Stop.signum:
+            res["stopped"] = signal.Signals(Stop.signum).name
         model = run_model(kind, overrides)
         key = f"{model[0]} patch_dropout={model[1]}"
-        if key not in flops:
+        if key not in flops and not Stop.signum:  # stopping: no model built for a FLOP count (MFU "—")
             flops[key] = fwd_gflops(*model)
-        res["mfu_pct"] = mfu_pct(res["samples_per_s"], *flops[key], lit=kind.startswith("lit"),
-                                 peak_tflops=a.peak_tflops, gpus=gpus)
+        res["mfu_pct"] = (mfu_pct(res["samples_per_s"], *flops[key], lit=kind.startswith("lit"),
+                                  peak_tflops=a.peak_tflops, gpus=gpus) if key in flops else float("nan"))
         res.update(kind=kind + "".join(f" {o}" for o in overrides), gpus=gpus, global_batch=g, steps=steps,
                    nodes=gpus if nodes else 1)
         results.append(res)
@@ -663,6 +687,8 @@ def _table(results: list[dict]) -> str:
         cells = [fmt.format(r[k]) if isinstance(r.get(k), (int, float)) and r.get(k) == r.get(k) else "—"
                  for k, _, fmt in keys]
         kind = r["kind"] + (f" ({r['open_clip']})" if r.get("open_clip") else "")
+        if r.get("stopped"):
+            kind += f" (stopped by {r['stopped']} after {r.get('steps_seen', 0)} step(s))"
         gpus = f"{r.get('gpus', 1)}" + (f" ({r['nodes']} nodes, sockets)" if r.get("nodes", 1) > 1 else "")
         if r.get("gpu_gb_source") == PEAK_FROM_STEPS:
             cells[[k for k, _, _ in keys].index("gpu_gb")] += " *"

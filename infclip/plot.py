@@ -11,10 +11,11 @@ replaces the earlier one. Needs matplotlib (``pip install 'infclip[plot]'``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional
+
+from infclip.records import read_records
 
 PNG_NAME = "curves.png"
 _BOOKKEEPING = ("_chance", "num_samples", "num_classes", "num_images", "num_texts", "seconds")
@@ -29,13 +30,8 @@ def read_curves(run: Path) -> tuple[dict[int, dict], dict[str, dict[int, float]]
     train: dict[int, dict] = {}
     evals: dict[str, dict[int, float]] = {}
     for name in ("metrics.jsonl", "eval.jsonl"):
-        path = run / name
-        for line in path.read_text().splitlines() if path.is_file() else []:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a record cut short by a kill
-                continue
-            step = rec.get("step") if isinstance(rec, dict) else None
+        for rec in read_records(run / name):  # (a record cut short by a kill is left out)
+            step = rec.get("step")
             if not isinstance(step, int):
                 continue
             if isinstance(rec.get("loss"), (int, float)):

@@ -384,5 +384,5 @@ def test_an_ignored_signal_stays_ignored_and_a_cut_metrics_line_is_left_out(tmp_
         signal.signal(signal.SIGHUP, before)
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
-    assert [r["step"] for r in bench_trainer._json_lines(metrics)] == [1, 2]
-    assert bench_trainer._json_lines(tmp_path / "absent.jsonl") == []
+    assert [r["step"] for r in bench_trainer.read_records(metrics)] == [1, 2]
+    assert bench_trainer.read_records(tmp_path / "absent.jsonl") == []

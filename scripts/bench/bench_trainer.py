@@ -79,6 +79,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+sys.path.insert(0, str(ROOT))
+
+from infclip.records import read_records  # noqa: E402  (torch-free)
 
 OPENCLIP_LINE = re.compile(r"Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), ([\d.]+)/s")
 
@@ -306,7 +309,7 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     else:
         out = _run([*launch, *args], a.timeout, log)
     mfile = run_dir / "metrics.jsonl"
-    recs = _json_lines(mfile)
+    recs = read_records(mfile)  # (a line cut by a killed run is left out)
     steps_ = step_records(recs, a.profile_step)
     summary = run_dir / "profile" / f"step_{a.profile_step}_rank_0.md"
     if a.profile_step and summary.exists():
@@ -401,14 +404,13 @@ class Stop:
 
     @classmethod
     def handle(cls, signum, _frame) -> None:
-        """The first signal: kill the runs in flight, remember it. A second: exit at once."""
-        if cls.signum:
-            for pid in list(cls.pids):
-                kill_tree(pid)
-            os._exit(128 + cls.signum)
-        cls.signum = signum
+        """Kill the runs in flight; the first signal is remembered, a second exits at once."""
+        first = cls.signum
+        cls.signum = first or signum
         for pid in list(cls.pids):
             kill_tree(pid)
+        if first:
+            os._exit(128 + first)
 
     @classmethod
     def started(cls, pid: int) -> None:
@@ -524,18 +526,6 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except OSError:  # gone, or its number reused by a process not ours
             pass
-
-
-def _json_lines(path: Path) -> list[dict]:
-    """The records of a JSON-lines file (none if absent); a line cut short (a run killed while
-    writing it) is left out."""
-    recs = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            recs.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return recs
 
 
 def _median(xs) -> float:

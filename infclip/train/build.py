@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -63,11 +63,8 @@ def build_checkpointer(cfg: Any, info: DistInfo, run_dir: Path) -> ckpt.Checkpoi
 
 def build(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Optional[ckpt.Checkpointer] = None) -> Parts:
     from infclip.train.engine import build_engine
-    from infclip.train.lit import apply_locks
 
-    if cfg.precision.tf32 and info.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    allow_tf32(cfg, info.device)
     preflight(cfg)  # paths before the model: a wrong shard or eval root fails in seconds
     built = build_model(cfg.model, device=info.device)
     if cfg.task == "simclr":  # image tower + projection head; the two views fill both slots
@@ -76,10 +73,7 @@ def build(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Optional[ckpt.C
         built = wrap_model(built, cfg.loss.temperature)
     if cfg.precision.amp == "pure_bf16":  # open_clip's pure_bf16: bf16 weights, no autocast (engine.py)
         built.model.to(torch.bfloat16)
-    apply_locks(built.model, cfg.model)
-    _fp8(cfg, info, built.model)  # after the locks (trained layers only), before compile and DDP wrap them
-    if cfg.model.compile:  # in place: state-dict keys, locks and DDP see the same modules
-        _compile(cfg, info, built.model)
+    prepare_model(cfg, info, built.model)
     model = _wrap_ddp(built.model, info)
     data, eval_cfg, normalizer, towers = _build_data(cfg, info, built)
     check_tasks(eval_cfg)  # open every eval dataset now: a wrong path fails before training
@@ -103,6 +97,34 @@ def build(cfg: Any, info: DistInfo, run_dir: Path, checkpointer: Optional[ckpt.C
                         abort=lambda: "an optimizer update made the weights non-finite (NaN/inf)")
     return Parts(built, model, data, optimizer, scheduler, scaler, engine, checkpointer, logger, eval_cfg, run_dir,
                  guard=guard, config=OmegaConf.to_container(cfg, resolve=True), towers=towers)
+
+
+def allow_tf32(cfg: Any, device: torch.device) -> None:
+    """precision.tf32 on a CUDA device: fp32 matmuls and convolutions may use TF32 (process-wide)."""
+    if cfg.precision.tf32 and device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def prepare_model(cfg: Any, info: DistInfo, model: torch.nn.Module,
+                  before_fp8: Optional[Callable[[], None]] = None,
+                  before_compile: Optional[Callable[[], None]] = None) -> str:
+    """The trainer's changes to a built model, in place and in this order: the locks
+    (``model.lock_*``), precision.fp8's swap of the trained block layers (after the locks: trained
+    layers only), model.compile (before DDP wraps it: state-dict keys, locks and DDP see the same
+    modules). ``before_fp8`` / ``before_compile`` run at those two points (a benchmark counts FLOPs
+    on the bf16 model, probes the eager one). Returns the FP8 line ('' when off), printed on rank 0."""
+    from infclip.train.lit import apply_locks
+
+    apply_locks(model, cfg.model)
+    if before_fp8 is not None:
+        before_fp8()
+    line = _fp8(cfg, info, model)
+    if before_compile is not None:
+        before_compile()
+    if cfg.model.compile:
+        _compile(cfg, info, model)
+    return line
 
 
 def _wrap_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
@@ -212,16 +234,17 @@ def _compile_under_ddp(cfg: Any, info: DistInfo) -> None:
         print(f"model: compiled towers under DDP: {how}", flush=True)
 
 
-def _fp8(cfg: Any, info: DistInfo, model: torch.nn.Module) -> None:
+def _fp8(cfg: Any, info: DistInfo, model: torch.nn.Module) -> str:
     """precision.fp8: the towers' trained block layers to torchao's Float8Linear (infclip.fp8),
-    said in one startup line; off: the model is untouched and nothing is printed."""
+    said in one startup line (returned too); off: the model is untouched, nothing is printed, ''."""
     if cfg.precision.fp8 == "off":
-        return
+        return ""
     from infclip.fp8 import convert_towers
 
-    swapped = convert_towers(model, cfg.precision.fp8, cfg.precision.fp8_layers)
+    line = convert_towers(model, cfg.precision.fp8, cfg.precision.fp8_layers).line()
     if info.is_main:
-        print(swapped.line(), flush=True)
+        print(line, flush=True)
+    return line
 
 
 def data_line(cfg: Any, data: Any, synthetic_shards: Optional[str]) -> str:

@@ -134,31 +134,26 @@ def build_variant(cfg: Any, device: torch.device, count=None, probe=None) -> tup
     from infclip.config import validate
     from infclip.data.transforms import Normalizer
     from infclip.model import build_model
-    from infclip.train.build import _compile, _loss_fn
+    from infclip.loss import build_loss
+    from infclip.train.build import allow_tf32, prepare_model
     from infclip.train.distributed import DistInfo
     from infclip.train.engine import build_engine
-    from infclip.train.lit import apply_locks
 
     validate(cfg, 1)  # precision.fp8 on a GPU below sm_89 / without torchao: its one paragraph
-    if cfg.precision.tf32 and device.type == "cuda":  # as infclip.train.build
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    allow_tf32(cfg, device)
     built = build_model(cfg.model, device=device)
-    apply_locks(built.model, cfg.model)
-    if count is not None:
-        count(built)
-    line = ""
-    if cfg.precision.fp8 != "off":
-        from infclip.fp8 import convert_towers
+    probed = []
 
-        line = convert_towers(built.model, cfg.precision.fp8, cfg.precision.fp8_layers).line()
-    built.model.train()
-    probed = probe(built) if probe is not None else None
-    if cfg.model.compile:  # the trainer's own: each tower in model.compile_mode (a mode other than default said)
-        _compile(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=device), built.model)
+    def before_compile() -> None:
+        built.model.train()
+        probed.append(probe(built) if probe is not None else None)
+
+    # the trainer's own steps on one rank: locks, FP8 swap, compile in model.compile_mode
+    line = prepare_model(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=device), built.model,
+                         before_fp8=None if count is None else lambda: count(built), before_compile=before_compile)
     engine = build_engine(cfg, built.model, device=device, normalizer=Normalizer(built.mean, built.std).to(device),
-                          loss_fn=_loss_fn(cfg, None))
-    return built, engine, line, probed
+                          loss_fn=build_loss(cfg.loss, group=None))
+    return built, engine, line, probed[0]
 
 
 class ReplayForwardTimer:

@@ -92,7 +92,7 @@ class TritonTileOps:
             two elementwise passes per strip: H200, bf16, c = 1024, b = 16k: 7.40 ms vs
             6.97, c = 512, b = 64k: 63.0 vs 62.7).
         strip_budget: bytes of the strip scratch (default: ``launch.strip_rows``' 64 MB +
-            768 B x b, and in a one-pass backward of fresh gradients without group ids, on
+            768 B x b, and in a one-pass backward of fresh gradients (or ``spare_room``) without group ids, on
             CUDA with an in-place fp32 addmm, the unused second fp32 accumulator's room, 4 c
             bytes a sample: ``launch.onepass_spare_bytes``); the CUDA-graph path passes what its static
             buffers leave of the rule. An explicit budget is taken as it is.
@@ -132,6 +132,7 @@ class TritonTileOps:
     name = "triton"
     writes_out_dtype = True  # backward(..., out_dtype=img.dtype) writes fresh grads directly
     takes_need = True  # backward(need=): an unwanted feature gradient costs no product (a locked tower)
+    takes_spare_room = True  # backward(spare_room=): a summing caller gives its strips the spare accumulator room
 
     def __init__(self, fp32_precision: str = "ieee", *, poison: bool = False, strips: str = "auto",
                  grad_filter: tuple[float, int] | None = None, strip_positives: str = "fold",
@@ -232,7 +233,8 @@ class TritonTileOps:
                  g_row: Tensor, g_col: Tensor, dimg: Tensor | None = None,
                  dtxt: Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                  g_diag: Tensor | None = None, offsets=None, overwrite: bool = False, groups=None,
-                 need: tuple[bool, bool] = (True, True)) -> tuple[Tensor | None, Tensor | None, Tensor]:
+                 need: tuple[bool, bool] = (True, True),
+                 spare_room: bool = False) -> tuple[Tensor | None, Tensor | None, Tensor]:
         """(dimg, dtxt, dscale); fresh outputs are ``out_dtype`` (fp32 by the protocol).
 
         offsets: row_lse / col_lse are relative to s * offsets (as ``forward``). g_diag (m,)
@@ -244,7 +246,11 @@ class TritonTileOps:
         no product (LiT's locked image tower: the one-pass backward forms dX once and skips
         dX @ txt, 6 b^2 c instead of 8 for forward + backward; the two-pass path runs one of
         its passes). What is computed is bit-identical to the same gradient of a call that
-        wants both (ds: equal up to summation order when only dtxt is wanted)."""
+        wants both (ds: equal up to summation order when only dtxt is wanted).
+        spare_room: a caller summing into given fp32 buffers whose memory rule holds the room of
+        the second fp32 accumulator the one-pass backward never allocates (the ring's tiles:
+        ``ring.backward_extra_bytes``) lets the strips take it, as fresh gradients do
+        (``launch.onepass_spare_bytes``); the results are the same bits at any strip height."""
         img, txt, scale = _prep(img, txt, scale)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
         gid_row, gid_col, band = _groups(groups, img.shape[0], txt.shape[0])
@@ -262,7 +268,8 @@ class TritonTileOps:
             g_diag = g_diag.float().contiguous()
         if self._one_pass(img, txt):
             return dimg, dtxt, self._grad_onepass(img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, acc_i,
-                                                  acc_t, prec, g_diag, o_row, o_col, gid_row, gid_col, band)
+                                                  acc_t, prec, g_diag, o_row, o_col, gid_row, gid_col, band,
+                                                  spare_room)
         ds = None
         if need[0] or not need[1]:  # (d scale alone: the image pass, its gradient dropped)
             out = dimg if need[0] else self._out(None, img, out_dtype)
@@ -329,14 +336,14 @@ class TritonTileOps:
         return self.path_for(img) == "onepass" and img.shape[0] > 0 and txt.shape[0] > 0
 
     def _grad_onepass(self, img, txt, scale, row_lse, col_lse, g_row, g_col, dimg, dtxt, acc_i, acc_t, prec,
-                      g_d, o_row, o_col, gid_row=None, gid_col=None, band=None) -> Tensor:
+                      g_d, o_row, o_col, gid_row=None, gid_col=None, band=None, spare_room=False) -> Tensor:
         """dimg (+)= s dX @ txt and dtxt (+)= s dX^T @ img from one fill per strip of image
         rows (``launch.grad_onepass_strips``); returns ds. dtxt is summed over the strips in
         fp32: in dtxt itself when it is fp32, else in a fresh fp32 (n, c) accumulator that
         is rounded into dtxt once at the end. dimg / dtxt None: not wanted (no product for
         it; both None: the fills alone, for ds), the other one bit for bit as with both."""
         # (the sorted mask's feature copies hold the spare room already: no spare with group ids)
-        fresh = not (acc_i or acc_t) and gid_row is None
+        fresh = (spare_room or not (acc_i or acc_t)) and gid_row is None
         spare = launch.onepass_spare_bytes(img.shape[0], txt.shape[0], img.shape[1], fresh,
                                            addmm_f32_in_place(img, txt))
         rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],

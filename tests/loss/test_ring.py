@@ -137,32 +137,41 @@ def rule_bytes(m: int, c: int, esize: int) -> int:
 def test_ring_backward_extra_memory_per_rank(c):
     """Arithmetic of ``ring.backward_extra_bytes`` (bf16, m local rows): the one-pass ring holds
     the rule's fp32 accumulators (its dI sum and the tile's dT) and, beyond the rule, only its
-    communication buffers: two text blocks and two fp32 dT accumulators in flight (the price
-    of never waiting for a transfer). The tile's strip scratch (64 MB + 768 B x m) fits the
-    rule's 64 MB + 1 KB x m. It holds 4 c bytes per row less than the one-pass tiles did when
-    they wrote fresh bf16 gradients (plus their own fp32 dT accumulator) for the ring to sum."""
+    communication buffers (two text blocks and two fp32 dT accumulators in flight: the price
+    of never waiting for a transfer) and its tiles' taller strips (4 c bytes a row: the room of
+    the second accumulator the one-pass tiles never allocate). The plain strip scratch (64 MB +
+    768 B x m) fits the rule's 64 MB + 1 KB x m. Without the strip room it holds 4 c bytes per
+    row less than the one-pass tiles did when they wrote fresh bf16 gradients (plus their own
+    fp32 dT accumulator) for the ring to sum."""
+    from infclip.kernels.clip import launch as strips
     from infclip.loss.ring import backward_extra_bytes
 
     for m in (1024, 16384, 65536, 262144, 1 << 20):
         one = backward_extra_bytes(m, c, 2, in_place=True)
         comm = one["text receive buffers (2)"] + one["fp32 dT arriving + leaving"]
+        room = one["strip room of the tile"]
+        assert room == strips.onepass_spare_bytes(m, m, c, True)
         scratch = (64 << 20) + 768 * m
         grads = 2 * m * c * 2  # the returned bf16 feature gradients, made after the ring from its fp32 sums
-        assert sum(one.values()) - comm + scratch + grads <= rule_bytes(m, c, 2), (m, c, one)
+        assert sum(one.values()) - comm - room + scratch + grads <= rule_bytes(m, c, 2), (m, c, one)
         old_onepass = sum(backward_extra_bytes(m, c, 2, in_place=False).values()) + 4 * m * c
-        assert sum(one.values()) == old_onepass - 4 * m * c
+        assert sum(one.values()) - room == old_onepass - 4 * m * c
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_loopback_ring_triton_onepass_in_place(monkeypatch, dtype):
     """The ring with the one-pass Triton tiles (interpreted; 16-row strips, NaN-poisoned buffers)
     summing into its fp32 buffers, against float64: fp32 within 1e-5; bf16 no worse than the
-    same tiles writing fresh bf16 gradients that the ring sums (the path before)."""
+    same tiles writing fresh bf16 gradients that the ring sums (the path before). Summing in
+    place, every tile's strips are offered the spare accumulator room (``spare_room``), as the
+    fresh tiles' are."""
     from infclip.kernels.clip import TritonTileOps, launch
     from infclip.loss import _tiled_loss, ring
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 16)
+    offered = []  # onepass_spare_bytes' ``fresh``: whether the strips may take the room
+    monkeypatch.setattr(launch, "onepass_spare_bytes", lambda m, n, k, fresh, in_place=True: offered.append(fresh) or 0)
     world, m = 2, 37
     img, txt, scale = global_batch(1, m, seed=4)
     ref = reference(img.repeat(world, 1), txt.repeat(world, 1), scale, world)
@@ -173,7 +182,9 @@ def test_loopback_ring_triton_onepass_in_place(monkeypatch, dtype):
         i, t = (x.to(dtype, copy=True).requires_grad_() for x in (img, txt))
         s = scale.clone().requires_grad_()
         loss = _tiled_loss(i, t, s, ops, ring.LoopbackRing(world))
+        offered.clear()
         loss.backward()
+        assert len(offered) == world and all(offered), (name, offered)
         errs[name] = [rel_err(loss.detach(), ref[0][0], 1.0), rel_err(i.grad, ref[1][:m]),
                       rel_err(t.grad, ref[2][:m]), rel_err(s.grad * world, ref[3], world)]
     if dtype == torch.float32:

@@ -285,8 +285,9 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     """Ours on ``gpus`` GPUs: one node, or (``nodes``) as many simulated nodes of one GPU each."""
     lit = kind.startswith("lit")
     where = f"{gpus}node" if nodes else f"{gpus}gpu"
-    # (the overrides' tag keeps runs of other models apart when benchmarks share a machine)
-    run_dir = Path("/tmp") / f"bench_{kind}_{where}_{global_batch}{_tag(overrides)}"
+    # (a hash of the overrides keeps runs of other models apart when benchmarks share a machine;
+    # the readable tag's '=' would not pass as a Hydra value)
+    run_dir = Path("/tmp") / f"bench_{kind}_{where}_{global_batch}{_tag(overrides)[-9:]}"
     subprocess.run(["rm", "-rf", str(run_dir)])
     # python -c gets train.py's path as argv[1], a torchrun script the overrides alone: either
     # way train.py sees itself as argv[0]

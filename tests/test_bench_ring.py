@@ -1,5 +1,5 @@
 """scripts/bench/bench_ring.py on the CPU (gloo, 2 ranks): the ring against its loopback, the
-table and JSON, and ``--home-chunk-rows`` reaching the ring (recorded in the JSON's env; its fp32
+table and JSON (with the opt-in ``loopback_plain``), and ``--home-chunk-rows`` reaching the ring (recorded in the JSON's env; its fp32
 check, 3,000 rows a rank, then runs the last tile in chunks of 1,500, 750, 375 and 375 against
 the full-matrix loss)."""
 
@@ -18,7 +18,7 @@ def test_cpu_run_writes_rows_and_the_chunking_it_ran_with(tmp_path):
     out = tmp_path / "ring.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "scripts/bench/bench_ring.py"), "--device", "cpu", "--dtype", "fp32", "--sizes", "512",
-           "--methods", "ring", "loopback", "--home-chunk-rows", "64", "--out", str(out)]
+           "--methods", "ring", "loopback", "loopback_plain", "--home-chunk-rows", "64", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -26,7 +26,7 @@ def test_cpu_run_writes_rows_and_the_chunking_it_ran_with(tmp_path):
     assert saved["env"]["home_chunk_min_rows"] == 64 and saved["env"]["world"] == 2
     assert saved["env"]["verify_home_chunk_min_rows"] == [64]  # chunked as configured: one check
     rows = {r["method"]: r for r in saved["rows"]}
-    assert set(rows) == {"ring", "loopback"} and all(r["ms"] > 0 for r in rows.values())
+    assert set(rows) == {"ring", "loopback", "loopback_plain"} and all(r["ms"] > 0 for r in rows.values())
     assert rows["ring"]["loss"] > 0
     assert max(saved["verify"].values()) < 1e-4, saved["verify"]  # chunked ring == full matrix, fp32
     assert "| 512 |" in saved["table"]

@@ -14,6 +14,9 @@ logit scale a learnable log-parameter as in open_clip), forward + backward of:
     local      ``clip_loss(impl="local")``: open_clip ``ClipLoss(local_loss=True,
                gather_with_grad=True)``; skipped where its (b/W, b) logits cannot fit
     inf_cl     ``0.5 * (cal_inf_loss(img, txt, s) + cal_inf_loss(txt, img, s))``, inf-cl 1.2.1
+    loopback_plain  (opt in) the loopback ring with its one-pass tiles' strips in the plain
+               scratch, without the spare accumulator room the ring gives them
+               (``spare_room``): beside ``loopback``, what that room buys
 
 Timing: median of ``--reps`` (``--reps-large`` from ``--large-b`` on) after ``--warmup``
 untimed runs; each run is a barrier, then wall-clock around the call and a device
@@ -124,6 +127,10 @@ def method_fn(name: str, dev: torch.device):
     if name == "loopback":
         ops = tile_ops("auto", dev)
         return lambda i, t, ls: _tiled_loss(i, t, ls.exp(), ops, LoopbackRing(world))
+    if name == "loopback_plain":
+        plain = tile_ops("auto", dev)
+        plain.takes_spare_room = False  # (this instance: the ring offers its tiles no room)
+        return lambda i, t, ls: _tiled_loss(i, t, ls.exp(), plain, LoopbackRing(world))
     if name == "local":
         return lambda i, t, ls: clip_loss(i, t, ls.exp(), impl="local", group=dist.group.WORLD)
     if name == "inf_cl":
@@ -136,7 +143,7 @@ def method_fn(name: str, dev: torch.device):
         return infcl
     if name in OBJECTIVE_METHODS:
         return objective_fn(name)
-    raise ValueError(f"unknown method {name!r}; choose from {METHODS + OBJECTIVE_METHODS}")
+    raise ValueError(f"unknown method {name!r}; choose from {METHODS + ('loopback_plain',) + OBJECTIVE_METHODS}")
 
 
 # -- other objectives on the same ring (SigLIP, NT-Xent); opt in with --methods ... -------

@@ -38,8 +38,9 @@ Memory per rank beyond the inputs (``backward_extra_bytes``): two (m, c) text re
 buffers; in backward the fp32 dI sum and three fp32 (m, c) dT buffers (the one arriving,
 the one leaving, the tile's own), plus the tile backend's scratch (the one-pass Triton
 strips take 4 c bytes a row more than the one-GPU rule's: the room of the accumulator they
-never allocate, for strips about three times taller) and O(m) vectors. Never O(b * c). With a one-pass tile backend (``TorchTileOps``; ``TritonTileOps`` where its
-``path_for`` says "onepass": bf16 on CUDA) each tile sums straight into the fp32 dI sum and
+never allocate, for strips about three times taller) and O(m) vectors. Never O(b * c).
+With a one-pass tile backend (``TorchTileOps``; ``TritonTileOps`` where its ``path_for``
+says "onepass": bf16 on CUDA) each tile sums straight into the fp32 dI sum and
 into its fp32 dT buffer: no per-tile gradient in the input dtype, no rounding before the sum.
 The two-pass Triton path instead writes fresh (m, c) dI and dT in the input dtype (its
 strip path needs them) and the ring adds them to the fp32 sums.

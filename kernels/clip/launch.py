@@ -177,8 +177,9 @@ def onepass_spare_bytes(m: int, n: int, k: int, fresh: bool, in_place: bool = Tr
     """The room the memory rule gives the one-pass backward's second fp32 accumulator (4 k
     bytes per sample of the smaller side), which it never allocates: the strip scratch may
     take it when the call's gradients are fresh and it has no group ids (``fresh``: the
-    one-GPU loss). A call that sums into given buffers (the ring's tiles, whose fp32 sums are
-    its own rule's) gets 0, and so does the sorted mask's (its sorted feature copies, 2 b c
+    one-GPU loss), or when its caller's rule counts that room (the ring's tiles, which sum into
+    the ring's fp32 buffers: ``spare_room``). Another call that sums into given buffers gets 0
+    (the buffers are its caller's), and so does the sorted mask's (its sorted feature copies, 2 b c
     elements, hold that room: ``docs/objectives.md``). in_place: whether the d text product
     sums into its fp32 accumulator with no temporary (``addmm_f32_``'s one cuBLAS call, torch
     >= 2.8); without it the product's chunked fp32 temporary (<= ``ADDMM_CHUNK_BYTES`` and

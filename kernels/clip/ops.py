@@ -250,7 +250,8 @@ class TritonTileOps:
         spare_room: a caller summing into given fp32 buffers whose memory rule holds the room of
         the second fp32 accumulator the one-pass backward never allocates (the ring's tiles:
         ``ring.backward_extra_bytes``) lets the strips take it, as fresh gradients do
-        (``launch.onepass_spare_bytes``); the results are the same bits at any strip height."""
+        (``launch.onepass_spare_bytes``). Taller strips sum dtxt over fewer strips: equal up to
+        the fp32 summation order."""
         img, txt, scale = _prep(img, txt, scale)
         o_row, o_col = _offsets(offsets, img.shape[0], txt.shape[0])
         gid_row, gid_col, band = _groups(groups, img.shape[0], txt.shape[0])
@@ -343,8 +344,8 @@ class TritonTileOps:
         is rounded into dtxt once at the end. dimg / dtxt None: not wanted (no product for
         it; both None: the fills alone, for ds), the other one bit for bit as with both."""
         # (the sorted mask's feature copies hold the spare room already: no spare with group ids)
-        fresh = (spare_room or not (acc_i or acc_t)) and gid_row is None
-        spare = launch.onepass_spare_bytes(img.shape[0], txt.shape[0], img.shape[1], fresh,
+        roomy = (spare_room or not (acc_i or acc_t)) and gid_row is None
+        spare = launch.onepass_spare_bytes(img.shape[0], txt.shape[0], img.shape[1], roomy,
                                            addmm_f32_in_place(img, txt))
         rows = launch.strip_rows(txt.shape[0], img.element_size(), budget=self.strip_budget, k=img.shape[1],
                                  temp=not self.fold, spare=spare)

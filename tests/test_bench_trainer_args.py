@@ -386,3 +386,36 @@ def test_an_ignored_signal_stays_ignored_and_a_cut_metrics_line_is_left_out(tmp_
     metrics.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
     assert [r["step"] for r in bench_trainer.read_records(metrics)] == [1, 2]
     assert bench_trainer.read_records(tmp_path / "absent.jsonl") == []
+
+
+def test_a_run_keeps_every_step_s_rate_in_its_own_run_dir(tmp_path, monkeypatch):
+    """A run's result keeps each step's samples/s (the compile step included, the profiled one
+    left out) beside the median of the steady ones; runs of other overrides get run_dirs of their
+    own, which pass as a Hydra value (no '=' in them)."""
+    import json
+    import subprocess
+
+    dirs = []
+
+    def fake_run(cmd, timeout, log, path_first=None):
+        run_dir = Path(next(c for c in cmd if c.startswith("run_dir=")).split("=", 1)[1])
+        dirs.append(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rates = {1: 400.0, 2: 5000.0, 3: 3000.0, 4: 5200.0}
+        (run_dir / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "samples_per_s": r, "step_time": 1.0}) + "\n" for s, r in rates.items()))
+        return "PEAK_GPU_GB 3.0\n"
+
+    monkeypatch.setattr(bench_trainer, "_run", fake_run)
+    monkeypatch.setattr(bench_trainer, "launcher", lambda gpus, logs, body: [])
+    a = bench_trainer.parse_args(["--logs", str(tmp_path), "--out", str(tmp_path), "--profile-step", "3"])
+    try:
+        res = bench_trainer.run_ours(a, "ours", 1024, 4, "/s/{0..1}.tar", ["model.name=ViT-L-14"])
+        assert res["step_samples_per_s"] == [400.0, 5000.0, 5200.0]  # step 3 was profiled
+        assert res["samples_per_s"] == 5100.0 and res["steps_seen"] == 3
+        bench_trainer.run_ours(a, "ours", 1024, 4, "/s/{0..1}.tar", ["model.name=ViT-B-16"])
+        bench_trainer.run_ours(a, "ours", 1024, 4, "/s/{0..1}.tar", [])
+        assert len(set(dirs)) == 3 and not any("=" in d.name for d in dirs)
+    finally:
+        for d in dirs:
+            subprocess.run(["rm", "-rf", str(d)])

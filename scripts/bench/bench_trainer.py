@@ -277,6 +277,7 @@ def run_openclip(a, global_batch: int, steps: int, compile_: bool, spec: str, ov
     return {"samples_per_s": _median(r[2] for r in steady), "step_s": _median(r[1] for r in steady),
             "data_wait_s": _median(r[0] for r in steady), "gpu_gb": _peak(out, "PEAK_GPU_GB"),
             "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(rows),
+            "step_samples_per_s": [r[2] for r in rows],  # every step's, the first (compile) included
             "open_clip": version[-1] if version else "not imported"}
 
 
@@ -331,7 +332,9 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
            "cpu_decoded_sps": pick("loader_cpu_decoded_per_s"),  # data.cpu_decode_share (NaN without)
            "host_kb_per_sample": pick("host_image_bytes_per_sample") / 1000,
            "decoder": _decoder_line(out), **_gpu_peak(out, steps_),
-           "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(steps_)} if steps_ else {
+           "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(steps_),
+           # every step's (the first, compile and warm-up, included; a profiled step left out)
+           "step_samples_per_s": [r.get("samples_per_s", float("nan")) for r in steps_]} if steps_ else {
                "samples_per_s": float("nan"), "steps_seen": 0}
     subprocess.run(["rm", "-rf", str(run_dir / "checkpoints")])
     return res

@@ -416,6 +416,8 @@ def test_a_run_keeps_every_step_s_rate_in_its_own_run_dir(tmp_path, monkeypatch)
         bench_trainer.run_ours(a, "ours", 1024, 4, "/s/{0..1}.tar", ["model.name=ViT-B-16"])
         bench_trainer.run_ours(a, "ours", 1024, 4, "/s/{0..1}.tar", [])
         assert len(set(dirs)) == 3 and not any("=" in d.name for d in dirs)
+        table = bench_trainer._table([{**res, "kind": "ours", "global_batch": 1024}])
+        assert "| 5,100 (5,000 / 5,200) |" in table  # the steady steps beside their median
     finally:
         for d in dirs:
             subprocess.run(["rm", "-rf", str(d)])

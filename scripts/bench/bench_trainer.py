@@ -681,6 +681,9 @@ def _table(results: list[dict]) -> str:
     for r in results:
         cells = [fmt.format(r[k]) if isinstance(r.get(k), (int, float)) and r.get(k) == r.get(k) else "—"
                  for k, _, fmt in keys]
+        steady = (r.get("step_samples_per_s") or [])[1:]
+        if len(steady) > 1 and cells[0] != "—":  # the median's steps, as the docs quote them
+            cells[0] += " (" + " / ".join("{:,.0f}".format(x) for x in steady) + ")"
         kind = r["kind"] + (f" ({r['open_clip']})" if r.get("open_clip") else "")
         if r.get("stopped"):
             kind += f" (stopped by {r['stopped']} after {r.get('steps_seen', 0)} step(s))"

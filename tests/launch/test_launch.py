@@ -103,7 +103,10 @@ def test_a_stop_is_forwarded_once_turns_restarts_off_and_a_second_ctrl_c_ends_th
 
     from infclip import launch
 
-    workers = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    # (SIGINT at its default in the workers: a suite started in the background, `cmd &`, runs
+    # with SIGINT ignored, and the workers would inherit that)
+    workers = [subprocess.Popen(["sleep", "60"], start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) for _ in range(2)]
     try:
         group = SimpleNamespace(workers=[SimpleNamespace(id=w.pid) for w in workers])
         agent = SimpleNamespace(get_worker_group=lambda: group, _remaining_restarts=3)

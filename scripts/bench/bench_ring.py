@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 METHODS = ("ring", "loopback", "inf_cl", "local")
+OPT_IN_METHODS = ("loopback_plain",)  # run only when named in --methods
 
 
 @dataclass
@@ -143,7 +144,7 @@ def method_fn(name: str, dev: torch.device):
         return infcl
     if name in OBJECTIVE_METHODS:
         return objective_fn(name)
-    raise ValueError(f"unknown method {name!r}; choose from {METHODS + ('loopback_plain',) + OBJECTIVE_METHODS}")
+    raise ValueError(f"unknown method {name!r}; choose from {METHODS + OPT_IN_METHODS + OBJECTIVE_METHODS}")
 
 
 # -- other objectives on the same ring (SigLIP, NT-Xent); opt in with --methods ... -------

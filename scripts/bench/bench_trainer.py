@@ -286,9 +286,9 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     """Ours on ``gpus`` GPUs: one node, or (``nodes``) as many simulated nodes of one GPU each."""
     lit = kind.startswith("lit")
     where = f"{gpus}node" if nodes else f"{gpus}gpu"
-    # (a hash of the overrides keeps runs of other models apart when benchmarks share a machine;
+    # (the overrides' hash keeps runs of other models apart when benchmarks share a machine;
     # the readable tag's '=' would not pass as a Hydra value)
-    run_dir = Path("/tmp") / f"bench_{kind}_{where}_{global_batch}{_tag(overrides)[-9:]}"
+    run_dir = Path("/tmp") / f"bench_{kind}_{where}_{global_batch}{'_' + _digest(overrides) if overrides else ''}"
     subprocess.run(["rm", "-rf", str(run_dir)])
     # python -c gets train.py's path as argv[1], a torchrun script the overrides alone: either
     # way train.py sees itself as argv[0]
@@ -334,7 +334,7 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
            "decoder": _decoder_line(out), **_gpu_peak(out, steps_),
            "host_rss_gb": _peak(out, "PEAK_RSS_GB"), "steps_seen": len(steps_),
            # every step's (the first, compile and warm-up, included; a profiled step left out)
-           "step_samples_per_s": [r.get("samples_per_s", float("nan")) for r in steps_]} if steps_ else {
+           "step_samples_per_s": [r["samples_per_s"] for r in steps_]} if steps_ else {
                "samples_per_s": float("nan"), "steps_seen": 0}
     subprocess.run(["rm", "-rf", str(run_dir / "checkpoints")])
     return res
@@ -397,8 +397,12 @@ def _tag(overrides: list[str]) -> str:
     hash of all of them (runs that differ only past the cut get logs of their own)."""
     if not overrides:
         return ""
-    text = "_".join(overrides)
-    return "_" + re.sub(r"[^\w.=-]", "-", text)[:60] + "_" + hashlib.sha1(text.encode()).hexdigest()[:8]
+    return "_" + re.sub(r"[^\w.=-]", "-", "_".join(overrides))[:60] + "_" + _digest(overrides)
+
+
+def _digest(overrides: list[str]) -> str:
+    """8 hex digits naming a run's overrides (its log's and run_dir's suffix)."""
+    return hashlib.sha1("_".join(overrides).encode()).hexdigest()[:8]
 
 
 class Stop:

@@ -358,3 +358,39 @@ def test_train_py_with_fp8_says_which_layers_trains_and_writes_plain_checkpoints
     state = state.get("model", state)
     plain = build_model(ModelConfig(name="infclip-micro")).model
     plain.load_state_dict(state, strict=True)
+
+
+@needs_torchao
+def test_prepare_model_locks_then_swaps_to_fp8_then_compiles(monkeypatch, capsys):
+    """``prepare_model``'s order, which the trainer and bench_towers share: the locks first (the
+    hook before the swap sees a frozen image tower and no FP8 layer), then FP8 in the trained
+    layers only (the hook before compile sees them), then the compile; the FP8 line returned and
+    printed. With FP8 off nothing is swapped and the line is ''."""
+    from omegaconf import OmegaConf
+
+    from infclip.train import build
+    from infclip.train.distributed import DistInfo
+
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    order = []
+    monkeypatch.setattr(build, "_compile", lambda cfg, info, model: order.append("compile"))
+    for fp8 in ("tensorwise", "off"):
+        cfg = OmegaConf.structured(TrainConfig())
+        cfg.model.name, cfg.model.sdpa_attention, cfg.model.lock_image = "infclip-tiny", True, True
+        cfg.model.compile, cfg.precision.fp8 = True, fp8
+        model = build_model(cfg.model).model
+        order.clear()
+
+        def before_fp8(m=model):
+            frozen = all(not p.requires_grad for p in m.visual.parameters())
+            order.append(("locks", frozen, len(fp8_modules(m))))
+
+        line = build.prepare_model(cfg, info, model, before_fp8=before_fp8,
+                                   before_compile=lambda m=model: order.append(("fp8", len(fp8_modules(m)))))
+        swapped = len(fp8_modules(model))
+        assert order == [("locks", True, 0), ("fp8", swapped), "compile"], order
+        assert not any(n.startswith("visual.") for n in fp8_modules(model))
+        if fp8 == "off":
+            assert swapped == 0 and line == ""
+        else:
+            assert swapped > 0 and line and line in capsys.readouterr().out

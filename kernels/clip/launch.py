@@ -173,10 +173,10 @@ def strip_rows(n: int, esize: int, budget: int | None = None, k: int = 0, temp: 
     return rows // 128 * 128 if rows >= 128 else rows
 
 
-def onepass_spare_bytes(m: int, n: int, k: int, fresh: bool, in_place: bool = True) -> int:
+def onepass_spare_bytes(m: int, n: int, k: int, roomy: bool, in_place: bool = True) -> int:
     """The room the memory rule gives the one-pass backward's second fp32 accumulator (4 k
     bytes per sample of the smaller side), which it never allocates: the strip scratch may
-    take it when the call's gradients are fresh and it has no group ids (``fresh``: the
+    take it (``roomy``) when the call's gradients are fresh and it has no group ids (the
     one-GPU loss), or when its caller's rule counts that room (the ring's tiles, which sum into
     the ring's fp32 buffers: ``spare_room``). Another call that sums into given buffers gets 0
     (the buffers are its caller's), and so does the sorted mask's (its sorted feature copies, 2 b c
@@ -184,7 +184,7 @@ def onepass_spare_bytes(m: int, n: int, k: int, fresh: bool, in_place: bool = Tr
     sums into its fp32 accumulator with no temporary (``addmm_f32_``'s one cuBLAS call, torch
     >= 2.8); without it the product's chunked fp32 temporary (<= ``ADDMM_CHUNK_BYTES`` and
     its 16-bit copy) lives in that room: 0."""
-    return 4 * k * min(m, n) if fresh and in_place else 0
+    return 4 * k * min(m, n) if roomy and in_place else 0
 
 
 def strip_candidates(k: int, esize: int) -> list[StripConfig]:

@@ -269,7 +269,7 @@ def test_only_calls_without_group_ids_take_the_spare_room(mode, monkeypatch):
     seen = []
     real = launch.onepass_spare_bytes
     monkeypatch.setattr(launch, "onepass_spare_bytes",
-                        lambda m, n, k, fresh, in_place=True: seen.append(fresh) or real(m, n, k, fresh, in_place))
+                        lambda m, n, k, roomy, in_place=True: seen.append(roomy) or real(m, n, k, roomy, in_place))
     img, txt, s, ids = _batch("small", 40, 8, 10.0, seed=3)
     img, txt, s = (x.to(DEV).requires_grad_() for x in (img, txt, s))
     kw = {} if mode == "off" else {"group_ids": ids.to(DEV), "duplicates": "mask"}

@@ -170,8 +170,8 @@ def test_loopback_ring_triton_onepass_in_place(monkeypatch, dtype):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(launch, "strip_rows", lambda *args, **kwargs: 16)
-    offered = []  # onepass_spare_bytes' ``fresh``: whether the strips may take the room
-    monkeypatch.setattr(launch, "onepass_spare_bytes", lambda m, n, k, fresh, in_place=True: offered.append(fresh) or 0)
+    offered = []  # onepass_spare_bytes' ``roomy``: whether the strips may take the room
+    monkeypatch.setattr(launch, "onepass_spare_bytes", lambda m, n, k, roomy, in_place=True: offered.append(roomy) or 0)
     world, m = 2, 37
     img, txt, scale = global_batch(1, m, seed=4)
     ref = reference(img.repeat(world, 1), txt.repeat(world, 1), scale, world)

@@ -390,16 +390,19 @@ def test_an_ignored_signal_stays_ignored_and_a_cut_metrics_line_is_left_out(tmp_
 
 def test_a_run_keeps_every_step_s_rate_in_its_own_run_dir(tmp_path, monkeypatch):
     """A run's result keeps each step's samples/s (the compile step included, the profiled one
-    left out) beside the median of the steady ones; runs of other overrides get run_dirs of their
-    own, which pass as a Hydra value (no '=' in them)."""
+    left out) beside the median of the steady ones; runs of other overrides or another --micro get
+    run_dirs and logs of their own, the run_dirs passing as a Hydra value (no '=' in them)."""
     import json
     import subprocess
 
     dirs = []
 
+    logs = []
+
     def fake_run(cmd, timeout, log, path_first=None):
         run_dir = Path(next(c for c in cmd if c.startswith("run_dir=")).split("=", 1)[1])
         dirs.append(run_dir)
+        logs.append(log)
         run_dir.mkdir(parents=True, exist_ok=True)
         rates = {1: 400.0, 2: 5000.0, 3: 3000.0, 4: 5200.0}
         (run_dir / "metrics.jsonl").write_text(
@@ -415,7 +418,10 @@ def test_a_run_keeps_every_step_s_rate_in_its_own_run_dir(tmp_path, monkeypatch)
         assert res["samples_per_s"] == 5100.0 and res["steps_seen"] == 3
         bench_trainer.run_ours(a, "ours", 1024, 4, "/s/{0..1}.tar", ["model.name=ViT-B-16"])
         bench_trainer.run_ours(a, "ours", 1024, 4, "/s/{0..1}.tar", [])
-        assert len(set(dirs)) == 3 and not any("=" in d.name for d in dirs)
+        a2048 = bench_trainer.parse_args(["--logs", str(tmp_path), "--out", str(tmp_path), "--micro", "2048"])
+        bench_trainer.run_ours(a2048, "ours", 1024, 4, "/s/{0..1}.tar", [])  # only --micro differs
+        assert len(set(dirs)) == 4 and not any("=" in d.name for d in dirs)
+        assert len({p.name for p in logs}) == 4  # and each its own log
         table = bench_trainer._table([{**res, "kind": "ours", "global_batch": 1024}])
         assert "| 5,100 (5,000 / 5,200) |" in table  # the steady steps beside their median
     finally:

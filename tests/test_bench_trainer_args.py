@@ -395,9 +395,7 @@ def test_a_run_keeps_every_step_s_rate_in_its_own_run_dir(tmp_path, monkeypatch)
     import json
     import subprocess
 
-    dirs = []
-
-    logs = []
+    dirs, logs = [], []
 
     def fake_run(cmd, timeout, log, path_first=None):
         run_dir = Path(next(c for c in cmd if c.startswith("run_dir=")).split("=", 1)[1])

@@ -84,14 +84,13 @@ sys.path.insert(0, str(ROOT))
 from infclip.records import read_records  # noqa: E402  (torch-free)
 
 OPENCLIP_LINE = re.compile(r"Data \(t\): ([\d.]+) Batch \(t\): ([\d.]+), ([\d.]+)/s")
-DEFAULT_MICRO = 1024  # --micro: the micro-batch of our runs (and of open_clip's --accum-freq)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default="openclip:32768,openclip_compile:32768,ours:32768,ours_compile:32768")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not counted)")
-    p.add_argument("--micro", type=int, default=DEFAULT_MICRO)
+    p.add_argument("--micro", type=int, default=1024)
     p.add_argument("--workers", default="auto",
                    help="loader workers per rank: a number, or auto (ours: data.workers=auto; open_clip: "
                         "the same count, the cores this process may use / GPUs of the run, less one)")
@@ -287,11 +286,11 @@ def run_ours(a, kind: str, global_batch: int, steps: int, spec: str, overrides: 
     """Ours on ``gpus`` GPUs: one node, or (``nodes``) as many simulated nodes of one GPU each."""
     lit = kind.startswith("lit")
     where = f"{gpus}node" if nodes else f"{gpus}gpu"
-    # (the hash of what sets the run apart, --micro and --extra included, keeps runs of other
-    # models or micro-batches apart when benchmarks share a machine; the readable tag's '='
-    # would not pass as a Hydra value)
-    named = run_name_overrides(a, overrides)
-    run_dir = Path("/tmp") / f"bench_{kind}_{where}_{global_batch}{'_' + _digest(named) if named else ''}"
+    # What sets the run apart (its micro-batch, --extra and its overrides) names its run_dir by a
+    # hash, keeping runs of other models or micro-batches apart when benchmarks share a machine
+    # (the readable tag's '=' would not pass as a Hydra value), and its log by the tag.
+    named = [f"batch.micro_size={a.micro}", *a.extra.split(), *overrides]
+    run_dir = Path("/tmp") / f"bench_{kind}_{where}_{global_batch}_{_digest(named)}"
     subprocess.run(["rm", "-rf", str(run_dir)])
     # python -c gets train.py's path as argv[1], a torchrun script the overrides alone: either
     # way train.py sees itself as argv[0]
@@ -393,13 +392,6 @@ def _out_name(name: str) -> str:
     """A file name for OUT in letters, digits, '.', '_' and '-' only (the device tool leaves
     names with other characters, '=' among them, behind)."""
     return re.sub(r"[^A-Za-z0-9._-]", "-", name)
-
-
-def run_name_overrides(a, overrides: list[str]) -> list[str]:
-    """What names one of our runs beside its kind, GPUs and batch: a micro-batch other than
-    the default, the --extra overrides and the run's own (in the order the command has them)."""
-    micro = [] if a.micro == DEFAULT_MICRO else [f"batch.micro_size={a.micro}"]
-    return [*micro, *a.extra.split(), *overrides]
 
 
 def _tag(overrides: list[str]) -> str:

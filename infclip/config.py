@@ -50,8 +50,10 @@ class ModelConfig:
     # false: each tower compiles whole, as on one GPU, and its gradients all-reduce after that backward.
     compile_ddp_split: bool = False
     # torch.compile's mode for the towers: "default" (inductor's fusion), "max-autotune-no-cudagraphs" (also
-    # benchmarks GEMM / Triton configs while compiling: minutes more), "max-autotune" and "reduce-overhead"
-    # (both also capture CUDA graphs of each compiled graph). Only with model.compile=true.
+    # benchmarks GEMM / Triton configs while compiling: ViT-B/32 takes over 9 minutes, and cuBLAS stays
+    # the fastest for most of its GEMMs). "max-autotune" and "reduce-overhead" capture CUDA graphs
+    # (cudagraph trees), which fail in training (validation refuses them; see _GRAPHED_REFUSAL).
+    # Only with model.compile=true.
     compile_mode: str = "default"
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
     init_logit_bias: Optional[float] = None  # SigLIP bias init (e.g. -10)
@@ -531,9 +533,19 @@ def _unknown_key_message(key: str, kind: type, schema: type) -> str:
             f"(a '+' override adds keys the schema does not know, and they would be ignored); {hint}")
 
 
+GRAPHED_COMPILE_MODES = ("max-autotune", "reduce-overhead")  # torch.compile modes that capture CUDA graphs
+# With torch 2.11 on an H200, towers compiled one by one (model.compile) in reduce-overhead train one
+# step (the trees' warm-up), then the first recorded backward reads saved activations the trees
+# have already handed to another graph: in a plain training loop and in the gradient-cache replay.
+_GRAPHED_REFUSAL = ("training with them stops at the first recorded backward (\"accessing tensor output of "
+                    "CUDAGraphs that has been overwritten\": the trees reuse the text tower's saved activations "
+                    "before its backward reads them); what they would save, the launch gaps, is about 4 % "
+                    "of a compiled ViT-B/32 step")
+
+
 def _validate_model(cfg: Any) -> None:
     """model.patch_dropout in [0, 1) on a tower that trains; model.compile_mode only with
-    model.compile; model.image_size > 0 or null; it and
+    model.compile and capturing no CUDA graphs; model.image_size > 0 or null; it and
     data.image_size agree when both are set (the crops must be the side the model is built at)."""
     m = cfg.model
     if not 0 <= m.patch_dropout < 1:
@@ -544,6 +556,10 @@ def _validate_model(cfg: Any) -> None:
         raise ConfigError(f"model.patch_dropout={m.patch_dropout} with model.lock_image=true: the locked image trunk "
                           "(patch dropout included) runs in eval mode, so no patch would be dropped; set "
                           "model.patch_dropout=0 or model.lock_image=false")
+    if m.compile_mode in GRAPHED_COMPILE_MODES:
+        raise ConfigError(f"model.compile_mode={m.compile_mode} captures CUDA graphs of the compiled towers "
+                          f"(cudagraph trees), and {_GRAPHED_REFUSAL}; set model.compile_mode=default (or "
+                          "max-autotune-no-cudagraphs)")
     if m.compile_mode != "default" and not m.compile:
         raise ConfigError(f"model.compile_mode={m.compile_mode} with model.compile=false: the mode is torch.compile's "
                           "and nothing would be compiled; add model.compile=true, or drop model.compile_mode")

@@ -44,16 +44,19 @@ def test_smoke_run_on_a_tiny_model_writes_rows_and_goes_on_after_a_failing_varia
 
 
 def test_variant_order_and_compile_modes():
-    """bf16 rows first (SDPA, nn.MHA, then each other compile mode), FP8 recipes last; a mode
-    without --compile is refused by the parser."""
+    """bf16 rows first (SDPA, nn.MHA, then each other compile mode), FP8 recipes last; modes
+    without 'default' leave the baseline out; a mode without --compile is refused by the parser."""
     a = bench_towers.parse_args(["--compile", "--compile-modes", "default,max-autotune-no-cudagraphs",
                                  "--fp8", "tensorwise,off"])
     assert bench_towers.variants(a) == [("off", True, "default"), ("off", False, "default"),
                                         ("off", True, "max-autotune-no-cudagraphs"), ("tensorwise", True, "default")]
-    row = {"fp8": "off", "sdpa_attention": True, "compile_mode": "reduce-overhead"}
-    assert bench_towers.label(row) == "off, compile mode=reduce-overhead"
+    alone = bench_towers.parse_args(["--compile", "--compile-modes", "max-autotune-no-cudagraphs", "--fp8", "off",
+                                     "--attention", "sdpa"])
+    assert bench_towers.variants(alone) == [("off", True, "max-autotune-no-cudagraphs")]  # no baseline row
+    row = {"fp8": "off", "sdpa_attention": True, "compile_mode": "max-autotune-no-cudagraphs"}
+    assert bench_towers.label(row) == "off, compile mode=max-autotune-no-cudagraphs"
     with pytest.raises(SystemExit):
-        bench_towers.parse_args(["--compile-modes", "reduce-overhead"])
+        bench_towers.parse_args(["--compile-modes", "max-autotune-no-cudagraphs"])
 
 
 def test_a_variant_past_the_budget_is_skipped_and_says_so(tmp_path):

@@ -539,7 +539,7 @@ GRAPHED_COMPILE_MODES = ("max-autotune", "reduce-overhead")  # torch.compile mod
 # have already handed to another graph: in a plain training loop and in the gradient-cache replay.
 _GRAPHED_REFUSAL = ("training with them stops at the first recorded backward (\"accessing tensor output of "
                     "CUDAGraphs that has been overwritten\": the trees reuse the text tower's saved activations "
-                    "before its backward reads them); what they would save, the launch gaps, is about 4 % "
+                    "before its backward reads them); what they would save, the launch gaps, is 4-5 % "
                     "of a compiled ViT-B/32 step")
 
 

@@ -380,11 +380,12 @@ def variants(a: argparse.Namespace) -> list[tuple[str, bool, str]]:
     """(precision.fp8, model.sdpa_attention, model.compile_mode) of each row per model, in order:
     the bf16 rows first (SDPA, then nn.MultiheadAttention: the attention A/B, then SDPA in each
     other compile mode), then each FP8 recipe, so that a budget that cuts the run cuts FP8 rows
-    before the bf16 baseline's A/Bs. The baseline (bf16, SDPA, mode default) runs only when
-    ``--compile-modes`` names ``default`` (it does unless given)."""
+    before the bf16 baseline's A/Bs. The bf16 rows in mode default (SDPA and nn.MHA) run only
+    when ``--compile-modes`` names ``default`` (it does unless given)."""
     kinds, fp8s, modes = a.attention.split(","), a.fp8.split(","), a.compile_modes.split(",")
-    rows = [("off", True, "default")] if "sdpa" in kinds and "off" in fp8s and "default" in modes else []
-    rows += [("off", False, "default")] if "native" in kinds else []
+    base = "default" in modes
+    rows = [("off", True, "default")] if base and "sdpa" in kinds and "off" in fp8s else []
+    rows += [("off", False, "default")] if base and "native" in kinds else []
     rows += [("off", True, m) for m in modes if m != "default"]
     return rows + ([(f, True, "default") for f in fp8s if f != "off"] if "sdpa" in kinds else [])
 

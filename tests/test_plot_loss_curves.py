@@ -53,9 +53,11 @@ def test_smoothing_is_a_trailing_mean():
     assert plc.smooth(run, 1) == run
 
 
-def test_band_needs_two_seeds_and_a_run_to_judge(tmp_path):
+def test_band_needs_two_seeds_and_a_run_to_judge(tmp_path, capsys):
     files = [write_run(tmp_path / f"s{i}.jsonl", seed=i) for i in range(2)]
-    with pytest.raises(SystemExit, match="--band 2: needs at least 2 band runs and one run to compare"):
-        plc.main([*files, "--band", "2"])
-    with pytest.raises(SystemExit):
-        plc.main([*files, "--labels", "only-one", "--band", "1"])
+    for bad in (["--band", "2"], ["--band", "1"], ["--labels", "only-one"], ["--smooth", "0"]):
+        with pytest.raises(SystemExit) as e:
+            plc.main([*files, *bad])
+        assert e.value.code == 2  # argparse's usage error: one message, exit 2
+    err = capsys.readouterr().err
+    assert "--band 2: the band needs at least 2 runs" in err and "--smooth 0: a trailing mean" in err

@@ -86,18 +86,22 @@ def smooth(run: dict[int, float], window: int) -> dict[int, float]:
     return out
 
 
-def band_report(runs: list[dict[int, float]], labels: list[str], k: int, window: int,
-                tail: int = 50) -> tuple[str, dict[str, bool]]:
-    """(report lines, {label: inside}) for runs ``k:`` against the band of runs ``:k``
-    (smoothed over ``window``); see the module docstring for the rule."""
-    if not 2 <= k < len(runs):
-        raise SystemExit(f"--band {k}: needs at least 2 band runs and one run to compare (got {len(runs)} runs)")
+def noise_band(runs: list[dict[int, float]], k: int, window: int) -> tuple[list[dict[int, float]], list[int],
+                                                                            dict[int, float], dict[int, float]]:
+    """(every run smoothed over ``window``, the steps all runs logged, the band's low and high
+    there): the band is the lowest and highest of the first ``k`` smoothed runs at each step."""
     sm = [smooth(r, window) for r in runs]
     common = sorted(set.intersection(*(set(r) for r in sm)))
     if not common:
         raise SystemExit("the runs share no logged step")
-    lo = {s: min(r[s] for r in sm[:k]) for s in common}
-    hi = {s: max(r[s] for r in sm[:k]) for s in common}
+    return sm, common, {s: min(r[s] for r in sm[:k]) for s in common}, {s: max(r[s] for r in sm[:k]) for s in common}
+
+
+def band_report(runs: list[dict[int, float]], labels: list[str], k: int, window: int,
+                tail: int = 50) -> tuple[str, dict[str, bool]]:
+    """(report lines, {label: inside}) for runs ``k:`` against the band of runs ``:k``
+    (smoothed over ``window``); see the module docstring for the rule."""
+    sm, common, lo, hi = noise_band(runs, k, window)
     last = common[-tail:]
     width = sum(hi[s] - lo[s] for s in last) / len(last)
     lines = [f"noise band: {', '.join(labels[:k])} (smoothed over {window} steps); mean width over the last "
@@ -133,10 +137,7 @@ def plot(runs: list[dict[int, float]], labels: list[str], path: str, title: str,
 
     fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     if band:
-        runs = [smooth(r, window) for r in runs]
-        steps = sorted(set.intersection(*(set(r) for r in runs[:band])))
-        lo = {s: min(r[s] for r in runs[:band]) for s in steps}
-        hi = {s: max(r[s] for r in runs[:band]) for s in steps}
+        runs, steps, lo, hi = noise_band(runs, band, window)
         ax.fill_between(steps, [lo[s] for s in steps], [hi[s] for s in steps], color="0.8", label="noise band")
         half = [(hi[s] - lo[s]) / 2 for s in steps]
         dx.fill_between(steps, [-h for h in half], half, color="0.8")
@@ -178,6 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, bool]:
     labels = args.labels.split(",") if args.labels else [f"run{i}" for i in range(len(args.metrics))]
     if len(labels) != len(args.metrics):
         p.error(f"--labels names {len(labels)} runs for {len(args.metrics)} metrics files")
+    if args.band and not 2 <= args.band < len(args.metrics):
+        p.error(f"--band {args.band}: the band needs at least 2 runs (seeds) and at least one run to judge "
+                f"after them; got {len(args.metrics)} metrics files")
+    if args.smooth < 1:
+        p.error(f"--smooth {args.smooth}: a trailing mean needs at least 1 step (1: no smoothing)")
     runs = [read_losses(m) for m in args.metrics]
     print(table(runs, labels, [int(s) for s in args.at.split(",")]))
     verdict = {}

@@ -333,6 +333,7 @@ def validate(cfg: Any, world_size: int) -> None:
     _validate_loss(cfg)
     _validate_model(cfg)
     _validate_fp8(cfg)
+    _validate_logging_backends(cfg.logging)
     streams = cfg.data.streams
     if isinstance(streams, int) and streams >= 1 and streams % world_size:
         raise ConfigError(f"data.streams={streams} is not a multiple of the world size {world_size}: each rank reads "
@@ -632,6 +633,23 @@ def _validate_fp8(cfg: Any) -> None:
         raise ConfigError(f"precision.fp8={cfg.precision.fp8} with precision.amp={cfg.precision.amp}: the FP8 layers "
                           "write bf16 (rowwise scaling takes no other output type) and the rest of the towers should "
                           "match; set precision.amp=bf16 (or pure_bf16), or precision.fp8=off")
+
+
+def _validate_logging_backends(log: Any) -> None:
+    """The logging backends a run asks for are importable: wandb unless logging.wandb_mode=disabled,
+    tensorboard with logging.tensorboard=true (otherwise the run fails at its first record, after
+    the model is built and compiled)."""
+    import importlib.util
+
+    if log.wandb_mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"logging.wandb_mode={log.wandb_mode} logs the run to Weights & Biases, but this Python "
+                          "has no wandb package (it is one of infclip's dependencies, so this environment was "
+                          "installed without them). Install it (pip install 'wandb>=0.17'), or set "
+                          "logging.wandb_mode=disabled to log to <run_dir>/metrics.jsonl and out.log only")
+    if log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging.tensorboard=true writes TensorBoard event files, but this Python has no tensorboard "
+                          "package. Install it (pip install 'infclip[tensorboard]'), or set "
+                          "logging.tensorboard=false")
 
 
 def _cuda_available() -> bool:

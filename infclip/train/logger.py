@@ -66,7 +66,8 @@ class MetricsLogger:
         self._wandb_started = False
         self._tb = None  # SummaryWriter, opened by ``start`` when logging.tensorboard
         self._bar = None
-        self._t0, self._step0 = time.perf_counter(), 0  # this process's first step (set_start): elapsed, ETA
+        self._t0, self._step0 = time.perf_counter(), 0  # this process's first step (set_start): elapsed
+        self._pace: Optional[tuple[float, int]] = None  # (time, step) of this process's first progress line: ETA
         if not enabled:
             return
         if cfg.progress and sys.stderr.isatty():
@@ -155,7 +156,7 @@ class MetricsLogger:
 
     def set_start(self, step: int) -> None:
         """Training starts (or resumes) at ``step`` now: the origin of elapsed time and ETA."""
-        self._t0, self._step0 = time.perf_counter(), step
+        self._t0, self._step0, self._pace = time.perf_counter(), step, None
         if self._bar is not None:
             self._bar.n = step
             self._bar.refresh()
@@ -174,20 +175,30 @@ class MetricsLogger:
             self._echo(step, metrics)
 
     def _echo(self, step: int, metrics: dict[str, Any]) -> None:
-        """A step record as one short line (the epoch, elapsed time and ETA of this process's
-        steps at the end); its eval metrics, if any, as a table."""
+        """A step record as one short line (the epoch, this process's elapsed time and the ETA at
+        the end); its eval metrics, if any, as a table. The ETA paces the steps after this
+        process's first progress line, whose steps carry compilation and warm-up (a compiled
+        ViT-B/32's first step takes 16-150 s, the next ones under 1 s), so that line has none."""
         shown = {k: v for k, v in metrics.items() if _shown(k) and not k.startswith("eval/")
                  and not (k == "gpu_mem_gb" and not v)}  # no GPU: no GPU memory to show
         if shown:
-            done = step - self._step0
-            elapsed = time.perf_counter() - self._t0
+            now = time.perf_counter()
             timing = [f"epoch={metrics['epoch']:.2f}"] if "epoch" in metrics else []
-            if done > 0:
-                timing += [f"elapsed={clock(elapsed)}", f"eta={clock(elapsed / done * (self.total - step))}"]
+            if step > self._step0:
+                timing.append(f"elapsed={clock(now - self._t0)}")
+                timing += self._eta(now, step)
             self.write(f"step {step:>6}/{self.total}  " + "  ".join([*(_fmt(k, v) for k, v in shown.items()),
                                                                      *timing]))
         for line in eval_table(step, metrics):
             self.write(line)
+
+    def _eta(self, now: float, step: int) -> list[str]:
+        """``["eta=H:MM:SS"]`` at the pace since the first progress line (which sets it and gets none)."""
+        if self._pace is None:
+            self._pace = (now, step)
+            return []
+        since, first = self._pace
+        return [f"eta={clock((now - since) / (step - first) * (self.total - step))}"] if step > first else []
 
     @property
     def first_step(self) -> int:

@@ -212,3 +212,21 @@ def test_an_image_size_the_model_cannot_take_is_refused_before_the_model(tmp_pat
     assert proc.returncode == 2, proc.stderr
     assert "data.image_size=32 but model.name=infclip-tiny takes 48-px images" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("missing, overrides, match", [
+    ("wandb", ["logging.wandb_mode=offline"],
+     r"logging.wandb_mode=offline logs the run to Weights & Biases, but this Python has no wandb package.*"
+     r"pip install 'wandb>=0.17'\), or set logging.wandb_mode=disabled"),
+    ("tensorboard", ["logging.wandb_mode=disabled", "logging.tensorboard=true"],
+     r"logging.tensorboard=true writes TensorBoard event files, but this Python has no tensorboard package.*"
+     r"pip install 'infclip\[tensorboard\]'\), or set logging.tensorboard=false"),
+])
+def test_a_missing_logging_backend_is_refused_before_any_model(missing, overrides, match, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(ConfigError, match=match):
+        validate(_compose(*overrides), 1)
+    validate(_compose("logging.wandb_mode=disabled", "logging.tensorboard=false"), 1)  # neither asked: no refusal

@@ -9,12 +9,14 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 
 from infclip.plot import main as plot_main, read_curves
-from infclip.train.logger import _num, clock, eval_table
+from infclip.train import logger as logger_mod
+from infclip.train.logger import MetricsLogger, _num, clock, eval_table
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["model.name=infclip-micro", "batch.global_size=8", "batch.micro_size=4", "data.loader_batch=4",
@@ -35,8 +37,9 @@ def test_out_log_progress_lines_eval_table_and_summary_across_a_resume(tmp_path)
     assert log.startswith("== start ") and "data: training on the embedded synthetic" in log
     steps = [x for x in log.splitlines() if x.startswith("step ")]
     assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"]
-    for line in steps:
-        assert re.search(r"  epoch=0\.\d\d  elapsed=\d:\d\d:\d\d  eta=\d:\d\d:\d\d$", line), line
+    for line in steps:  # the first line sets the ETA's pace (its step carries warm-up) and has none
+        eta = r"" if line is steps[0] else r"  eta=\d:\d\d:\d\d"
+        assert re.search(r"  epoch=0\.\d\d  elapsed=\d:\d\d:\d\d" + eta + "$", line), line
         assert "gpu_mem_gb" not in line and not re.search(r"\d\.\d+e\+\d", line), line  # CPU: no GPU memory
     table = log.split("eval at step 3:\n", 1)[1].splitlines()
     assert table[0].startswith("  synthetic_zeroshot   top1 0.") and " top5 0." in table[0]
@@ -136,3 +139,24 @@ def test_the_text_log_holds_lines_until_the_start_is_accepted_and_logs_the_error
     assert lines[0].startswith("== start ") and lines[1:] == ["startup line", "step 2",
                                                              "error (RuntimeError): the run failed"]
     assert "startup line" in capsys.readouterr().out  # the terminal still sees everything
+
+
+def test_eta_paces_the_steps_after_the_first_progress_line(tmp_path, monkeypatch, capsys):
+    """A 100 s first step (compilation) then 1 s steps: the ETA counts 1 s a step, elapsed counts all;
+    a resumed process starts a new pace."""
+    now = [0.0]
+    monkeypatch.setattr(logger_mod.time, "perf_counter", lambda: now[0])
+    cfg = SimpleNamespace(progress=False, wandb_mode="disabled", tensorboard=False)
+    log = MetricsLogger(tmp_path, cfg, enabled=True, total_steps=10, config_dict={})
+    log.set_start(0)
+    for step, t in ((1, 100.0), (2, 101.0), (4, 103.0)):
+        now[0] = t
+        log.log(step, {"loss": 1.0})
+    log.set_start(4)
+    for step, t in ((5, 150.0), (6, 152.0)):
+        now[0] = t
+        log.log(step, {"loss": 1.0})
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert [x.split("  ")[-2:] for x in lines] == [
+        ["loss=1.000", "elapsed=0:01:40"], ["elapsed=0:01:41", "eta=0:00:08"], ["elapsed=0:01:43", "eta=0:00:06"],
+        ["loss=1.000", "elapsed=0:00:47"], ["elapsed=0:00:49", "eta=0:00:08"]]

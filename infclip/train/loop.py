@@ -57,6 +57,7 @@ class State:
     data_state: Optional[dict] = None  # loader position after the last *trained* step (not a prefetched one)
     step_rng: Optional[dict] = None  # RNG state at the start of the current step (single rank: to abandon it)
     decode_hinted: bool = False  # the decode-bound note was written (once a run)
+    finishing: str = ""  # after the steps: what is left ("the final eval"), for a stop signal's line
 
 
 def train(cfg: Any, overrides: Optional[list[str]] = None) -> dict:
@@ -500,8 +501,11 @@ def _skip_counts(state: State, info: DistInfo) -> dict[str, int]:
 def _finish(cfg: Any, info: DistInfo, parts: Parts, state: State, wall: float) -> dict:
     """Final checkpoint first, then the final eval: a signal or a failure in the eval loses
     no step (the stop-signal handlers stay installed through both)."""
+    evals = "the final eval" if not state.stop_requested and parts.eval_cfg.tasks else "the run's summary"
     if state.saved_step != state.step:  # never rewrite a complete checkpoint of the same step
+        state.finishing = f"the final checkpoint, then {evals}"
         _save(parts, state)
+    state.finishing = evals
     final = {} if state.stop_requested else evaluate(cfg, info, parts, state.step, final=True)
     skips = _skip_counts(state, info)
     summary = {"steps": state.step, "wall_s": wall, "nonfinite_steps": state.nonfinite_total,

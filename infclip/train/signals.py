@@ -10,7 +10,8 @@ next start).
 The handler only records the signal (``state.signal_received``); the loop acts on it after
 the step, once every rank agreed (``_agree_on_stop`` in ``infclip.train.loop``). The handlers
 stay installed until training (final checkpoint and final eval included) has returned, so a
-signal landing in the final save or eval never kills the process half way. Once training has
+signal landing in the final save or eval never kills the process half way (its line says that
+those finish first). Once training has
 returned, ``train.py`` makes a stop signal end the process with status 0
 (``exit_zero_on_stop``): everything is saved, and a scheduler must not count the finished run
 as failed (nor requeue it) because its stop signal came in the process's last moments. (Only
@@ -43,7 +44,7 @@ def install_signal_handlers(state: Any) -> dict:
         if signum in (signal.SIGINT, signal.SIGHUP):
             signum = signal.SIGTERM
         elif not state.signal_received:
-            _say(f"{signal.Signals(signum).name}: stopping after this step with a checkpoint; {RESUME_HINT}")
+            _say(f"{signal.Signals(signum).name}: {_what_happens(state)}")
         state.signal_received = max(state.signal_received, signum)
 
     return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
@@ -53,11 +54,20 @@ def _interrupt(state: Any) -> None:
     """First SIGINT: say what happens (os.write: a print could be re-entered); second: exit now."""
     state.interrupts = getattr(state, "interrupts", 0) + 1
     if state.interrupts == 1:
-        _say(f"interrupted: stopping after this step with a checkpoint; {RESUME_HINT} (interrupt again to "
-             "exit at once)")
+        _say(f"interrupted: {_what_happens(state)} (interrupt again to exit at once)")
         return
     _say("interrupted again: exiting now without a checkpoint (the newest complete one stays)")
     os._exit(INTERRUPTED_EXIT)  # at once: no finally blocks, no waiting on loader workers
+
+
+def _what_happens(state: Any) -> str:
+    """What a first stop signal does now: ends training after the current step, or, once the
+    steps are over (``state.finishing`` names what is left, e.g. "the final eval"), lets
+    that finish."""
+    finishing = getattr(state, "finishing", "")
+    if finishing:
+        return f"training is over; finishing {finishing} first, then exiting with status 0"
+    return f"stopping after this step with a checkpoint; {RESUME_HINT}"
 
 
 def _say(line: str) -> None:

@@ -171,6 +171,9 @@ def test_sigterm_during_the_final_eval_keeps_every_step(tmp_path, data_root):
     assert sorted(losses_by_step(run_dir)) == [1, 2, 3, 4]
     summary = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
     assert summary["steps"] == 4 and any(k.startswith("eval/") for k in summary)  # the eval finished too
+    # the line says what the signal does now (not "stopping after this step")
+    assert "SIGTERM: training is over; finishing the final eval first, then exiting with status 0" in \
+        log.read_text(), log.read_text()[-3000:]
 
 
 def _loader_worker(trainer_pid, timeout=60):

@@ -60,3 +60,23 @@ def test_sighup_is_a_stop_signal_like_sigterm():
     with signals_handled(state):
         os.kill(os.getpid(), signal.SIGHUP)  # the handler runs before the next line
     assert state.signal_received == signal.SIGTERM
+
+
+def test_after_the_steps_a_stop_signal_says_what_is_left_instead_of_stopping_after_a_step(capfd, monkeypatch):
+    """Once training's steps are over (``state.finishing``), the first stop signal's line
+    names what finishes first and that the run then exits with status 0."""
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from infclip.train.signals import signals_handled
+
+    monkeypatch.setenv("RANK", "0")
+    for sig, start in ((signal.SIGTERM, "SIGTERM: "), (signal.SIGINT, "interrupted: ")):
+        state = SimpleNamespace(signal_received=0, interrupts=0, finishing="the final eval")
+        with signals_handled(state):
+            os.kill(os.getpid(), sig)
+        assert state.signal_received == signal.SIGTERM
+        line = capfd.readouterr().err.strip()
+        assert line.startswith(start + "training is over; finishing the final eval first, then exiting with "
+                               "status 0"), line

@@ -52,7 +52,7 @@ class ModelConfig:
     # torch.compile's mode for the towers: "default" (inductor's fusion), "max-autotune-no-cudagraphs" (also
     # benchmarks GEMM / Triton configs while compiling: ViT-B/32 takes over 9 minutes, and cuBLAS stays
     # the fastest for most of its GEMMs). "max-autotune" and "reduce-overhead" capture CUDA graphs
-    # (cudagraph trees), which fail in training (validation refuses them; see _GRAPHED_REFUSAL).
+    # (cudagraph trees), which fail in training (validation refuses them: _validate_model).
     # Only with model.compile=true.
     compile_mode: str = "default"
     init_logit_scale: Optional[float] = None  # None: the model's default (ln(1/0.07))
@@ -538,11 +538,6 @@ GRAPHED_COMPILE_MODES = ("max-autotune", "reduce-overhead")  # torch.compile mod
 # With torch 2.11 on an H200, towers compiled one by one (model.compile) in reduce-overhead train one
 # step (the trees' warm-up), then the first recorded backward reads saved activations the trees
 # have already handed to another graph: in a plain training loop and in the gradient-cache replay.
-_GRAPHED_REFUSAL = ("training with them stops at the first recorded backward (\"accessing tensor output of "
-                    "CUDAGraphs that has been overwritten\": the trees reuse the text tower's saved activations "
-                    "before its backward reads them); what they would save, the launch gaps, is 4-5 % "
-                    "of a compiled ViT-B/32 step")
-
 
 def _validate_model(cfg: Any) -> None:
     """model.patch_dropout in [0, 1) on a tower that trains; model.compile_mode only with
@@ -559,7 +554,10 @@ def _validate_model(cfg: Any) -> None:
                           "model.patch_dropout=0 or model.lock_image=false")
     if m.compile_mode in GRAPHED_COMPILE_MODES:
         raise ConfigError(f"model.compile_mode={m.compile_mode} captures CUDA graphs of the compiled towers "
-                          f"(cudagraph trees), and {_GRAPHED_REFUSAL}; set model.compile_mode=default (or "
+                          "(cudagraph trees), and training with them stops at the first recorded backward "
+                          "(\"accessing tensor output of CUDAGraphs that has been overwritten\": the trees reuse the "
+                          "text tower's saved activations before its backward reads them); what they would save, "
+                          "the launch gaps, is 4-5 % of a compiled ViT-B/32 step; set model.compile_mode=default (or "
                           "max-autotune-no-cudagraphs)")
     if m.compile_mode != "default" and not m.compile:
         raise ConfigError(f"model.compile_mode={m.compile_mode} with model.compile=false: the mode is torch.compile's "

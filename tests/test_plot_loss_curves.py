@@ -25,7 +25,8 @@ def write_run(path: Path, seed: int, offset: float = 0.0, recall: float = 0.5) -
             loss = 2.0 + 6.0 * math.exp(-s / 60) + offset + rng.gauss(0, 0.05)
             f.write(json.dumps({"step": s, "loss": loss, "lr": 1e-3}) + "\n")
         f.write(json.dumps({"step": STEPS, "eval/val/loss": 2.5 + offset, "eval/val/i2t_r1": recall,
-                            "eval/val/t2i_r1": recall - 0.1, "eval/val/num_loss_batches": 4}) + "\n")
+                            "eval/val/t2i_r1": recall - 0.1, "eval/val/i2t_r10": recall + 0.2,
+                            "eval/val/i2t_r5": recall + 0.1, "eval/val/num_loss_batches": 4}) + "\n")
     return str(path)
 
 
@@ -44,6 +45,7 @@ def test_a_seed_is_inside_the_band_and_a_shifted_run_is_not(tmp_path, capsys):
     vals = dict(zip(cols, [c.strip() for c in row.strip("|").split("|")]))
     assert vals["val/loss"] == "2.6500" and vals["val/i2t_r1"] == "0.3000"
     assert "val/num_loss_batches" not in cols  # bookkeeping, not quality
+    assert cols.index("val/i2t_r1") < cols.index("val/i2t_r5") < cols.index("val/i2t_r10")  # numbers in order
     assert out.stat().st_size > 10_000  # a PNG with the band and four curves
 
 

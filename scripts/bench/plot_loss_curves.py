@@ -118,8 +118,9 @@ def band_report(runs: list[dict[int, float]], labels: list[str], k: int, window:
 
 
 def evals_table(evals: list[dict[str, float]], labels: list[str]) -> str:
-    """Markdown table of the runs' final evaluation numbers (one column per metric any run has)."""
-    keys = sorted(set().union(*evals))
+    """Markdown table of the runs' final evaluation numbers (one column per metric any run has,
+    numbers in order: r1, r5, r10)."""
+    keys = sorted(set().union(*evals), key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
     if not keys:
         return "(no run logged an evaluation)"
     lines = ["| run | " + " | ".join(k.removeprefix("eval/") for k in keys) + " |", "|" + "---|" * (len(keys) + 1)]
@@ -137,14 +138,15 @@ def plot(runs: list[dict[int, float]], labels: list[str], path: str, title: str,
 
     fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     if band:
-        runs, steps, lo, hi = noise_band(runs, band, window)
-        ax.fill_between(steps, [lo[s] for s in steps], [hi[s] for s in steps], color="0.8", label="noise band")
-        half = [(hi[s] - lo[s]) / 2 for s in steps]
-        dx.fill_between(steps, [-h for h in half], half, color="0.8")
+        runs, common, lo, hi = noise_band(runs, band, window)
+        ax.fill_between(common, [lo[s] for s in common], [hi[s] for s in common], color="0.8", label="noise band")
+        half = [(hi[s] - lo[s]) / 2 for s in common]
+        dx.fill_between(common, [-h for h in half], half, color="0.8")
+    else:
+        common = sorted(set.intersection(*(set(r) for r in runs)))
     for i, (r, lb) in enumerate(zip(runs, labels)):
         steps = sorted(r)
         ax.plot(steps, [r[s] for s in steps], lw=1.2, ls="-" if i == 0 else "--", label=lb)
-    common = sorted(set.intersection(*(set(r) for r in runs)))
     if band:  # each other run against the band's middle
         for r, lb in zip(runs[band:], labels[band:]):
             dx.plot(common, [r[s] - (lo[s] + hi[s]) / 2 for s in common], lw=0.8, label=f"{lb} − band middle")

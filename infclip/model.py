@@ -212,7 +212,8 @@ def compile_towers(model: torch.nn.Module, **compile_kw: Any) -> list[str]:
     The towers, not the whole model, are compiled so that every way the engine runs them is
     compiled: ``model(image=..., text=...)`` and ``encode_image`` of a frozen LiT tower alike.
     Graphs are specialised on grad mode and autocast, so the cache pass (no grad) and the
-    replay (grad) each compile once; eval batches of other sizes recompile once (dynamic).
+    replay (grad) each compile once; the trainer's eval hook runs them eagerly
+    (``infclip.train.evaluation.eager_compiled_code``).
     ``compile_kw`` go to ``torch.compile`` (e.g. ``backend``; inductor by default).
     """
     names = [n for n in ("visual", "transformer", "text") if isinstance(getattr(model, n, None), torch.nn.Module)]

@@ -36,16 +36,20 @@ RESUME_HINT = "run the same command to resume"
 def install_signal_handlers(state: Any) -> dict:
     """Records SIGTERM / SIGUSR1 / SIGINT / SIGHUP in ``state.signal_received`` (the largest number
     wins: SIGTERM 15 over SIGUSR1 10; SIGINT and SIGHUP count as SIGTERM). A second SIGINT exits at once.
-    Returns the previous handlers, for ``restore_signal_handlers``."""
+    Returns the previous handlers, for ``restore_signal_handlers``.
+
+    The signal is recorded before its line is written: a second stop signal that lands while
+    the handler runs (``timeout`` signals its child, then the child's process group) re-enters
+    it at the next bytecode and must find the first one recorded, so the line comes once."""
 
     def handler(signum, frame):
         if signum == signal.SIGINT:
             _interrupt(state)
-        if signum in (signal.SIGINT, signal.SIGHUP):
-            signum = signal.SIGTERM
-        elif not state.signal_received:
+        first = not state.signal_received
+        stop = signal.SIGTERM if signum in (signal.SIGINT, signal.SIGHUP) else signum
+        state.signal_received = max(state.signal_received, stop)
+        if first and signum != signal.SIGINT:  # a first SIGINT has said its own line
             _say(f"{signal.Signals(signum).name}: {_what_happens(state)}")
-        state.signal_received = max(state.signal_received, signum)
 
     return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
 

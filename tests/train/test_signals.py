@@ -62,6 +62,47 @@ def test_sighup_is_a_stop_signal_like_sigterm():
     assert state.signal_received == signal.SIGTERM
 
 
+def test_sighup_is_announced_like_sigterm(capfd, monkeypatch):
+    """The run's log says why it stops after a closed terminal too (stderr may be gone then:
+    the write's error is ignored)."""
+    import os
+    from types import SimpleNamespace
+
+    from infclip.train.signals import signals_handled
+
+    monkeypatch.setenv("RANK", "0")
+    state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
+    with signals_handled(state):
+        os.kill(os.getpid(), signal.SIGHUP)
+    assert capfd.readouterr().err.strip().splitlines() == [
+        "SIGHUP: stopping after this step with a checkpoint; run the same command to resume"]
+
+
+def test_a_stop_signal_landing_while_the_first_is_announced_adds_no_second_line(monkeypatch):
+    """``timeout`` sends SIGTERM to its child and then to the child's process group: the
+    second can land while the handler of the first is writing its line, and re-enters the
+    handler there. The run is still told once."""
+    import os
+    from types import SimpleNamespace
+
+    from infclip.train import signals
+
+    said = []
+
+    def say(line):  # the second SIGTERM lands inside the first one's write
+        said.append(line)
+        if len(said) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))  # bytecodes: the re-entered handler runs here
+
+    monkeypatch.setattr(signals, "_say", say)
+    state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
+    with signals.signals_handled(state):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert state.signal_received == signal.SIGTERM
+    assert said == ["SIGTERM: stopping after this step with a checkpoint; run the same command to resume"]
+
+
 def test_after_the_steps_a_stop_signal_says_what_is_left_instead_of_stopping_after_a_step(capfd, monkeypatch):
     """Once training's steps are over (``state.finishing``), the first stop signal's line
     names what finishes first and that the run then exits with status 0."""

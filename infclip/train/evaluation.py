@@ -56,11 +56,11 @@ def evaluate(cfg: Any, info: DistInfo, parts: Any, step: int, final: bool) -> di
 
 
 def eager_compiled_code() -> contextlib.AbstractContextManager:
-    """Code compiled with ``torch.compile`` (``model.compile=true``'s towers) runs its eager
-    forward inside: the eval's graphs (eval mode, no grad, its batch sizes) would each compile
-    anew, once per process. A compiled ViT-B/32's eval of 10,000 held-out pairs on an H200
-    took 45-55 s compiling them from a cold Inductor cache, 13.7 s from a warm one, and
-    11.3 s eager. Torch before 2.6 has no compile stance: the compiled towers run there."""
+    """Inside, every ``torch.compile``d function (``model.compile=true``'s towers) runs its
+    original eager code, so the eval's graphs (eval mode, no grad, its batch sizes) are never
+    compiled. The stance is process-wide and the previous one is restored on exit; compiled
+    graphs are untouched, so training after the block runs compiled without recompiling.
+    Torch before 2.6 has no compile stance: the compiled towers run there."""
     set_stance = getattr(torch.compiler, "set_stance", None)
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 

@@ -38,17 +38,19 @@ def install_signal_handlers(state: Any) -> dict:
     wins: SIGTERM 15 over SIGUSR1 10; SIGINT and SIGHUP count as SIGTERM). A second SIGINT exits at once.
     Returns the previous handlers, for ``restore_signal_handlers``.
 
-    The signal is recorded before its line is written: a second stop signal that lands while
-    the handler runs (``timeout`` signals its child, then the child's process group) re-enters
-    it at the next bytecode and must find the first one recorded, so the line comes once."""
+    The signal is recorded before anything else, with no function call between reading and
+    storing ``state.signal_received``: a second stop signal (``timeout`` signals its child,
+    then the child's process group) can re-enter the handler at a call, and must find the
+    first one recorded, so the run is told once."""
 
     def handler(signum, frame):
+        previous = state.signal_received
+        stop = signal.SIGTERM if signum in (signal.SIGINT, signal.SIGHUP) else signum
+        if stop > previous:
+            state.signal_received = stop
         if signum == signal.SIGINT:
             _interrupt(state)
-        first = not state.signal_received
-        stop = signal.SIGTERM if signum in (signal.SIGINT, signal.SIGHUP) else signum
-        state.signal_received = max(state.signal_received, stop)
-        if first and signum != signal.SIGINT:  # a first SIGINT has said its own line
+        elif not previous:
             _say(f"{signal.Signals(signum).name}: {_what_happens(state)}")
 
     return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}

@@ -93,7 +93,7 @@ def test_a_stop_signal_landing_while_the_first_is_announced_adds_no_second_line(
         said.append(line)
         if len(said) == 1:
             os.kill(os.getpid(), signal.SIGTERM)
-            sum(range(1000))  # bytecodes: the re-entered handler runs here
+            sum(range(1000))  # a call: the re-entered handler runs here
 
     monkeypatch.setattr(signals, "_say", say)
     state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
@@ -101,6 +101,30 @@ def test_a_stop_signal_landing_while_the_first_is_announced_adds_no_second_line(
         os.kill(os.getpid(), signal.SIGTERM)
     assert state.signal_received == signal.SIGTERM
     assert said == ["SIGTERM: stopping after this step with a checkpoint; run the same command to resume"]
+
+
+def test_a_sigterm_landing_while_an_interrupt_is_announced_adds_no_second_line(monkeypatch):
+    """Ctrl-C, then a scheduler's SIGTERM while the "interrupted:" line is written: the
+    interrupt was recorded first, so the SIGTERM adds nothing to say."""
+    import os
+    from types import SimpleNamespace
+
+    from infclip.train import signals
+
+    said = []
+
+    def say(line):
+        said.append(line)
+        if len(said) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))
+
+    monkeypatch.setattr(signals, "_say", say)
+    state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
+    with signals.signals_handled(state):
+        os.kill(os.getpid(), signal.SIGINT)
+    assert state.signal_received == signal.SIGTERM and state.interrupts == 1
+    assert len(said) == 1 and said[0].startswith("interrupted: stopping after this step"), said
 
 
 def test_after_the_steps_a_stop_signal_says_what_is_left_instead_of_stopping_after_a_step(capfd, monkeypatch):

@@ -78,10 +78,14 @@ def test_sighup_is_announced_like_sigterm(capfd, monkeypatch):
         "SIGHUP: stopping after this step with a checkpoint; run the same command to resume"]
 
 
-def test_a_stop_signal_landing_while_the_first_is_announced_adds_no_second_line(monkeypatch):
-    """``timeout`` sends SIGTERM to its child and then to the child's process group: the
-    second can land while the handler of the first is writing its line, and re-enters the
-    handler there. The run is still told once."""
+@pytest.mark.parametrize("first, line", [
+    (signal.SIGTERM, "SIGTERM: stopping after this step with a checkpoint; run the same command to resume"),
+    (signal.SIGINT, "interrupted: stopping after this step with a checkpoint; run the same command to resume "
+                    "(interrupt again to exit at once)")], ids=["sigterm", "ctrl-c"])
+def test_a_sigterm_landing_while_the_first_signal_is_announced_adds_no_second_line(monkeypatch, first, line):
+    """``timeout`` sends SIGTERM to its child and then to the child's process group; a scheduler's
+    SIGTERM can follow a Ctrl-C. The second signal can land while the first one's line is written
+    and re-enter the handler there: the first was recorded before, so the run is told once."""
     import os
     from types import SimpleNamespace
 
@@ -89,8 +93,8 @@ def test_a_stop_signal_landing_while_the_first_is_announced_adds_no_second_line(
 
     said = []
 
-    def say(line):  # the second SIGTERM lands inside the first one's write
-        said.append(line)
+    def say(text):  # the SIGTERM lands inside the first signal's write
+        said.append(text)
         if len(said) == 1:
             os.kill(os.getpid(), signal.SIGTERM)
             sum(range(1000))  # a call: the re-entered handler runs here
@@ -98,33 +102,9 @@ def test_a_stop_signal_landing_while_the_first_is_announced_adds_no_second_line(
     monkeypatch.setattr(signals, "_say", say)
     state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
     with signals.signals_handled(state):
-        os.kill(os.getpid(), signal.SIGTERM)
-    assert state.signal_received == signal.SIGTERM
-    assert said == ["SIGTERM: stopping after this step with a checkpoint; run the same command to resume"]
-
-
-def test_a_sigterm_landing_while_an_interrupt_is_announced_adds_no_second_line(monkeypatch):
-    """Ctrl-C, then a scheduler's SIGTERM while the "interrupted:" line is written: the
-    interrupt was recorded first, so the SIGTERM adds nothing to say."""
-    import os
-    from types import SimpleNamespace
-
-    from infclip.train import signals
-
-    said = []
-
-    def say(line):
-        said.append(line)
-        if len(said) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-            sum(range(1000))
-
-    monkeypatch.setattr(signals, "_say", say)
-    state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
-    with signals.signals_handled(state):
-        os.kill(os.getpid(), signal.SIGINT)
-    assert state.signal_received == signal.SIGTERM and state.interrupts == 1
-    assert len(said) == 1 and said[0].startswith("interrupted: stopping after this step"), said
+        os.kill(os.getpid(), first)
+    assert state.signal_received == signal.SIGTERM and state.interrupts == (first == signal.SIGINT)
+    assert said == [line]
 
 
 def test_after_the_steps_a_stop_signal_says_what_is_left_instead_of_stopping_after_a_step(capfd, monkeypatch):

@@ -1,7 +1,8 @@
-"""Stop signals: SIGTERM (a user's scancel), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's warning
-before the time limit) end training after the current step, with a checkpoint and exit status 0.
+"""Stop signals: SIGTERM (a user's scancel), SIGINT (Ctrl-C), SIGHUP (a closed terminal) and
+SIGUSR1 (Slurm's warning before the time limit) end training after the current step, with a
+checkpoint and exit status 0.
 
-SIGINT is recorded as SIGTERM (a user's stop: never a requeue); the first stop signal is
+SIGINT and SIGHUP are recorded as SIGTERM (a user's stop: never a requeue); the first stop signal is
 announced in one line, by the main rank only (every rank of a torchrun job receives a
 terminal's Ctrl-C), saying that the same command resumes; a second SIGINT ends the process at once (status 130, no checkpoint: the newest one stays the
 last complete one, and the ``.step_N.tmp`` an interrupted save may leave is removed at the

@@ -1,8 +1,11 @@
-"""Stop signals after a finished run: ``exit_zero_on_stop`` turns SIGTERM / SIGUSR1 into exit 0."""
+"""Stop signals: each is recorded and announced once, by the main rank; after a finished run
+``exit_zero_on_stop`` turns SIGTERM / SIGUSR1 into exit 0."""
 
+import os
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,10 +29,6 @@ def test_stop_signal_after_a_finished_run_exits_zero(sig):
 def test_a_stop_signal_is_announced_once_by_the_main_rank_with_how_to_resume(capfd, monkeypatch):
     """Every rank of a torchrun job receives a terminal's Ctrl-C: only rank 0 says so, once,
     and the line says that the same command resumes."""
-    import os
-    import signal
-    from types import SimpleNamespace
-
     from infclip.train.signals import signals_handled
 
     for rank, said in (("0", True), ("1", False)):
@@ -48,32 +47,17 @@ def test_a_stop_signal_is_announced_once_by_the_main_rank_with_how_to_resume(cap
             "again to exit at once)"])
 
 
-def test_sighup_is_a_stop_signal_like_sigterm():
+def test_sighup_is_a_stop_signal_like_sigterm_and_announced(capfd, monkeypatch):
     """A closed terminal or SSH session (SIGHUP) stops after the step with a checkpoint, like
-    SIGTERM (never a requeue), instead of ending the run at once."""
-    import os
-    from types import SimpleNamespace
-
-    from infclip.train.signals import signals_handled
-
-    state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
-    with signals_handled(state):
-        os.kill(os.getpid(), signal.SIGHUP)  # the handler runs before the next line
-    assert state.signal_received == signal.SIGTERM
-
-
-def test_sighup_is_announced_like_sigterm(capfd, monkeypatch):
-    """The run's log says why it stops after a closed terminal too (stderr may be gone then:
-    the write's error is ignored)."""
-    import os
-    from types import SimpleNamespace
-
+    SIGTERM (never a requeue), instead of ending the run at once; the run's log says why
+    (stderr may be gone then: the write's error is ignored)."""
     from infclip.train.signals import signals_handled
 
     monkeypatch.setenv("RANK", "0")
     state = SimpleNamespace(signal_received=0, stop_requested=False, interrupts=0)
     with signals_handled(state):
-        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGHUP)  # the handler runs before the next line
+    assert state.signal_received == signal.SIGTERM
     assert capfd.readouterr().err.strip().splitlines() == [
         "SIGHUP: stopping after this step with a checkpoint; run the same command to resume"]
 
@@ -86,9 +70,6 @@ def test_a_sigterm_landing_while_the_first_signal_is_announced_adds_no_second_li
     """``timeout`` sends SIGTERM to its child and then to the child's process group; a scheduler's
     SIGTERM can follow a Ctrl-C. The second signal can land while the first one's line is written
     and re-enter the handler there: the first was recorded before, so the run is told once."""
-    import os
-    from types import SimpleNamespace
-
     from infclip.train import signals
 
     said = []
@@ -110,10 +91,6 @@ def test_a_sigterm_landing_while_the_first_signal_is_announced_adds_no_second_li
 def test_after_the_steps_a_stop_signal_says_what_is_left_instead_of_stopping_after_a_step(capfd, monkeypatch):
     """Once training's steps are over (``state.finishing``), the first stop signal's line
     names what finishes first and that the run then exits with status 0."""
-    import os
-    import signal
-    from types import SimpleNamespace
-
     from infclip.train.signals import signals_handled
 
     monkeypatch.setenv("RANK", "0")
